@@ -1,0 +1,28 @@
+"""dflash2-make-tiny: write a deterministic tiny target + drafter pair (tests, demos)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dflash2 import tiny
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash2-make-tiny", description=__doc__)
+    p.add_argument("--out", required=True, type=Path, help="folder; writes OUT/target and OUT/drafter")
+    p.add_argument("--family", choices=["llama", "qwen3"], default="llama")
+    p.add_argument("--drafter", choices=["v1", "v2"], default="v2")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--layers", type=int, default=1, help="drafter layers")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    target = tiny.make_target(a.out / "target", family=a.family, seed=a.seed)
+    drafter = tiny.make_drafter(a.out / "drafter", target, version=int(a.drafter[1]), num_layers=a.layers,
+                                block_size=a.block_size, seed=a.seed + 1)
+    print(f"target:  {target}\ndrafter: {drafter}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

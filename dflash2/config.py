@@ -1,0 +1,305 @@
+"""Target and drafter configs read from Hugging Face folders, validated before any weight loads.
+
+Per-architecture differences are data (`TARGET_ARCHS`), not code paths. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dflash2.errors import CheckpointError
+
+# architecture name -> (family, has q_norm/k_norm)
+TARGET_ARCHS = {"LlamaForCausalLM": ("llama", False), "Qwen3ForCausalLM": ("qwen3", True)}
+DRAFTER_ARCHS = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    arch: str
+    family: str
+    qk_norm: bool
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    arch: str
+    version: int  # 1 = DFlash, 2 = DFlash2
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    attention_bias: bool
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    layer_causal: tuple[bool, ...]
+    layer_window: tuple[int | None, ...]
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    output_multiplier: float = 1.0
+    logit_softcap: float = 0.0
+    input_embedding_scale: float = 1.0
+
+    @property
+    def num_drafts(self) -> int:  # S
+        return self.block_size - 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_config(folder: str | Path) -> tuple[Path, dict]:
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointError(folder, "folder", "a Hugging Face model folder", "no such directory")
+    if not path.is_file():
+        raise CheckpointError(path, "config.json", "a config.json file", "nothing")
+    try:
+        return path, json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, "config.json", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
+
+
+class _Fields:
+    """Typed access to a config dict; every error names the file and the field."""
+
+    def __init__(self, path: Path, raw: dict, prefix: str = ""):
+        self.path, self.raw, self.prefix = path, raw, prefix
+
+    def _err(self, name: str, expected: str, found) -> CheckpointError:
+        return CheckpointError(self.path, self.prefix + name, expected, found)
+
+    def int(self, name: str, default=..., minimum: int | None = None) -> int:
+        v = self.raw.get(name, default)
+        if v is ...:
+            raise self._err(name, "an integer", "the field missing")
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._err(name, "an integer", repr(v))
+        if minimum is not None and v < minimum:
+            raise self._err(name, f">= {minimum}", v)
+        return v
+
+    def float(self, name: str, default=...) -> float:
+        v = self.raw.get(name, default)
+        if v is ...:
+            raise self._err(name, "a number", "the field missing")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self._err(name, "a number", repr(v))
+        return float(v)
+
+    def bool(self, name: str, default=...) -> bool:
+        v = self.raw.get(name, default)
+        if v is ...:
+            raise self._err(name, "true or false", "the field missing")
+        if not isinstance(v, bool):
+            raise self._err(name, "true or false", repr(v))
+        return v
+
+
+def _architecture(path: Path, raw: dict, known: dict) -> str:
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        raise CheckpointError(path, "architectures", "a list with one architecture name", repr(archs))
+    if archs[0] not in known:
+        raise CheckpointError(path, "architectures", f"one of {sorted(known)}", repr(archs[0]),
+                              "unsupported architecture")
+    return archs[0]
+
+
+def _rope(path: Path, raw: dict) -> RopeConfig:
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(path, "rope_parameters.rope_type", f"one of {ROPE_TYPES}", repr(kind),
+                              "unsupported RoPE scaling")
+    f = _Fields(path, merged, "rope_parameters.")
+    if kind == "default":
+        return RopeConfig(theta=float(theta))
+    return RopeConfig(theta=float(theta), type=kind, factor=f.float("factor"),
+                      low_freq_factor=f.float("low_freq_factor", 1.0),
+                      high_freq_factor=f.float("high_freq_factor", 4.0),
+                      original_max_position_embeddings=f.int("original_max_position_embeddings", 8192))
+
+
+def _attention_shape(path: Path, f: _Fields) -> dict:
+    hidden = f.int("hidden_size", minimum=1)
+    heads = f.int("num_attention_heads", minimum=1)
+    kv = f.int("num_key_value_heads", heads, minimum=1)
+    if heads % kv:
+        raise CheckpointError(path, "num_key_value_heads", f"a divisor of num_attention_heads={heads}", kv)
+    head_dim = f.raw.get("head_dim") or 0
+    if not head_dim:
+        if hidden % heads:
+            raise CheckpointError(path, "hidden_size", f"a multiple of num_attention_heads={heads}", hidden)
+        head_dim = hidden // heads
+    head_dim = f.int("head_dim", head_dim, minimum=2)
+    if head_dim % 2:
+        raise CheckpointError(path, "head_dim", "an even number (RoPE)", head_dim)
+    act = f.raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(path, "hidden_act", "'silu'", repr(act))
+    return dict(hidden_size=hidden, intermediate_size=f.int("intermediate_size", minimum=1),
+                num_layers=f.int("num_hidden_layers", minimum=1), num_heads=heads, num_kv_heads=kv,
+                head_dim=head_dim, vocab_size=f.int("vocab_size", minimum=2),
+                rms_norm_eps=f.float("rms_norm_eps", 1e-6), rope=_rope(path, f.raw),
+                attention_bias=f.bool("attention_bias", False))
+
+
+def load_target_config(folder: str | Path) -> TargetConfig:
+    path, raw = read_config(folder)
+    arch = _architecture(path, raw, TARGET_ARCHS)
+    family, qk_norm = TARGET_ARCHS[arch]
+    f = _Fields(path, raw)
+    if raw.get("use_sliding_window"):
+        raise CheckpointError(path, "use_sliding_window", "false (sliding-window targets are not supported)", True)
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
+        raise CheckpointError(path, "eos_token_id", "an integer or a list of integers", repr(eos))
+    shape = _attention_shape(path, f)
+    bad_eos = [e for e in eos_ids if not 0 <= e < shape["vocab_size"]]
+    if bad_eos:
+        raise CheckpointError(path, "eos_token_id", f"ids < vocab_size={shape['vocab_size']}", bad_eos)
+    return TargetConfig(
+        arch=arch, family=family, qk_norm=qk_norm, **shape,
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        mlp_bias=f.bool("mlp_bias", False),
+        max_position_embeddings=f.int("max_position_embeddings", 4096, minimum=1),
+        eos_token_ids=eos_ids, bos_token_id=raw.get("bos_token_id"))
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab's rule: one layer -> the middle; else evenly rounded points in [1, L-3]."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def _attention_modes(path: Path, raw: dict, num_layers: int) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:
+    """vLLM rule: top-level is_causal wins, then dflash_config.causal, else causal == sliding layer."""
+    layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        raise CheckpointError(path, "layer_types",
+                              f"{num_layers} entries of 'full_attention' / 'sliding_attention'", repr(layer_types))
+    window = raw.get("sliding_window")
+    if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
+        raise CheckpointError(path, "sliding_window", "a positive integer (sliding_attention layers)", repr(window))
+    forced = raw.get("is_causal")
+    if forced is None:
+        forced = (raw.get("dflash_config") or {}).get("causal")
+    if forced is not None and not isinstance(forced, bool):
+        raise CheckpointError(path, "is_causal", "true, false or absent", repr(forced))
+    causal = tuple(bool(forced) if forced is not None else t == "sliding_attention" for t in layer_types)
+    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return causal, windows
+
+
+def load_drafter_config(folder: str | Path) -> DrafterConfig:
+    path, raw = read_config(folder)
+    arch = _architecture(path, raw, DRAFTER_ARCHS)
+    version = DRAFTER_ARCHS[arch]
+    dc = raw.get("dflash_config", {})
+    if not isinstance(dc, dict):
+        raise CheckpointError(path, "dflash_config", "an object", repr(dc))
+    # dflash_config entries win over top-level ones (z-lab's _draft_value)
+    merged = {**raw, **dc}
+    f = _Fields(path, raw)
+    d = _Fields(path, merged, "dflash_config.")
+    shape = _attention_shape(path, f)
+    num_target = d.int("num_target_layers", minimum=1)
+    taps = merged.get("target_layer_ids")
+    if taps is None:
+        taps = default_target_layer_ids(num_target, shape["num_layers"])
+    if not isinstance(taps, (list, tuple)) or not taps or not all(isinstance(t, int) for t in taps):
+        raise CheckpointError(path, "dflash_config.target_layer_ids", "a non-empty list of integers", repr(taps))
+    bad = [t for t in taps if not 0 <= t < num_target]
+    if bad:
+        raise CheckpointError(path, "dflash_config.target_layer_ids",
+                              f"layer ids in [0, {num_target - 1}] (num_target_layers={num_target})", bad)
+    causal, windows = _attention_modes(path, raw, shape["num_layers"])
+    extra = {}
+    if version == 2:
+        extra = dict(conv_kernel_size=d.int("conv_kernel_size", 2, minimum=1),
+                     conv_group_size=d.int("conv_group_size", 16, minimum=1),
+                     selector_rank=d.int("selector_rank", 256, minimum=1),
+                     selector_top_k=d.int("selector_top_k", 16, minimum=1))
+        if shape["hidden_size"] % extra["conv_group_size"]:
+            raise CheckpointError(path, "dflash_config.conv_group_size",
+                                  f"a divisor of hidden_size={shape['hidden_size']}", extra["conv_group_size"])
+        if extra["selector_top_k"] > shape["vocab_size"]:
+            raise CheckpointError(path, "dflash_config.selector_top_k",
+                                  f"<= vocab_size={shape['vocab_size']}", extra["selector_top_k"])
+    mult = d.float("output_multiplier", 1.0)
+    if not mult > 0:
+        raise CheckpointError(path, "dflash_config.output_multiplier", "> 0", mult)
+    cap = merged.get("final_logit_softcapping")
+    cap = 0.0 if cap is None else d.float("final_logit_softcapping")
+    if cap < 0:
+        raise CheckpointError(path, "dflash_config.final_logit_softcapping", ">= 0 or null", cap)
+    mask = d.int("mask_token_id", minimum=0)
+    if mask >= shape["vocab_size"]:
+        raise CheckpointError(path, "dflash_config.mask_token_id", f"< vocab_size={shape['vocab_size']}", mask)
+    return DrafterConfig(
+        arch=arch, version=version, **shape, block_size=d.int("block_size", 16, minimum=2),
+        num_target_layers=num_target, target_layer_ids=tuple(taps), mask_token_id=mask,
+        layer_causal=causal, layer_window=windows, output_multiplier=mult, logit_softcap=cap,
+        input_embedding_scale=d.float("input_embedding_scale", 1.0), **extra)
+
+
+def check_pair(drafter: DrafterConfig, target: TargetConfig, drafter_dir: str | Path, target_dir: str | Path) -> None:
+    """The drafter uses the target's embedding, LM head and hidden states: sizes must agree."""
+    dpath = Path(drafter_dir) / "config.json"
+    if drafter.hidden_size != target.hidden_size:
+        raise CheckpointError(dpath, "hidden_size", f"target hidden_size={target.hidden_size} "
+                              f"({Path(target_dir) / 'config.json'})", drafter.hidden_size)
+    if drafter.vocab_size != target.vocab_size:
+        raise CheckpointError(dpath, "vocab_size", f"target vocab_size={target.vocab_size}", drafter.vocab_size)
+    if drafter.num_target_layers != target.num_layers:
+        raise CheckpointError(dpath, "num_target_layers", f"target num_hidden_layers={target.num_layers}",
+                              drafter.num_target_layers)

@@ -1,0 +1,38 @@
+"""Typed errors. Each names the file, the field or tensor, what was expected and what was found."""
+
+from __future__ import annotations
+
+
+class Dflash2Error(Exception):
+    """Base class: every error this package raises on bad input."""
+
+
+class CheckpointError(Dflash2Error):
+    def __init__(self, file: str, field: str, expected: str, found: str, hint: str = ""):
+        self.file, self.field, self.expected, self.found = str(file), field, expected, found
+        msg = f"{file}: {field}: expected {expected}, found {found}"
+        super().__init__(msg + (f" ({hint})" if hint else ""))
+
+
+class TensorSetError(Dflash2Error):
+    """All tensor problems of one checkpoint at once: missing, unexpected, mis-shaped."""
+
+    def __init__(self, folder: str, missing: list[str], unexpected: list[str],
+                 misshaped: list[tuple[str, tuple, tuple]]):
+        self.missing, self.unexpected, self.misshaped = missing, unexpected, misshaped
+        lines = [f"{folder}: checkpoint tensors do not match the config"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): " + ", ".join(missing))
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(unexpected))
+        for name, want, got in misshaped:
+            lines.append(f"  mis-shaped: {name}: expected {list(want)}, found {list(got)}")
+        super().__init__("\n".join(lines))
+
+
+class ValidationError(Dflash2Error):
+    """ONNX Runtime vs reference mismatches after export: every failing output listed."""
+
+    def __init__(self, failures: list[str]):
+        self.failures = failures
+        super().__init__("validation failed for {} output(s):\n  ".format(len(failures)) + "\n  ".join(failures))

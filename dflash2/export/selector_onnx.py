@@ -1,0 +1,166 @@
+"""The selector op in ONNX: schema, the single custom node, and its portable function body.
+
+Two flavours of every graph that holds the node:
+- "tensorrt": the bare node, no local function, so TensorRT's parser falls through to the
+  plugin registry (it dispatches on op_type only; a local function of the same name wins);
+- "portable": the same node plus a model-local FunctionProto of standard ops that ONNX Runtime
+  inlines, so a stock onnxruntime runs it anywhere.
+Both are built from `dflash2.ops.contract`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from dflash2.ops import contract as C
+
+FLAVOURS = ("portable", "tensorrt")
+ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
+               "bfloat16": TensorProto.BFLOAT16, "int32": TensorProto.INT32}
+_ATTR_KIND = {"int": onnx.defs.OpSchema.AttrType.INT, "float": onnx.defs.OpSchema.AttrType.FLOAT,
+              "string": onnx.defs.OpSchema.AttrType.STRING}
+
+
+def op_schema() -> onnx.defs.OpSchema:
+    S = onnx.defs.OpSchema
+    float_types = [f"tensor({'float' if t == 'float32' else t})" for t in C.FLOAT_TYPES]
+    type_map = {"TL": float_types, "TC": float_types, "TI": ["tensor(int32)"], "TF": ["tensor(float)"]}
+
+    def param(t: C.TensorSpec) -> S.FormalParameter:
+        return S.FormalParameter(t.name, t.type_var, t.doc)
+
+    attrs = [S.Attribute(a.name, _ATTR_KIND[a.kind], a.doc, required=a.default is None)
+             if a.default is None else
+             S.Attribute(a.name, _attr_default(a), a.doc) for a in C.ATTRIBUTES]
+    attrs += [S.Attribute("plugin_version", helper.make_attribute("plugin_version", C.PLUGIN_VERSION),
+                          "TensorRT plugin creator version"),
+              S.Attribute("plugin_namespace", helper.make_attribute("plugin_namespace", C.PLUGIN_NAMESPACE),
+                          "TensorRT plugin creator namespace")]
+    used = {t.type_var for t in C.INPUTS + C.OUTPUTS}
+    return S(C.OP_NAME, C.ONNX_DOMAIN, C.ONNX_OPSET, doc=__doc__ or "",
+             inputs=[param(t) for t in C.INPUTS], outputs=[param(t) for t in C.OUTPUTS],
+             type_constraints=[(v, type_map[v], f"{v} types") for v in sorted(used)],
+             attributes=attrs)
+
+
+def _attr_default(a: C.AttributeSpec) -> onnx.AttributeProto:
+    value = float(a.default) if a.kind == "float" else a.default
+    return helper.make_attribute(a.name, value)
+
+
+def register_schema() -> None:
+    """Register the schema once so onnx.checker / shape inference know the node."""
+    try:
+        onnx.defs.get_schema(C.OP_NAME, C.ONNX_OPSET, C.ONNX_DOMAIN)
+    except onnx.defs.SchemaError:
+        onnx.defs.register_schema(op_schema())
+
+
+def selector_node(inputs: list[str], outputs: list[str], attrs: dict, name: str = "selector") -> onnx.NodeProto:
+    a = C.check_attributes(attrs)
+    if len(inputs) != len(C.INPUTS) or len(outputs) != len(C.OUTPUTS):
+        raise ValueError(f"{C.OP_NAME} node expects {len(C.INPUTS)} inputs / {len(C.OUTPUTS)} outputs, "
+                         f"got {len(inputs)} / {len(outputs)}")
+    return helper.make_node(C.OP_NAME, inputs, outputs, name=name, domain=C.ONNX_DOMAIN,
+                            plugin_version=C.PLUGIN_VERSION, plugin_namespace=C.PLUGIN_NAMESPACE, **a)
+
+
+def selector_function(S: int) -> onnx.FunctionProto:
+    """Standard-op body of the op, unrolled over the S draft positions of this model."""
+    nodes: list[onnx.NodeProto] = []
+
+    def n(op: str, ins: list[str], out: str, **kw) -> str:
+        nodes.append(helper.make_node(op, ins, [out], **kw))
+        return out
+
+    def const(name: str, value) -> str:
+        return n("Constant", [], name, value=helper.make_tensor(name, *_np_to_tensor_args(np.asarray(value))))
+
+    def ref_const(name: str, attr: str, kind: int) -> str:
+        a = onnx.AttributeProto(name="value_float", ref_attr_name=attr, type=kind)
+        nodes.append(onnx.NodeProto(op_type="Constant", output=[name], attribute=[a]))
+        return name
+
+    cand_logits, cand_ids, gate, anchor, pcb, scb = C.input_names()
+    mult = ref_const("mult", "output_multiplier", onnx.AttributeProto.FLOAT)
+    cap = ref_const("cap", "logit_softcap", onnx.AttributeProto.FLOAT)
+    zero = const("zero_f", np.float32(0.0))
+    ninf = const("ninf", np.float32(-np.inf))
+    # unary: softcap(mult * logits) in fp32                                    # [B, S, K]
+    u0 = n("Mul", [n("Cast", [cand_logits], "lg32", to=TensorProto.FLOAT), mult], "u0")
+    capped = n("Mul", [n("Tanh", [n("Div", [u0, cap], "u_div")], "u_tanh"), cap], "u_cap")
+    unary = n("Where", [n("Greater", [cap, zero], "has_cap"), capped, u0], "unary")
+    ids = n("Cast", [cand_ids], "ids64", to=TensorProto.INT64)  # [B, S, K]
+    shape = n("Shape", [ids], "ids_shape")
+    one = const("one_i", np.array([1], np.int64))
+    b_1_k = n("Concat", [n("Slice", [shape, const("s0", np.array([0], np.int64)), one], "b_dim"), one,
+                         n("Slice", [shape, const("s2", np.array([2], np.int64)),
+                                     const("s3", np.array([3], np.int64))], "k_dim")], "b1k", axis=0)
+    anc = n("Expand", [n("Unsqueeze", [n("Cast", [anchor], "anc64", to=TensorProto.INT64),
+                                       const("ax12", np.array([1, 2], np.int64))], "anc_u"), b_1_k], "anc_e")
+    prev_ids = n("Slice", [ids, const("st0", np.array([0], np.int64)), const("en_1", np.array([-1], np.int64)),
+                           one], "prev_ids")
+    pred = n("Concat", [anc, prev_ids], "pred_ids", axis=1)  # [B, S, K]
+    P = n("Gather", [n("Cast", [pcb], "P32", to=TensorProto.FLOAT), pred], "P_rows")  # [B, S, K, R]
+    Q = n("Gather", [n("Cast", [scb], "Q32", to=TensorProto.FLOAT), ids], "Q_rows")  # [B, S, K, R]
+    g = n("Unsqueeze", [n("Cast", [gate], "g32", to=TensorProto.FLOAT), const("ax2", np.array([2], np.int64))],
+          "g_u")  # [B, S, 1, R]
+    pair = n("MatMul", [n("Mul", [P, g], "Pg"), n("Transpose", [Q], "QT", perm=[0, 1, 3, 2])], "pair")
+    raw = n("Add", [n("Unsqueeze", [unary, const("ax2b", np.array([2], np.int64))], "u_u"), pair], "raw")
+    scores = n("Where", [n("IsNaN", [raw], "isnan"), ninf, raw], "scores")  # [B, S, K, K]
+    # greedy walk, unrolled: idx_s = argmax_c scores[:, s, idx_{s-1}, c]
+    prev = n("ConstantOfShape", [b_1_k], "prev0", value=helper.make_tensor("z", TensorProto.INT64, [1], [0]))
+    drafts, idxs, rows = [], [], []
+    for s in range(S):
+        sc = n("Gather", [scores, const(f"s{s}_i", np.array(s, np.int64))], f"sc{s}", axis=1)  # [B, K, K]
+        row = n("GatherElements", [sc, prev], f"row{s}", axis=1)  # [B, 1, K]
+        idx = n("ArgMax", [row], f"idx{s}", axis=2, keepdims=1)  # [B, 1, 1], first max
+        ids_s = n("Gather", [ids, const(f"s{s}_j", np.array([s], np.int64))], f"ids{s}", axis=1)  # [B, 1, K]
+        drafts.append(n("GatherElements", [ids_s, idx], f"d{s}", axis=2))  # [B, 1, 1]
+        idxs.append(idx)
+        rows.append(row)
+        prev = n("Expand", [idx, b_1_k], f"prev{s + 1}")
+    sq = const("ax2c", np.array([2], np.int64))
+    out_d, out_i, out_s = C.output_names()
+    n("Cast", [n("Squeeze", [n("Concat", drafts, "d_cat", axis=1), sq], "d_sq")], out_d, to=TensorProto.INT32)
+    n("Cast", [n("Squeeze", [n("Concat", idxs, "i_cat", axis=1), sq], "i_sq")], out_i, to=TensorProto.INT32)
+    n("Concat", rows, out_s, axis=1)
+    attrs = [a.name for a in C.ATTRIBUTES] + ["plugin_version", "plugin_namespace"]
+    return helper.make_function(C.ONNX_DOMAIN, C.OP_NAME, C.input_names(), C.output_names(), nodes,
+                                opset_imports=[helper.make_opsetid("", 18)], attributes=attrs)
+
+
+def _np_to_tensor_args(a: np.ndarray):
+    return helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape), a.flatten().tolist()
+
+
+def add_flavour(model: onnx.ModelProto, flavour: str, S: int) -> onnx.ModelProto:
+    """Attach (portable) or strip (tensorrt) the local function of the selector node."""
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour expected one of {FLAVOURS}, found {flavour!r}")
+    del model.functions[:]
+    if flavour == "portable":
+        model.functions.append(selector_function(S))
+    if not any(o.domain == C.ONNX_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(C.ONNX_DOMAIN, C.ONNX_OPSET))
+    return model
+
+
+def selector_model(S: int, K: int, R: int, V: int, flavour: str, attrs: dict | None = None,
+                   logits_dtype: str = "float32", codebook_dtype: str = "float32",
+                   batch: str | int = "batch") -> onnx.ModelProto:
+    """A one-node model of the op (codebooks as graph inputs): unit tests, Polygraphy, TensorRT."""
+    attrs = {"top_k": K, "rank": R, **(attrs or {})}
+    dims = {"B": batch, "S": S, "K": K, "R": R, "V": V}
+    types = {"TL": logits_dtype, "TC": codebook_dtype, "TI": "int32", "TF": "float32"}
+
+    def vi(t: C.TensorSpec):
+        return helper.make_tensor_value_info(t.name, ONNX_DTYPES[types[t.type_var]], [dims[d] for d in t.dims])
+
+    node = selector_node(C.input_names(), C.output_names(), attrs)
+    graph = helper.make_graph([node], "dflash2_selector", [vi(t) for t in C.INPUTS], [vi(t) for t in C.OUTPUTS])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="dflash2")
+    model.ir_version = 10
+    return add_flavour(model, flavour, S)

@@ -1,0 +1,146 @@
+"""The DFlash2 candidate-selector op contract: the ONE place that defines it.
+
+The torch custom op (`dflash2.reference.selector`), the ONNX schema and node
+(`dflash2.export.selector_onnx`), the TensorRT plugin's YAML and C++ field list
+(`plugins/dflash2Selector/`) are all tested against this file.  Plain Python: the
+runtime imports it on edge boards, so no torch here.
+
+Math (see algorithm.md section 4), all in fp32 whatever the input dtypes:
+    u[b,s,c]      = softcap(output_multiplier * cand_logits[b,s,c])
+    pred[b,0,:]   = anchor[b];  pred[b,s,:] = cand_ids[b,s-1,:]
+    score[b,s,p,c] = u[b,s,c] + sum_r P[pred[b,s,p],r] * gate[b,s,r] * Q[cand_ids[b,s,c],r]
+    NaN -> -inf;  idx_0 = argmax_c score[b,0,0,c];  idx_s = argmax_c score[b,s,idx_{s-1},c]
+    ties -> lowest index (a +inf wins, the first +inf if several; all -inf -> 0)
+    draft_ids[b,s] = cand_ids[b,s,idx_s]; path_index[b,s] = idx_s; path_scores[b,s,:] = walked row
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CONTRACT_VERSION = 1
+OP_NAME = "DFlash2Selector"  # ONNX op_type == TensorRT plugin name; no ONNX op has this name
+ONNX_DOMAIN = "dflash2"
+ONNX_OPSET = 1
+PLUGIN_VERSION = "1"
+PLUGIN_NAMESPACE = ""
+TORCH_NAMESPACE = "dflash2"
+TORCH_OP_NAME = "select_path"  # torch.ops.dflash2.select_path
+
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
+MAX_TOP_K = 64
+MAX_RANK = 1024
+MODES = ("greedy",)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dims: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    type_var: str  # inputs sharing a type_var must share a dtype
+    doc: str
+
+
+@dataclass(frozen=True)
+class AttributeSpec:
+    name: str
+    kind: str  # "int" | "float" | "string"
+    default: object | None  # None: required
+    doc: str
+    allowed: tuple = field(default=())
+
+
+INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("cand_logits", ("B", "S", "K"), FLOAT_TYPES, "TL",
+               "raw LM-head logits of the K candidates per draft position"),
+    TensorSpec("cand_ids", ("B", "S", "K"), ("int32",), "TI",
+               "vocabulary ids of the candidates (top-K, descending, ties lowest id)"),
+    TensorSpec("gate", ("B", "S", "R"), FLOAT_TYPES, "TC",
+               "context gate hidden_projection(h_s) of each draft position"),
+    TensorSpec("anchor", ("B",), ("int32",), "TI",
+               "last committed token: the predecessor of position 0"),
+    TensorSpec("pred_codebook", ("V", "R"), FLOAT_TYPES, "TC", "predecessor codebook P"),
+    TensorSpec("succ_codebook", ("V", "R"), FLOAT_TYPES, "TC", "successor codebook Q"),
+)
+
+OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("draft_ids", ("B", "S"), ("int32",), "TI", "the walked draft tokens"),
+    TensorSpec("path_index", ("B", "S"), ("int32",), "TI", "index of the walked candidate in K"),
+    TensorSpec("path_scores", ("B", "S", "K"), ("float32",), "TF",
+               "fp32 score row the walk chose from at each position (NaN already -inf)"),
+)
+
+ATTRIBUTES: tuple[AttributeSpec, ...] = (
+    AttributeSpec("top_k", "int", None, f"K, 1..{MAX_TOP_K}; must equal the K of the inputs"),
+    AttributeSpec("rank", "int", None, f"R, 1..{MAX_RANK}; must equal the R of the inputs"),
+    AttributeSpec("output_multiplier", "float", 1.0, "scale on the unary logits, > 0"),
+    AttributeSpec("logit_softcap", "float", 0.0, "tanh(v/cap)*cap on the unary logits; 0 = off"),
+    AttributeSpec("mode", "string", "greedy", "path rule", allowed=MODES),
+)
+
+
+def input_names() -> list[str]:
+    return [t.name for t in INPUTS]
+
+
+def output_names() -> list[str]:
+    return [t.name for t in OUTPUTS]
+
+
+def attribute(name: str) -> AttributeSpec:
+    for a in ATTRIBUTES:
+        if a.name == name:
+            return a
+    raise KeyError(f"{OP_NAME} has no attribute {name!r}; it has {[a.name for a in ATTRIBUTES]}")
+
+
+def check_attributes(attrs: dict) -> dict:
+    """Fill defaults and validate values; raise ValueError naming the attribute."""
+    out = {}
+    known = {a.name for a in ATTRIBUTES}
+    unknown = sorted(set(attrs) - known)
+    if unknown:
+        raise ValueError(f"{OP_NAME}: unknown attribute(s) {unknown}; expected a subset of {sorted(known)}")
+    for a in ATTRIBUTES:
+        if a.name not in attrs:
+            if a.default is None:
+                raise ValueError(f"{OP_NAME}: required attribute {a.name!r} is missing")
+            out[a.name] = a.default
+            continue
+        v = attrs[a.name]
+        if a.kind == "int" and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{OP_NAME}: attribute {a.name!r} expected int, found {v!r}")
+        if a.kind == "float" and not isinstance(v, (int, float)):
+            raise ValueError(f"{OP_NAME}: attribute {a.name!r} expected float, found {v!r}")
+        if a.kind == "string" and not isinstance(v, str):
+            raise ValueError(f"{OP_NAME}: attribute {a.name!r} expected string, found {v!r}")
+        out[a.name] = float(v) if a.kind == "float" else v
+    if not 1 <= out["top_k"] <= MAX_TOP_K:
+        raise ValueError(f"{OP_NAME}: top_k expected 1..{MAX_TOP_K}, found {out['top_k']}")
+    if not 1 <= out["rank"] <= MAX_RANK:
+        raise ValueError(f"{OP_NAME}: rank expected 1..{MAX_RANK}, found {out['rank']}")
+    if not out["output_multiplier"] > 0:
+        raise ValueError(f"{OP_NAME}: output_multiplier expected > 0, found {out['output_multiplier']}")
+    if not out["logit_softcap"] >= 0:
+        raise ValueError(f"{OP_NAME}: logit_softcap expected >= 0, found {out['logit_softcap']}")
+    if out["mode"] not in MODES:
+        raise ValueError(f"{OP_NAME}: mode expected one of {MODES}, found {out['mode']!r}")
+    return out
+
+
+def as_dict() -> dict:
+    """The contract as plain data (compared with plugins/*/..._PluginConfig.yaml)."""
+    return {
+        "name": OP_NAME,
+        "contract_version": CONTRACT_VERSION,
+        "onnx_domain": ONNX_DOMAIN,
+        "plugin_version": PLUGIN_VERSION,
+        "plugin_namespace": PLUGIN_NAMESPACE,
+        "inputs": [{"name": t.name, "dims": list(t.dims), "dtypes": list(t.dtypes),
+                    "type_var": t.type_var} for t in INPUTS],
+        "outputs": [{"name": t.name, "dims": list(t.dims), "dtypes": list(t.dtypes)} for t in OUTPUTS],
+        "attributes": [{"name": a.name, "kind": a.kind, "default": a.default,
+                        "allowed": list(a.allowed)} for a in ATTRIBUTES],
+        "limits": {"max_top_k": MAX_TOP_K, "max_rank": MAX_RANK},
+    }

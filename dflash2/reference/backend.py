@@ -1,0 +1,67 @@
+"""The PyTorch reference backend of `dflash2.speculative`: static KV buffers + write pointers."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dflash2.reference.drafter import Drafter
+from dflash2.reference.target import Target
+
+
+class TorchBackend:
+    """Target KV [max_seq, L, 2, kv, hd] and drafter context KV [max_seq, Ld, 2, kv, hd], allocated
+    once. A step reads buffer[:pos] and writes its new rows at pos; rollback never copies."""
+
+    def __init__(self, target: Target, drafter: Drafter | None, max_seq_len: int):
+        self.target, self.drafter, self.max_seq_len = target, drafter, max_seq_len
+        dtype = target.embed_tokens.weight.dtype
+        self.kv = torch.zeros(max_seq_len, *target.kv_row_shape(), dtype=dtype)
+        self.ctx_kv = torch.zeros(max_seq_len, *drafter.kv_row_shape(), dtype=dtype) if drafter else None
+        self.block_size = drafter.config.block_size if drafter else 1
+        self.pos = self.ctx_pos = 0
+        self.pending: torch.Tensor | None = None  # context rows not yet in the drafter's cache  # [n, H]
+        self.verified: torch.Tensor | None = None  # context rows of the last verify  # [S+1, H]
+        self.last_draft: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.pos = self.ctx_pos = 0
+        self.pending = self.verified = None
+
+    @torch.no_grad()
+    def _run_target(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = len(ids)
+        if self.pos + n > self.max_seq_len:
+            raise ValueError(f"KV cache full: position {self.pos} + {n} tokens > max_seq_len {self.max_seq_len}")
+        logits, taps, new_kv = self.target(torch.tensor(ids, dtype=torch.long), self.kv[: self.pos])
+        self.kv[self.pos: self.pos + n] = new_kv
+        ctx = self.drafter.context(taps) if self.drafter is not None else None
+        return logits.float().argmax(-1), ctx  # [n], [n, H]
+
+    def prefill(self, ids: Sequence[int]) -> int:
+        preds, self.pending = self._run_target(ids)
+        self.pos += len(ids)
+        return int(preds[-1])
+
+    @torch.no_grad()
+    def draft(self, anchor: int) -> list[int]:
+        n = self.pending.shape[0]
+        hidden, new = self.drafter(self.pending, self.ctx_kv[: self.ctx_pos], torch.tensor([anchor]))
+        self.ctx_kv[self.ctx_pos: self.ctx_pos + n] = new
+        self.ctx_pos += n
+        self.last_draft = self.drafter.propose(hidden, torch.tensor([anchor]))
+        return self.last_draft["draft_ids"].tolist()
+
+    def verify(self, tokens: Sequence[int]) -> list[int]:
+        preds, self.verified = self._run_target(tokens)  # KV rows written at pos.., pointer not moved yet
+        return preds.tolist()
+
+    def commit(self, n: int) -> None:
+        self.pos += n  # rows beyond stay in the buffer and are overwritten next step
+        self.pending = self.verified[:n]
+
+    def decode(self, token: int) -> int:
+        preds, _ = self._run_target([token])
+        self.pos += 1
+        return int(preds[0])

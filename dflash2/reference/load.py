@@ -1,0 +1,47 @@
+"""Build the reference modules from validated Hugging Face folders (safetensors only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash2 import checkpoint as ckpt
+from dflash2.config import (DrafterConfig, TargetConfig, check_pair, load_drafter_config,
+                            load_target_config)
+from dflash2.reference.drafter import Drafter
+from dflash2.reference.target import Target
+
+
+def load_target(folder: str | Path, tap_ids: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+                config: TargetConfig | None = None) -> Target:
+    c = config or load_target_config(folder)
+    expected = ckpt.target_tensor_shapes(c)
+    ckpt.check_tensors(folder, expected)
+    tensors = ckpt.load_tensors(folder, set(expected))
+    model = Target(c, tap_ids)
+    state = {k.removeprefix("model."): v.to(dtype) for k, v in tensors.items()}
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval()
+
+
+def load_drafter(folder: str | Path, target: Target, dtype: torch.dtype = torch.float32,
+                 config: DrafterConfig | None = None) -> Drafter:
+    c = config or load_drafter_config(folder)
+    expected = ckpt.drafter_tensor_shapes(c, target.config.hidden_size)
+    ckpt.check_tensors(folder, expected)
+    tensors = ckpt.load_tensors(folder, set(expected))
+    model = Drafter(c, target.embed_tokens.weight.detach(), target.head_weight.detach(), target.config.hidden_size)
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    return model.to(dtype).eval()
+
+
+def load_pair(drafter_dir: str | Path, target_dir: str | Path,
+              dtype: torch.dtype = torch.float32) -> tuple[Target, Drafter]:
+    """Validate both configs and their agreement before any weight loads."""
+    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
+    check_pair(dc, tc, drafter_dir, target_dir)
+    ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
+    ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
+    target = load_target(target_dir, dc.target_layer_ids, dtype, tc)
+    return target, load_drafter(drafter_dir, target, dtype, dc)

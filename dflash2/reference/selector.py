@@ -1,0 +1,127 @@
+"""The DFlash2 candidate selector as a torch custom op with the real fp32 reference body.
+
+`torch.ops.dflash2.select_path` follows `dflash2.ops.contract` exactly (inputs, outputs,
+attributes). `select_candidates` adds what precedes the op in the drafter: top-K of the
+LM-head logits (ties: lowest token id) and the context gate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash2.ops import contract as C
+
+_QUALNAME = f"{C.TORCH_NAMESPACE}::{C.TORCH_OP_NAME}"
+
+
+@torch.library.custom_op(_QUALNAME, mutates_args=())
+def select_path(
+    cand_logits: torch.Tensor,  # [B, S, K] float
+    cand_ids: torch.Tensor,  # [B, S, K] int32
+    gate: torch.Tensor,  # [B, S, R] float
+    anchor: torch.Tensor,  # [B] int32
+    pred_codebook: torch.Tensor,  # [V, R] float
+    succ_codebook: torch.Tensor,  # [V, R] float
+    top_k: int,
+    rank: int,
+    output_multiplier: float = 1.0,
+    logit_softcap: float = 0.0,
+    mode: str = "greedy",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook,
+                 top_k=top_k, rank=rank, output_multiplier=output_multiplier,
+                 logit_softcap=logit_softcap, mode=mode)
+    B, S, K = cand_ids.shape
+    unary = cand_logits.float() * output_multiplier  # [B, S, K]
+    if logit_softcap > 0:
+        unary = torch.tanh(unary / logit_softcap) * logit_softcap
+    ids = cand_ids.long()
+    pred_ids = torch.cat([anchor.long()[:, None, None].expand(B, 1, K), ids[:, :-1]], dim=1)  # [B, S, K]
+    P = pred_codebook.float()[pred_ids]  # [B, S, K, R]
+    Q = succ_codebook.float()[ids]  # [B, S, K, R]
+    pair = torch.einsum("bspr,bsr,bscr->bspc", P, gate.float(), Q)  # [B, S, K(pred), K(cand)]
+    scores = unary[:, :, None, :] + pair  # [B, S, K, K]
+    scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    draft = torch.empty(B, S, dtype=torch.int32)
+    index = torch.empty(B, S, dtype=torch.int32)
+    rows = torch.empty(B, S, K, dtype=torch.float32)
+    prev = torch.zeros(B, dtype=torch.long)  # row 0: every predecessor is the anchor
+    for s in range(S):
+        row = scores[torch.arange(B), s, prev]  # [B, K]
+        idx = first_argmax(row)  # [B]
+        rows[:, s] = row
+        index[:, s] = idx.int()
+        draft[:, s] = ids[torch.arange(B), s, idx].int()
+        prev = idx
+    return draft, index, rows
+
+
+@select_path.register_fake
+def _(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, top_k, rank,
+      output_multiplier=1.0, logit_softcap=0.0, mode="greedy"):
+    B, S, K = cand_ids.shape
+    return (cand_ids.new_empty(B, S), cand_ids.new_empty(B, S),
+            cand_logits.new_empty(B, S, K, dtype=torch.float32))
+
+
+def first_argmax(row: torch.Tensor) -> torch.Tensor:
+    """argmax over the last axis, ties -> lowest index, explicit so no backend detail leaks in."""
+    best = row.max(dim=-1, keepdim=True).values  # [..., 1]
+    hit = row == best  # all -inf rows: every entry hits -> index 0
+    ar = torch.arange(row.shape[-1], device=row.device)
+    return torch.where(hit, ar, row.shape[-1]).min(dim=-1).values
+
+
+def check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, **attrs) -> None:
+    """Shape / dtype rules of the contract; ValueError names the tensor, expected and found."""
+    a = C.check_attributes(attrs)
+    t = dict(zip(C.input_names(), (cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook)))
+    for spec in C.INPUTS:
+        dt = str(t[spec.name].dtype).replace("torch.", "")
+        if dt not in spec.dtypes:
+            raise ValueError(f"{C.OP_NAME}: input {spec.name} dtype expected one of {spec.dtypes}, found {dt}")
+        if t[spec.name].dim() != len(spec.dims):
+            raise ValueError(f"{C.OP_NAME}: input {spec.name} expected rank {len(spec.dims)} "
+                             f"{list(spec.dims)}, found shape {list(t[spec.name].shape)}")
+    if gate.dtype != pred_codebook.dtype or gate.dtype != succ_codebook.dtype:
+        raise ValueError(f"{C.OP_NAME}: gate, pred_codebook and succ_codebook must share a dtype, found "
+                         f"{gate.dtype}, {pred_codebook.dtype}, {succ_codebook.dtype}")
+    dims: dict[str, int] = {}
+    for spec in C.INPUTS:
+        for d, n in zip(spec.dims, t[spec.name].shape):
+            if dims.setdefault(d, n) != n:
+                raise ValueError(f"{C.OP_NAME}: dim {d} of input {spec.name} expected {dims[d]}, found {n}")
+    if dims["K"] != a["top_k"]:
+        raise ValueError(f"{C.OP_NAME}: K of the inputs expected top_k={a['top_k']}, found {dims['K']}")
+    if dims["R"] != a["rank"]:
+        raise ValueError(f"{C.OP_NAME}: R of the inputs expected rank={a['rank']}, found {dims['R']}")
+    if dims["S"] < 1:
+        raise ValueError(f"{C.OP_NAME}: S expected >= 1, found {dims['S']}")
+
+
+def select_candidates(
+    logits: torch.Tensor,  # [B, S, V] LM-head logits of draft rows 1..S
+    hidden: torch.Tensor,  # [B, S, H] final-normed drafter hidden states of the same rows
+    anchor: torch.Tensor,  # [B] int
+    hidden_projection: torch.Tensor,  # [R, H]
+    pred_codebook: torch.Tensor,
+    succ_codebook: torch.Tensor,
+    top_k: int,
+    output_multiplier: float = 1.0,
+    logit_softcap: float = 0.0,
+) -> dict[str, torch.Tensor]:
+    """Top-K (stable: equal logits keep the lower token id first, as ONNX TopK) + gate + op."""
+    cand_logits, cand_ids = topk_lowest_index(logits.float(), top_k)  # [B, S, K]
+    gate = hidden.to(hidden_projection.dtype) @ hidden_projection.T  # [B, S, R]
+    draft, index, rows = select_path(
+        cand_logits, cand_ids.int(), gate.to(pred_codebook.dtype), anchor.int(), pred_codebook,
+        succ_codebook, top_k=top_k, rank=pred_codebook.shape[1],
+        output_multiplier=float(output_multiplier), logit_softcap=float(logit_softcap))
+    return {"draft_ids": draft, "path_index": index, "path_scores": rows,
+            "cand_ids": cand_ids.int(), "cand_logits": cand_logits}
+
+
+def topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last axis, descending, equal values ordered by lower index (ONNX TopK rule)."""
+    values, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], order[..., :k]

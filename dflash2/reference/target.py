@@ -1,0 +1,70 @@
+"""The target LLM (Llama / Qwen3 dense) as a pure function of (ids, past KV) for export.
+
+KV layout: ONE tensor per model, sequence-major [T, L, 2, kv, hd]. A prefix of a preallocated
+[max_seq, L, 2, kv, hd] buffer is then a contiguous view: the graph reads `past_kv` = buffer[:P]
+and its `new_kv` output is written straight into buffer[P:P+n]. Rollback = move P.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash2.config import TargetConfig
+from dflash2.reference.layers import MLP, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq
+
+
+class TargetLayer(nn.Module):
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        self.self_attn = Projections(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                     c.attention_bias, c.qk_norm, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, h, past_k, past_v, cos, sin, visible):
+        u = self.input_layernorm(h)
+        q = self.self_attn.query(u, cos, sin)  # [n, nh, hd]
+        k, v = self.self_attn.key_value(u, cos, sin)  # [n, kv, hd]
+        a = attend(q, torch.cat([past_k, k]), torch.cat([past_v, v]), visible)
+        h = h + self.self_attn.o_proj(a)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, torch.stack([k, v], dim=1)  # [n, 2, kv, hd]
+
+
+class Target(nn.Module):
+    """forward(ids [n], past_kv [P, L, 2, kv, hd]) -> logits [n, V], taps [n, n_taps*H], new_kv [n, L, 2, kv, hd]."""
+
+    def __init__(self, c: TargetConfig, tap_ids: tuple[int, ...] = ()):
+        super().__init__()
+        self.config, self.tap_ids = c, tuple(tap_ids)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(TargetLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def kv_row_shape(self) -> tuple[int, int, int, int]:
+        c = self.config
+        return (c.num_layers, 2, c.num_kv_heads, c.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, past_kv: torch.Tensor):
+        n, P = input_ids.shape[0], past_kv.shape[0]
+        pos = torch.arange(n) + P  # [n]
+        cos, sin = rope_cos_sin(pos, self.inv_freq)
+        visible = torch.arange(P + n)[None, :] <= pos[:, None]  # [n, P+n] causal
+        h = self.embed_tokens(input_ids)  # [n, H]
+        taps, new_kv = {}, []
+        for i, layer in enumerate(self.layers):
+            h, kv = layer(h, past_kv[:, i, 0], past_kv[:, i, 1], cos, sin, visible)
+            new_kv.append(kv)
+            if i in self.tap_ids:
+                taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
+        logits = self.norm(h) @ self.head_weight.T  # [n, V]
+        tap_out = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else h[:, :0]
+        return logits, tap_out, torch.stack(new_kv, dim=1)

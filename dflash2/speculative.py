@@ -1,0 +1,137 @@
+"""The greedy speculative loop, written once for every backend (PyTorch reference, ONNX Runtime,
+TensorRT). No torch: it moves token ids; the backend owns tensors, caches and write pointers.
+
+    t = prefill(prompt)                              # first token + context rows of the prompt
+    loop: d = draft(anchor=t)                        # [S] from pending context rows
+          p = verify([t, *d])                        # [S+1] target argmax at start..start+S
+          acc = leading matches d[k] == p[k]
+          commit(acc + 1)                            # KV keeps anchor + accepted; rest: pointer rollback
+          emit d[:acc] + [p[acc]]; t = p[acc]        # the bonus becomes the next anchor
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+
+class SpecBackend(Protocol):
+    block_size: int  # B; S = B - 1 drafts per round
+
+    def prefill(self, ids: Sequence[int]) -> int: ...
+
+    def draft(self, anchor: int) -> Sequence[int]: ...
+
+    def verify(self, tokens: Sequence[int]) -> Sequence[int]: ...
+
+    def commit(self, n: int) -> None: ...
+
+    def decode(self, token: int) -> int: ...
+
+
+@dataclass
+class Stats:
+    block_size: int
+    prompt_tokens: int = 0
+    accepted: list[int] = field(default_factory=list)  # drafts matched per round (before truncation)
+    emitted: list[int] = field(default_factory=list)  # tokens appended per round (after EOS / limit)
+    times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
+                                                              "decode": 0.0, "total": 0.0})
+    new_tokens: int = 0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau = accepted drafts + 1 per target verify, averaged over rounds (0 when none)."""
+        return sum(a + 1 for a in self.accepted) / self.rounds if self.rounds else 0.0
+
+    def position_acceptance(self) -> list[float]:
+        """rate[k] = share of rounds whose draft k+1 was accepted (greedy: acc >= k+1)."""
+        S = self.block_size - 1
+        if not self.rounds:
+            return [0.0] * S
+        return [sum(a > k for a in self.accepted) / self.rounds for k in range(S)]
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.times["total"] - self.times["prefill"]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens after the first, over the time after prefill (time-to-first-token excluded)."""
+        return (self.new_tokens - 1) / self.decode_seconds if self.new_tokens > 1 and self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        t = dict(self.times)
+        t["host"] = max(0.0, t["total"] - sum(v for k, v in t.items() if k != "total"))
+        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "rounds": self.rounds,
+                "acceptance_length": self.acceptance_length, "position_acceptance": self.position_acceptance(),
+                "accepted_per_round": list(self.accepted), "emitted_per_round": list(self.emitted),
+                "tokens_per_second": self.tokens_per_second, "seconds": t}
+
+
+@dataclass
+class Generation:
+    ids: list[int]
+    stats: Stats
+    stop_reason: str  # "eos" | "length" | "stop"
+
+
+def accepted_prefix(drafts: Sequence[int], preds: Sequence[int]) -> int:
+    acc = 0
+    while acc < len(drafts) and drafts[acc] == preds[acc]:
+        acc += 1
+    return acc
+
+
+def _take(new: list[int], out: list[int], max_new: int, eos: frozenset[int]) -> tuple[list[int], str | None]:
+    """Cut a run of new tokens at the first EOS (kept) or the length limit."""
+    room = max_new - len(out)
+    for i, t in enumerate(new[:room]):
+        if t in eos:
+            return new[: i + 1], "eos"
+    return new[:room], ("length" if len(new) >= room else None)
+
+
+def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
+             speculative: bool = True, on_tokens: Callable[[list[int]], bool] | None = None) -> Generation:
+    """Greedy generation; `on_tokens(new)` streams each accepted run and may return True to stop."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens expected >= 1, found {max_new_tokens}")
+    stats, eos, clock = Stats(backend.block_size, len(prompt)), frozenset(eos_ids), time.perf_counter
+    out: list[int] = []
+    t0 = clock()
+    t = backend.prefill(prompt)
+    stats.times["prefill"] = clock() - t0
+    new, reason = _take([t], out, max_new_tokens, eos)
+    while True:
+        out += new
+        if on_tokens is not None and on_tokens(new):
+            reason = reason or "stop"
+        if reason:
+            break
+        if speculative:
+            t1 = clock()
+            drafts = list(backend.draft(t))  # [S]
+            t2 = clock()
+            preds = list(backend.verify([t, *drafts]))  # [S+1]
+            stats.times["draft"] += t2 - t1
+            stats.times["verify"] += clock() - t2
+            acc = accepted_prefix(drafts, preds)
+            backend.commit(acc + 1)
+            new, reason = _take([*drafts[:acc], preds[acc]], out, max_new_tokens, eos)
+            stats.accepted.append(acc)
+            stats.emitted.append(len(new))
+            t = preds[acc]
+        else:
+            t1 = clock()
+            t = backend.decode(t)
+            stats.times["decode"] += clock() - t1
+            new, reason = _take([t], out, max_new_tokens, eos)
+    stats.times["total"] = clock() - t0
+    stats.new_tokens = len(out)
+    return Generation(out, stats, reason)

@@ -1,0 +1,160 @@
+"""Deterministic tiny checkpoints in the exact Hugging Face / DFlash formats, for tests and demos.
+
+make_target(): Llama or Qwen3 folder (config.json, safetensors, optionally sharded, a byte-level
+BPE tokenizer with a ChatML template). make_drafter(): a DFlash v1 or DFlash2 drafter for it.
+Weights are scaled so logits are well separated (random models with near-ties would make
+token-for-token comparisons depend on float summation order).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dflash2.checkpoint import INDEX, drafter_tensor_shapes, target_tensor_shapes
+from dflash2.config import load_target_config
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_WORDS = ("the a of to and in is it that for on with as was be by this are from at or an have not "
+          "model token draft target block speculative decode verify accept reject bonus cache layer "
+          "attention hidden state engine plugin graph export runtime tensor kernel path select greedy "
+          "python function class return value list dict string number error file folder config write "
+          "read time speed fast small large first last next prompt answer question because when where").split()
+
+
+def _corpus(seed: int = 0, lines: int = 3000) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(_WORDS), (lines, 12), generator=g)
+    return [" ".join(_WORDS[i] for i in row) + ("." if k % 3 else "?") for k, row in enumerate(idx.tolist())]
+
+
+def make_tokenizer(folder: Path, vocab_size: int) -> int:
+    """Train a byte-level BPE on a built-in corpus; returns its real vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": None,
+        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2))
+    return tok.get_vocab_size()
+
+
+def _init(shapes: dict[str, tuple[int, ...]], seed: int, embed_std: float = 1.0,
+          head_std: float = 3.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            t = 0.05 * torch.randn(shape, generator=g)
+        elif "embed_tokens" in name:
+            t = embed_std * torch.randn(shape, generator=g)
+        elif name == "lm_head.weight":
+            t = head_std / shape[1] ** 0.5 * torch.randn(shape, generator=g)
+        elif name.endswith("codebook"):
+            t = torch.randn(shape, generator=g) / shape[1] ** 0.25
+        elif name.endswith("base_kernel"):
+            t = 0.2 * torch.randn(shape, generator=g)
+            t[:, 0] += 1.0
+        else:
+            t = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+        out[name] = t.contiguous()
+    return out
+
+
+def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
+    if shards <= 1:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384, hidden_size: int = 64,
+                num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                tie_word_embeddings: bool = False, shards: int = 1, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(folder, vocab_size)
+    eos = vocab and SPECIALS.index("<|im_end|>")
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    config = {
+        "architectures": [arch], "model_type": family, "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": False, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": eos,
+        "pad_token_id": 0, "torch_dtype": str(dtype).replace("torch.", ""),
+    }
+    if family == "llama":
+        config["mlp_bias"] = False
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
+    shapes = target_tensor_shapes(load_target_config(folder))
+    tensors = {k: v.to(dtype) for k, v in _init(shapes, seed).items()}
+    write_safetensors(folder, tensors, shards)
+    return folder
+
+
+def make_drafter(folder: str | Path, target_dir: str | Path, version: int = 2, num_layers: int = 1,
+                 block_size: int = 8, tap_ids: tuple[int, ...] | None = None, top_k: int = 8, rank: int = 16,
+                 conv_group_size: int = 16, conv_kernel_size: int = 2, identity_conv: bool = False,
+                 output_multiplier: float = 1.0, softcap: float | None = None, seed: int = 1,
+                 dtype: torch.dtype = torch.float32, extra: dict | None = None) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    t = load_target_config(target_dir)
+    taps = list(tap_ids) if tap_ids is not None else sorted({1, t.num_layers - 2})
+    dc = {"block_size": block_size, "target_layer_ids": taps, "mask_token_id": SPECIALS.index("<|mask|>")}
+    if version == 2:
+        dc.update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size, selector_rank=rank,
+                  selector_top_k=top_k, output_multiplier=output_multiplier, final_logit_softcapping=softcap)
+    config = {
+        "architectures": ["DFlash2DraftModel" if version == 2 else "DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": t.hidden_size, "intermediate_size": 2 * t.hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
+        "vocab_size": t.vocab_size, "rms_norm_eps": 1e-6, "rope_theta": t.rope.theta, "attention_bias": False,
+        "hidden_act": "silu", "num_target_layers": t.num_layers, "block_size": block_size,
+        "is_causal": False, "dflash_config": dc, **(extra or {}),
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    from dflash2.config import load_drafter_config
+
+    shapes = drafter_tensor_shapes(load_drafter_config(folder), t.hidden_size)
+    tensors = _init(shapes, seed)
+    if identity_conv:
+        for name in tensors:
+            if name.endswith("base_kernel"):
+                tensors[name].zero_()
+                tensors[name][:, 0] = 1.0
+            elif "conv.kernel_projection" in name:
+                tensors[name].zero_()
+    write_safetensors(folder, {k: v.to(dtype) for k, v in tensors.items()})
+    return folder
+
+
+def make_pair(root: str | Path, family: str = "llama", version: int = 2, **drafter_kw) -> tuple[Path, Path]:
+    root = Path(root)
+    target = make_target(root / "target", family=family)
+    return make_drafter(root / "drafter", target, version=version, **drafter_kw), target

@@ -1,0 +1,131 @@
+"""The greedy speculative loop: accounting on a scripted backend, losslessness on real models."""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+from dflash2.reference.backend import TorchBackend
+from dflash2.reference.load import load_pair
+from dflash2.speculative import generate
+
+
+class Scripted:
+    """A 'target' whose greedy sequence is `truth`; drafts follow `plan[r]` correct tokens then junk."""
+
+    block_size = 5  # S = 4
+
+    def __init__(self, truth, plan):
+        self.truth, self.plan, self.pos, self.round, self.commits = truth, plan, 0, 0, []
+
+    def prefill(self, ids):
+        self.pos = 0
+        return self.truth[0]
+
+    def draft(self, anchor):
+        good = self.plan[self.round]
+        self.round += 1
+        nxt = self.truth[self.pos + 1: self.pos + 1 + 4] + [0] * 4
+        return [nxt[k] if k < good else 999 for k in range(4)]
+
+    def verify(self, tokens):
+        assert tokens[0] == self.truth[self.pos]  # the anchor is the last committed token
+        return (self.truth[self.pos + 1: self.pos + 6] + [0] * 5)[:5]
+
+    def commit(self, n):
+        self.commits.append(n)
+        self.pos += n
+
+    def decode(self, token):
+        self.pos += 1
+        return self.truth[self.pos]
+
+
+TRUTH = list(range(100, 160))
+
+
+def test_zero_partial_full_acceptance():
+    b = Scripted(TRUTH, [0, 2, 4, 4, 1] + [0] * 40)
+    g = generate(b, [1, 2], max_new_tokens=16)
+    assert g.ids == TRUTH[:16]
+    assert g.stats.accepted[:5] == [0, 2, 4, 4, 1]
+    assert b.commits[:5] == [1, 3, 5, 5, 2]  # anchor + accepted drafts stay in the KV
+    assert g.stats.emitted[:4] == [1, 3, 5, 5]
+    assert g.stop_reason == "length"
+
+
+def test_length_limit_inside_a_block():
+    b = Scripted(TRUTH, [4] * 10)
+    g = generate(b, [1], max_new_tokens=8)  # 1 + 5 + 5 would overshoot: cut at 8
+    assert g.ids == TRUTH[:8] and g.stats.emitted == [5, 2] and g.stop_reason == "length"
+
+
+def test_eos_inside_accepted_run():
+    b = Scripted(TRUTH, [4] * 10)
+    g = generate(b, [1], max_new_tokens=50, eos_ids=[TRUTH[3]])
+    assert g.ids == TRUTH[:4] and g.stop_reason == "eos"  # EOS kept, nothing after it
+    assert g.stats.accepted == [4] and g.stats.emitted == [3]
+
+
+def test_eos_as_first_token_and_autoregressive():
+    assert generate(Scripted(TRUTH, []), [1], 10, eos_ids=[TRUTH[0]]).ids == [TRUTH[0]]
+    g = generate(Scripted(TRUTH, []), [1], 10, speculative=False)
+    assert g.ids == TRUTH[:10] and g.stats.rounds == 0
+
+
+def test_stats():
+    b = Scripted(TRUTH, [0, 2, 4, 1])
+    s = generate(b, [1], max_new_tokens=11).stats
+    assert s.accepted == [0, 2, 4, 1]
+    assert s.acceptance_length == pytest.approx((1 + 3 + 5 + 2) / 4)
+    assert s.position_acceptance() == [0.75, 0.5, 0.25, 0.25]
+    d = s.to_dict()
+    assert d["new_tokens"] == 11 and set(d["seconds"]) >= {"draft", "verify", "host", "total"}
+
+
+def test_stop_callback():
+    seen = []
+    g = generate(Scripted(TRUTH, [4] * 10), [1], 50, on_tokens=lambda new: seen.append(new) or len(seen) == 2)
+    assert g.stop_reason == "stop" and seen == [[TRUTH[0]], TRUTH[1:6]]
+
+
+HF = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+
+
+@pytest.mark.parametrize("family,version", [("llama", 1), ("llama", 2), ("qwen3", 1), ("qwen3", 2)])
+def test_lossless_against_transformers_generate(pairs, family, version):
+    drafter_dir, target_dir = pairs[(family, version)]
+    target, drafter = load_pair(drafter_dir, target_dir)
+    prompt = [3, 14, 15, 92, 65, 35]
+    spec = generate(TorchBackend(target, drafter, 256), prompt, max_new_tokens=64)
+    hf = HF[family].from_pretrained(target_dir, dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, min_new_tokens=64)[0, len(prompt):].tolist()
+    assert spec.ids == ref and len(ref) == 64
+
+
+class OracleDrafts(TorchBackend):
+    """Real target and drafter, but drafts replaced by the known greedy continuation with planned
+    mistakes: exercises partial / full acceptance and KV rollback through the real target."""
+
+    def __init__(self, target, drafter, truth, prompt_len, plan):
+        super().__init__(target, drafter, 256)
+        self.truth, self.prompt_len, self.plan, self.r = truth, prompt_len, plan, 0
+
+    def draft(self, anchor):
+        super().draft(anchor)  # keeps the drafter's context cache advancing for real
+        S, start = self.block_size - 1, self.pos - self.prompt_len + 1
+        good = self.plan[self.r % len(self.plan)]
+        self.r += 1
+        nxt = (self.truth[start: start + S] + [0] * S)[:S]
+        return [t if k < good else (t + 1) % self.target.config.vocab_size for k, t in enumerate(nxt)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rollback_with_real_models(pairs, family):
+    target, drafter = load_pair(*pairs[(family, 2)])
+    prompt = [5, 6, 7, 8]
+    truth = generate(TorchBackend(target, drafter, 256), prompt, 80, speculative=False).ids
+    b = OracleDrafts(target, drafter, truth, len(prompt), plan=[0, 3, 7, 1, 5, 7, 2])
+    g = generate(b, prompt, 80)
+    assert g.ids == truth
+    assert {0, 3, 7} <= set(g.stats.accepted)  # zero, partial and full acceptance all happened

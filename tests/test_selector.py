@@ -1,0 +1,154 @@
+"""The selector op against a plain Python-loop implementation, hand-built cases and edge rules."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dflash2.reference.selector as sel
+from dflash2.ops import contract as C
+
+op = torch.ops.dflash2.select_path
+
+
+def naive(cand_logits, cand_ids, gate, anchor, P, Q, mult=1.0, cap=0.0):
+    """Scalar loops, straight from algorithm.md section 4."""
+    B, S, K = cand_ids.shape
+    R = gate.shape[-1]
+    draft, index, rows = [], [], []
+    for b in range(B):
+        prev_id, prev_idx = int(anchor[b]), 0
+        d, ix, rr = [], [], []
+        for s in range(S):
+            row = []
+            pred = prev_id if s == 0 else int(cand_ids[b, s - 1, prev_idx])
+            for c in range(K):
+                u = float(cand_logits[b, s, c]) * mult
+                if cap > 0:
+                    u = math.tanh(u / cap) * cap
+                cid = int(cand_ids[b, s, c])
+                pair = sum(float(P[pred, r]) * float(gate[b, s, r]) * float(Q[cid, r]) for r in range(R))
+                v = u + pair
+                row.append(-math.inf if math.isnan(v) else v)
+            best = 0
+            for c in range(1, K):
+                if row[c] > row[best]:
+                    best = c
+            d.append(int(cand_ids[b, s, best]))
+            ix.append(best)
+            rr.append(row)
+            prev_idx = best
+            prev_id = d[-1]
+        draft.append(d), index.append(ix), rows.append(rr)
+    return np.array(draft), np.array(index), np.array(rows)
+
+
+def random_case(B, S, K, R, V, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(S)]) for _ in range(B)])
+    return (torch.randn(B, S, K, generator=g) * 3, ids.int(), torch.randn(B, S, R, generator=g).to(dtype),
+            torch.randint(0, V, (B,), generator=g).int(), (torch.randn(V, R, generator=g) / R ** 0.25).to(dtype),
+            (torch.randn(V, R, generator=g) / R ** 0.25).to(dtype))
+
+
+def run(case, **attrs):
+    B, S, K = case[1].shape
+    return [t.numpy() for t in op(*case, top_k=K, rank=case[2].shape[-1], **attrs)]
+
+
+@pytest.mark.parametrize("B,S,K,R,V", [(1, 7, 16, 256, 300), (3, 7, 16, 256, 300), (2, 1, 1, 1, 5),
+                                       (1, 15, 5, 3, 40), (2, 4, 64, 8, 100)])
+def test_matches_naive_loops(B, S, K, R, V):
+    case = random_case(B, S, K, R, V, seed=B * 100 + S)
+    d, i, r = run(case, output_multiplier=0.7, logit_softcap=4.0)
+    nd, ni, nr = naive(*[t.float() if t.is_floating_point() else t for t in case], mult=0.7, cap=4.0)
+    np.testing.assert_array_equal(d, nd)
+    np.testing.assert_array_equal(i, ni)
+    np.testing.assert_allclose(r, nr, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 3), S=st.integers(1, 8), K=st.integers(1, 12), R=st.integers(1, 9), seed=st.integers(0, 999))
+def test_property_matches_naive(B, S, K, R, seed):
+    case = random_case(B, S, K, R, V=K + 7, seed=seed)
+    d, i, _ = run(case)
+    nd, ni, _ = naive(*case)
+    np.testing.assert_array_equal(d, nd)
+    np.testing.assert_array_equal(i, ni)
+
+
+def test_hand_built_path_is_known():
+    """V=6, R=2. Unary favours candidate 0 everywhere; the codebooks make (anchor 1 -> 4 -> 2) win."""
+    ids = torch.tensor([[[3, 4], [5, 2]]], dtype=torch.int32)  # [1, S=2, K=2]
+    logits = torch.tensor([[[1.0, 0.0], [1.0, 0.0]]])
+    gate = torch.ones(1, 2, 2)
+    P = torch.zeros(6, 2)
+    Q = torch.zeros(6, 2)
+    P[1] = torch.tensor([1.0, 0.0])  # anchor 1 likes successors with Q[:,0]
+    Q[4] = torch.tensor([2.0, 0.0])  # 4 after 1: pair 2.0 -> score 2.0 > 1.0
+    P[4] = torch.tensor([0.0, 1.0])
+    Q[2] = torch.tensor([0.0, 3.0])  # 2 after 4: 3.0 > 1.0
+    d, i, r = run((logits, ids, gate, torch.tensor([1], dtype=torch.int32), P, Q))
+    assert d.tolist() == [[4, 2]] and i.tolist() == [[1, 1]]
+    np.testing.assert_allclose(r, [[[1.0, 2.0], [1.0, 3.0]]])
+    # top-1 path (what DFlash v1 drafts) differs: the selector changed the path
+    assert ids[0, :, 0].tolist() == [3, 5]
+
+
+def test_nan_inf_and_ties():
+    K, V, R = 4, 10, 2
+    ids = torch.tensor([[[1, 2, 3, 4]] * 4], dtype=torch.int32)
+    zero = torch.zeros(V, R)
+    logits = torch.tensor([[[0.5, float("nan"), 0.5, 0.1],  # NaN is -inf; tie 0.5/0.5 -> lowest index 0
+                            [1.0, float("inf"), 2.0, float("inf")],  # first +inf wins
+                            [-float("inf")] * 4,  # all -inf -> index 0
+                            [float("nan")] * 4]])  # all NaN -> all -inf -> index 0
+    d, i, r = run((logits, ids, torch.zeros(1, 4, R), torch.tensor([0], dtype=torch.int32), zero, zero))
+    assert i.tolist() == [[0, 1, 0, 0]]
+    assert np.isneginf(r[0, 0, 1]) and np.isneginf(r[0, 3]).all() and not np.isnan(r).any()
+
+
+def test_softcap_and_multiplier_change_unary():
+    case = random_case(1, 3, 4, 2, 20, seed=3)
+    _, _, r1 = run(case, output_multiplier=1.0)
+    _, _, r2 = run(case, output_multiplier=2.0, logit_softcap=1.0)
+    assert np.abs(r2).max() <= 1.0 + np.abs(r1 - case[0].numpy()).max() + 1e-4  # unary capped at 1
+    assert not np.allclose(r1, r2)
+
+
+def test_low_precision_codebooks_computed_in_fp32():
+    case = random_case(2, 7, 16, 64, 200, seed=5, dtype=torch.bfloat16)
+    d, i, _ = run(case)
+    nd, ni, _ = naive(*[t.float() if t.is_floating_point() else t for t in case])
+    np.testing.assert_array_equal(d, nd)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda c: (c[0], c[1].long(), *c[2:]), "cand_ids dtype"),
+    (lambda c: (c[0][:, :, :3], *c[1:]), "dim K"),
+    (lambda c: (*c[:2], c[2][:, :, :1], *c[3:]), "dim R"),
+    (lambda c: (*c[:4], c[4].half(), c[5]), "share a dtype"),
+    (lambda c: (*c[:3], c[3][None], *c[4:]), "anchor expected rank 1"),
+])
+def test_bad_inputs_are_rejected(mutate, match):
+    case = random_case(1, 3, 4, 2, 20)
+    with pytest.raises(ValueError, match=match):
+        op(*mutate(case), top_k=4, rank=2)
+
+
+@pytest.mark.parametrize("attrs,match", [({"top_k": 65, "rank": 2}, "top_k expected 1..64"),
+                                         ({"top_k": 4, "rank": 0}, "rank expected"),
+                                         ({"top_k": 4, "rank": 2, "output_multiplier": -1.0}, "output_multiplier"),
+                                         ({"top_k": 4, "rank": 2, "mode": "viterbi"}, "mode expected")])
+def test_bad_attributes_are_rejected(attrs, match):
+    with pytest.raises(ValueError, match=match):
+        C.check_attributes(attrs)
+
+
+def test_topk_ties_keep_lower_token_id():
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    v, i = sel.topk_lowest_index(x, 3)
+    assert i.tolist() == [[1, 2, 4]]
