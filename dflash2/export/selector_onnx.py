@@ -67,8 +67,9 @@ def selector_node(inputs: list[str], outputs: list[str], attrs: dict, name: str 
                             plugin_version=C.PLUGIN_VERSION, plugin_namespace=C.PLUGIN_NAMESPACE, **a)
 
 
-def selector_function(S: int) -> onnx.FunctionProto:
-    """Standard-op body of the op, unrolled over the S draft positions of this model."""
+def selector_function(S: int, opset: int = 18) -> onnx.FunctionProto:
+    """Standard-op body of the op, unrolled over the S draft positions of this model.
+    `opset` must equal the default-domain opset of the model that holds the function."""
     nodes: list[onnx.NodeProto] = []
 
     def n(op: str, ins: list[str], out: str, **kw) -> str:
@@ -129,7 +130,7 @@ def selector_function(S: int) -> onnx.FunctionProto:
     n("Concat", rows, out_s, axis=1)
     attrs = [a.name for a in C.ATTRIBUTES] + ["plugin_version", "plugin_namespace"]
     return helper.make_function(C.ONNX_DOMAIN, C.OP_NAME, C.input_names(), C.output_names(), nodes,
-                                opset_imports=[helper.make_opsetid("", 18)], attributes=attrs)
+                                opset_imports=[helper.make_opsetid("", opset)], attributes=attrs)
 
 
 def _np_to_tensor_args(a: np.ndarray):
@@ -142,7 +143,8 @@ def add_flavour(model: onnx.ModelProto, flavour: str, S: int) -> onnx.ModelProto
         raise ValueError(f"flavour expected one of {FLAVOURS}, found {flavour!r}")
     del model.functions[:]
     if flavour == "portable":
-        model.functions.append(selector_function(S))
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
+        model.functions.append(selector_function(S, opset))
     if not any(o.domain == C.ONNX_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(C.ONNX_DOMAIN, C.ONNX_OPSET))
     return model

@@ -122,6 +122,11 @@ def select_candidates(
 
 
 def topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k along the last axis, descending, equal values ordered by lower index (ONNX TopK rule)."""
+    """Top-k along the last axis, descending, equal values ordered by lower index (ONNX TopK rule).
+
+    Eager torch.topk leaves tie order unspecified, so eager uses a stable sort; under export the
+    ONNX TopK node already guarantees the rule (and a stable sort has no ONNX translation)."""
+    if torch.compiler.is_exporting():
+        return torch.topk(x, k, dim=-1, largest=True, sorted=True)
     values, order = torch.sort(x, dim=-1, descending=True, stable=True)
     return values[..., :k], order[..., :k]

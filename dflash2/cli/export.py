@@ -1,0 +1,40 @@
+"""dflash2-export: DFlash / DFlash2 checkpoint + target -> validated ONNX graphs and a manifest."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dflash2.errors import Dflash2Error
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash2-export", description=__doc__)
+    p.add_argument("--model", required=True, type=Path, help="drafter folder (DFlashDraftModel / DFlash2DraftModel)")
+    p.add_argument("--target", required=True, type=Path, help="target folder (Llama / Qwen3, safetensors)")
+    p.add_argument("--out", required=True, type=Path, help="output folder (written atomically)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV capacity the runtime allocates (default 2048)")
+    p.add_argument("--logits", action="store_true", help="target.onnx also emits fp32 logits [n, V]")
+    p.add_argument("--no-fuse-context", action="store_true",
+                   help="target emits raw taps; the drafter applies fc + hidden_norm itself")
+    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    from dflash2.export.api import export  # heavy imports after argument parsing
+
+    try:
+        m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, a.logits, not a.no_fuse_context, a.quiet)
+    except Dflash2Error as e:
+        print(f"dflash2-export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {a.out} in {m['export_seconds']:.1f} s (dtype {m['dtype']}, block size {m['block_size']})")
+    print(f"{'file':<28}{'MB':>10}")
+    for name, meta in m["files"].items():
+        print(f"{name:<28}{meta['bytes'] / 1e6:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""dflash2-run: generate with speculative decoding from an export folder (ONNX Runtime) or an
+engine folder (TensorRT); text streams as it is accepted, then a stats table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dflash2.errors import Dflash2Error
+
+
+def parse_ids(s: str) -> list[int]:
+    out = []
+    for part in s.split(","):
+        part = part.strip()
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not an integer (expected e.g. 1,2,3)") from None
+    return out
+
+
+def stats_table(stats: dict, backend: str) -> str:
+    s = stats["seconds"]
+    rows = [("backend", backend), ("new tokens", stats["new_tokens"]), ("rounds", stats["rounds"]),
+            ("acceptance length", f"{stats['acceptance_length']:.2f}"),
+            ("tokens/s (after first)", f"{stats['tokens_per_second']:.1f}"),
+            ("prefill s", f"{s['prefill']:.3f}"), ("draft+select s", f"{s['draft']:.3f}"),
+            ("verify s", f"{s['verify']:.3f}"), ("decode s (no-spec)", f"{s['decode']:.3f}"),
+            ("host s", f"{s['host']:.3f}"), ("total s", f"{s['total']:.3f}")]
+    return "\n".join(f"{k:<24}{v:>12}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash2-run", description=__doc__)
+    p.add_argument("folder", type=Path, help="export folder (dflash2-export) or engine folder (dflash2-build)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="text prompt")
+    g.add_argument("--prompt-ids", type=parse_ids, help="comma-separated token ids")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding (baseline)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], help="override the automatic choice")
+    p.add_argument("--json", action="store_true", help="print ids and stats as one JSON object")
+    a = p.parse_args(argv)
+    from dflash2.runtime.api import Runtime
+
+    try:
+        if a.max_new_tokens < 1:
+            raise Dflash2Error(f"--max-new-tokens: expected >= 1, found {a.max_new_tokens}")
+        rt = Runtime(a.folder, backend=a.backend)
+        ids = rt.prompt_ids(text=a.prompt, ids=a.prompt_ids, chat=a.chat, system=a.system)
+        stream = None if a.json or a.prompt is None else (lambda t: print(t, end="", flush=True))
+        gen = rt.generate(ids, a.max_new_tokens, speculative=not a.no_spec, stop=a.stop, on_text=stream)
+    except (Dflash2Error, ValueError) as e:
+        print(f"dflash2-run: error: {e}", file=sys.stderr)
+        return 2
+    stats = gen.stats.to_dict()
+    if a.json:
+        out = {"ids": gen.ids, "stop_reason": gen.stop_reason, "backend": rt.backend_name,
+               "speculative": not a.no_spec, **stats}
+        if (a.folder / "tokenizer.json").is_file():
+            out["text"] = rt.text.decode(gen.ids)
+        print(json.dumps(out))
+        return 0
+    if stream is None:
+        print(gen.ids)
+    print("\n" + stats_table(stats, rt.backend_name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""export(): a DFlash / DFlash2 checkpoint and its target -> a self-contained, validated folder.
+
+Written into a temporary sibling folder and renamed into place only when every graph passed
+validation, so a failure leaves nothing behind and an existing folder is replaced only with --force.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from dflash2 import __version__
+from dflash2 import manifest as mf
+from dflash2.config import check_pair, load_drafter_config, load_target_config
+from dflash2.errors import Dflash2Error
+from dflash2.export import trace as tr
+from dflash2.export.graphs import graph_specs
+from dflash2.export.validate import raise_if_failed, validate_graph
+from dflash2.ops import contract as C
+from dflash2.progress import Progress
+from dflash2.reference.load import load_pair
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
+KV_BINDING = ("prefix-view: past_kv is the contiguous prefix buffer[:P] of one preallocated sequence-major buffer "
+              "[max_seq_len, L, 2, kv, hd]; new_kv is bound to buffer[P:P+n], so a step copies nothing and "
+              "rollback moves P. A static buffer + write position would make every step attend over max_seq_len "
+              "rows and scatter inside the graph.")
+
+
+class OutputError(Dflash2Error):
+    pass
+
+
+def check_output(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise OutputError(f"{out}: output folder exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: expected a folder, found a file")
+    parent = out.parent
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"{out}: cannot create the output folder: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK):
+        raise OutputError(f"{out}: cannot write into {probe} (permission denied)")
+
+
+def tool_versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import onnxscript
+    import transformers
+
+    return {"dflash2": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
+            "onnxscript": onnxscript.__version__, "onnxruntime": onnxruntime.__version__,
+            "transformers": transformers.__version__}
+
+
+def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
+           max_seq_len: int = 2048, force: bool = False, emit_logits: bool = False, fuse_context: bool = True,
+           quiet: bool = False) -> dict:
+    """Returns the manifest. Raises CheckpointError / TensorSetError / ValidationError / OutputError."""
+    if dtype not in DTYPES:
+        raise OutputError(f"--dtype: expected one of {list(DTYPES)}, found {dtype!r}")
+    out = Path(out_dir).absolute()
+    check_output(out, force)
+    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
+    check_pair(dc, tc, drafter_dir, target_dir)
+    if max_seq_len < dc.block_size + 2:
+        raise OutputError(f"--max-seq-len: expected >= block_size + 2 = {dc.block_size + 2}, found {max_seq_len}")
+    specs_count = 3 if dc.version == 2 else 2
+    progress = Progress(1 + 2 * specs_count + 1, quiet)
+    with progress.step("loading and checking the checkpoints"):
+        target, drafter = load_pair(drafter_dir, target_dir, DTYPES[dtype])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress)
+        manifest["sources"] = {"drafter": str(Path(drafter_dir).absolute()), "target": str(Path(target_dir).absolute())}
+        with progress.step("tokenizer, manifest"):
+            copied = [f for f in TOKENIZER_FILES if (Path(target_dir) / f).is_file()]
+            for f in copied:
+                shutil.copy2(Path(target_dir) / f, tmp / f)
+            manifest["tokenizer"] = {"files": copied}
+            data_files = sorted(p.name for p in tmp.iterdir())
+            manifest["files"] = mf.file_table(tmp, data_files)
+            (tmp / mf.NAME).write_text(json.dumps(manifest, indent=2))
+        raise_if_failed(manifest.pop("_failures"))
+        (tmp / mf.NAME).write_text(json.dumps(manifest, indent=2))
+        _replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    manifest["export_seconds"] = progress.elapsed
+    return manifest
+
+
+def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress) -> dict:
+    graphs, failures, validation = {}, [], {}
+    for spec in graph_specs(target, drafter, fuse_context, emit_logits):
+        with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
+            t0 = time.perf_counter()
+            model = tr.trace(spec, max_seq_len)
+            files = tr.write_graph(model, tmp, spec, dc.num_drafts)
+        with progress.step(f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime"):
+            f, report = validate_graph(spec, tmp / files["portable"], dtype, save_dir=tmp)
+        failures += f
+        validation[spec.name] = {"ok": not f, "failures": f, **report}
+        graphs[spec.name] = {"flavours": files, "data": f"{spec.name}.onnx.data",
+                             "seconds": time.perf_counter() - t0, **tr.io_spec(tmp / files["portable"])}
+    kv_rows = {"target": list(target.kv_row_shape()), "drafter": list(drafter.kv_row_shape())}
+    return {
+        "format": mf.EXPORT_FORMAT, "format_version": mf.FORMAT_VERSION, "contract_version": C.CONTRACT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tools": tool_versions(), "dtype": dtype,
+        "max_seq_len": max_seq_len, "block_size": dc.block_size, "num_drafts": dc.num_drafts,
+        "drafter_version": dc.version, "tap_ids": list(dc.target_layer_ids), "mask_token_id": dc.mask_token_id,
+        "vocab_size": tc.vocab_size, "eos_token_ids": list(tc.eos_token_ids),
+        "context": {"fused": fuse_context, "width": graphs["drafter"]["inputs"][0]["shape"][1],
+                    "why": "target emits hidden_norm(fc(taps)): one H-wide row per token instead of "
+                           "n_taps*H (see docs/export.md for the measurement)" if fuse_context else "raw taps"},
+        "kv": {"layout": ["seq", "layer", "k|v", "kv_head", "head_dim"], "rows": kv_rows, "dtype": dtype,
+               "binding": KV_BINDING},
+        "selector": ({"op": C.OP_NAME, "domain": C.ONNX_DOMAIN, "plugin_version": C.PLUGIN_VERSION,
+                      "plugin_namespace": C.PLUGIN_NAMESPACE, "top_k": dc.selector_top_k, "rank": dc.selector_rank,
+                      "output_multiplier": dc.output_multiplier, "logit_softcap": dc.logit_softcap}
+                     if dc.version == 2 else None),
+        "target_config": tc.to_dict(), "drafter_config": dc.to_dict(),
+        "graphs": graphs, "validation": validation, "_failures": failures,
+    }
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename into place; an existing folder (only with --force) is moved aside first, then removed."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

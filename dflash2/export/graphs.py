@@ -1,0 +1,140 @@
+"""What each exported graph computes, as small torch modules around the reference models.
+
+Declarative: a `GraphSpec` names the graph's inputs, outputs, dynamic dims and example feeds;
+the exporter and the validator read only the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dflash2.reference.drafter import Drafter
+from dflash2.reference.target import Target
+
+
+class TargetGraph(nn.Module):
+    """ids [n] int32, past_kv [P, L, 2, kv, hd] -> next_ids [n] int32, context [n, C], new_kv [n, ...]
+    (+ logits [n, V] fp32). context = drafter fc + hidden_norm of the taps when fused."""
+
+    def __init__(self, target: Target, drafter: Drafter, fuse_context: bool = True, emit_logits: bool = False):
+        super().__init__()
+        self.target, self.drafter, self.fuse, self.emit_logits = target, drafter, fuse_context, emit_logits
+
+    def forward(self, input_ids: torch.Tensor, past_kv: torch.Tensor):
+        logits, taps, new_kv = self.target(input_ids.long(), past_kv)
+        logits = logits.float()  # argmax over fp32: one rule whatever the graph dtype
+        context = self.drafter.context(taps) if self.fuse else taps
+        out = (logits.argmax(-1).to(torch.int32), context, new_kv)
+        return out + (logits,) if self.emit_logits else out
+
+
+class DrafterGraph(nn.Module):
+    """context [n, C], past_ctx_kv [P, Ld, 2, kv, hd], anchor [1] int32
+    -> draft_ids [S] int32 (, cand_ids [S, K] int32 for DFlash2), new_ctx_kv [n, Ld, 2, kv, hd]."""
+
+    def __init__(self, drafter: Drafter, fused_context: bool = True):
+        super().__init__()
+        self.drafter, self.fused = drafter, fused_context
+
+    def forward(self, context: torch.Tensor, past_ctx_kv: torch.Tensor, anchor: torch.Tensor):
+        c = context if self.fused else self.drafter.context(context)
+        hidden, new_kv = self.drafter(c, past_ctx_kv, anchor.long())
+        out = self.drafter.propose(hidden, anchor)
+        if self.drafter.config.version == 1:
+            return out["draft_ids"], new_kv
+        return out["draft_ids"], out["cand_ids"], new_kv
+
+
+class SelectorGraph(nn.Module):
+    """The selector alone with the drafter's real codebooks: [B, S, K] candidates -> walked path."""
+
+    def __init__(self, drafter: Drafter):
+        super().__init__()
+        c, sel = drafter.config, drafter.candidate_selector
+        self.attrs = dict(top_k=c.selector_top_k, rank=c.selector_rank,
+                          output_multiplier=c.output_multiplier, logit_softcap=c.logit_softcap)
+        self.pred_codebook, self.succ_codebook = sel.predecessor_codebook, sel.successor_codebook
+
+    def forward(self, cand_logits, cand_ids, gate, anchor):
+        return torch.ops.dflash2.select_path(cand_logits, cand_ids, gate, anchor, self.pred_codebook,
+                                             self.succ_codebook, **self.attrs)
+
+
+@dataclass
+class GraphSpec:
+    name: str  # "target" | "drafter" | "selector"
+    module: nn.Module
+    inputs: list[str]
+    outputs: list[str]
+    dynamic: dict[str, dict[int, str]]  # input -> {axis: dim name}
+    example: tuple  # tracing example
+    feeds: Callable[[], list[dict[str, torch.Tensor]]]  # deterministic validation steps
+    has_selector: bool = False
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True,
+                emit_logits: bool = False) -> list[GraphSpec]:
+    tc, dc = target.config, drafter.config
+    dtype = target.embed_tokens.weight.dtype
+    S, V = dc.num_drafts, tc.vocab_size
+    ctx_width = dc.hidden_size if fuse_context else len(dc.target_layer_ids) * tc.hidden_size
+    kv = lambda P: torch.zeros(P, *target.kv_row_shape(), dtype=dtype)  # noqa: E731
+    ckv = lambda P: torch.zeros(P, *drafter.kv_row_shape(), dtype=dtype)  # noqa: E731
+
+    def target_feeds():
+        g = _gen(0)
+        prompt = torch.randint(0, V, (11,), generator=g, dtype=torch.int32)
+        verify = torch.randint(0, V, (S + 1,), generator=g, dtype=torch.int32)
+        with torch.no_grad():
+            _, _, past, *_ = TargetGraph(target, drafter)(prompt, kv(0))
+        return [{"input_ids": prompt, "past_kv": kv(0)}, {"input_ids": verify, "past_kv": past}]
+
+    def drafter_feeds():
+        g = _gen(1)
+        c0 = torch.randn(9, ctx_width, generator=g).to(dtype)
+        c1 = torch.randn(3, ctx_width, generator=g).to(dtype)
+        anchor = torch.randint(0, V, (1,), generator=g, dtype=torch.int32)
+        with torch.no_grad():
+            past = DrafterGraph(drafter, fuse_context)(c0, ckv(0), anchor)[-1]
+        return [{"context": c0, "past_ctx_kv": ckv(0), "anchor": anchor},
+                {"context": c1, "past_ctx_kv": past, "anchor": anchor + 1}]
+
+    t_out = ["next_ids", "context", "new_kv"] + (["logits"] if emit_logits else [])
+    d_out = ["draft_ids", "new_ctx_kv"] if dc.version == 1 else ["draft_ids", "cand_ids", "new_ctx_kv"]
+    specs = [
+        GraphSpec("target", TargetGraph(target, drafter, fuse_context, emit_logits), ["input_ids", "past_kv"], t_out,
+                  {"input_ids": {0: "n"}, "past_kv": {0: "past"}},
+                  (torch.arange(5, dtype=torch.int32), kv(3)), target_feeds),
+        GraphSpec("drafter", DrafterGraph(drafter, fuse_context), ["context", "past_ctx_kv", "anchor"], d_out,
+                  {"context": {0: "n"}, "past_ctx_kv": {0: "past"}, "anchor": {}},
+                  (torch.zeros(5, ctx_width, dtype=dtype), ckv(3), torch.tensor([1], dtype=torch.int32)),
+                  drafter_feeds, has_selector=dc.version == 2),
+    ]
+    if dc.version == 2:
+        K, R = dc.selector_top_k, dc.selector_rank
+
+        def selector_feeds():
+            g = _gen(2)
+            out = []
+            for B in (1, 3):
+                ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(B * S)]).view(B, S, K)
+                logits, _ = torch.sort(torch.randn(B, S, K, generator=g) * 3, dim=-1, descending=True)
+                out.append({"cand_logits": logits, "cand_ids": ids.int(),
+                            "gate": torch.randn(B, S, R, generator=g).to(dtype),
+                            "anchor": torch.randint(0, V, (B,), generator=g, dtype=torch.int32)})
+            return out
+
+        ex = selector_feeds()[1]
+        specs.append(GraphSpec("selector", SelectorGraph(drafter), list(ex),
+                               ["draft_ids", "path_index", "path_scores"],
+                               {"cand_logits": {0: "batch"}, "cand_ids": {0: "batch"}, "gate": {0: "batch"},
+                                "anchor": {0: "batch"}}, tuple(ex.values()), selector_feeds, has_selector=True))
+    return specs

@@ -1,0 +1,108 @@
+"""torch -> ONNX with the dynamo exporter, and the ONNX files on disk.
+
+The selector op becomes ONE `DFlash2Selector` node through a custom translation; every graph is
+written with its weights in an external data file, which both flavours of a graph share (they
+differ only in the model-local function).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+import onnxscript
+import torch
+
+from dflash2.export import selector_onnx as so
+from dflash2.export.graphs import GraphSpec
+from dflash2.ops import contract as C
+
+_custom = onnxscript.values.Opset(C.ONNX_DOMAIN, C.ONNX_OPSET)
+
+
+def _select_path_onnx(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, top_k: int, rank: int,
+                      output_multiplier: float = 1.0, logit_softcap: float = 0.0, mode: str = "greedy"):
+    return _custom.DFlash2Selector(
+        cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, top_k=top_k, rank=rank,
+        output_multiplier=output_multiplier, logit_softcap=logit_softcap, mode=mode,
+        plugin_version=C.PLUGIN_VERSION, plugin_namespace=C.PLUGIN_NAMESPACE, _num_outputs=len(C.OUTPUTS))
+
+
+def trace(spec: GraphSpec, max_seq_len: int) -> onnx.ModelProto:
+    import dflash2.reference.selector  # noqa: F401  (registers torch.ops.dflash2.select_path)
+
+    so.register_schema()
+    dims: dict[str, torch.export.Dim] = {}
+    limits = {"n": (1, max_seq_len), "past": (0, max_seq_len), "batch": (1, 64)}
+    for axes in spec.dynamic.values():
+        for name in axes.values():
+            dims.setdefault(name, torch.export.Dim(name, min=limits[name][0], max=limits[name][1]))
+    dynamic = {inp: {ax: dims[name] for ax, name in axes.items()} or None for inp, axes in spec.dynamic.items()}
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            spec.module.eval(), spec.example, input_names=spec.inputs, output_names=spec.outputs,
+            dynamic_shapes=dynamic, dynamo=True, optimize=True, verbose=False,
+            custom_translation_table={torch.ops.dflash2.select_path.default: _select_path_onnx})
+    model = program.model_proto
+    model.producer_name = "dflash2"
+    return model
+
+
+def flavour_files(name: str, has_selector: bool) -> dict[str, str]:
+    files = {"portable": f"{name}.onnx"}
+    if has_selector:
+        files["tensorrt"] = f"{name}.trt.onnx"
+    return files
+
+
+def write_graph(model: onnx.ModelProto, folder: Path, spec: GraphSpec, num_drafts: int) -> dict[str, str]:
+    """Write the portable file (+ external data), then the TensorRT flavour pointing at the same data."""
+    files = flavour_files(spec.name, spec.has_selector)
+    data = f"{spec.name}.onnx.data"
+    if spec.has_selector:
+        so.add_flavour(model, "portable", num_drafts)
+    onnx.save_model(model, str(folder / files["portable"]), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=data, size_threshold=1024)
+    if "tensorrt" in files:
+        trt = onnx.load(str(folder / files["portable"]), load_external_data=False)
+        so.add_flavour(trt, "tensorrt", num_drafts)
+        onnx.save_model(trt, str(folder / files["tensorrt"]))
+    for f in files.values():
+        onnx.checker.check_model(str(folder / f), full_check=True)
+    return files
+
+
+def io_spec(path: Path) -> dict:
+    """Inputs / outputs of a graph file: names, dtypes, dims (ints or symbolic names)."""
+    m = onnx.load(str(path), load_external_data=False)
+
+    def one(v):
+        t = v.type.tensor_type
+        return {"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
+                "shape": [d.dim_param or d.dim_value for d in t.shape.dim]}
+
+    return {"inputs": [one(v) for v in m.graph.input], "outputs": [one(v) for v in m.graph.output]}
+
+
+def duplicate_initializers(path: Path) -> list[tuple[str, str]]:
+    """Pairs of initializers with identical bytes in one file (e.g. a tied embedding stored twice)."""
+    import hashlib
+
+    m = onnx.load(str(path))
+    seen: dict[tuple, str] = {}
+    dups = []
+    for t in m.graph.initializer:
+        arr = onnx.numpy_helper.to_array(t)
+        if arr.size < 1024:
+            continue
+        key = (arr.dtype.str, arr.shape, hashlib.sha256(arr.tobytes()).hexdigest())
+        key_t = (arr.dtype.str, arr.shape[::-1], hashlib.sha256(arr.T.copy().tobytes()).hexdigest())
+        hit = seen.get(key) or seen.get(key_t)
+        if hit:
+            dups.append((hit, t.name))
+        seen[key] = t.name
+    return dups

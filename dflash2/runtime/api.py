@@ -1,0 +1,118 @@
+"""Open an export folder (ONNX Runtime) or an engine folder (TensorRT) and generate.
+
+    rt = open_runtime("out/smollm2")
+    ids = rt.prompt_ids(text="Hello", chat=True)
+    gen = rt.generate(ids, max_new_tokens=128)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dflash2 import manifest as mf
+from dflash2.errors import Dflash2Error
+from dflash2.runtime.session import SpecSession
+from dflash2.runtime.text import Stream, Text
+from dflash2.speculative import Generation, generate
+
+BACKENDS = ("onnxruntime", "tensorrt")
+
+
+class PromptError(Dflash2Error):
+    pass
+
+
+def pick_backend(manifest: dict, requested: str | None) -> str:
+    if requested and requested not in BACKENDS:
+        raise Dflash2Error(f"--backend: expected one of {BACKENDS}, found {requested!r}")
+    return requested or ("tensorrt" if manifest["format"] == mf.ENGINE_FORMAT else "onnxruntime")
+
+
+def make_backend(folder: Path, manifest: dict, name: str, provider: str | None = None, threads: int | None = None):
+    if name == "tensorrt":
+        from dflash2.runtime.trt import TrtBackend  # raises a clear error when tensorrt is missing
+
+        if manifest["format"] != mf.ENGINE_FORMAT:
+            raise Dflash2Error(f"{folder}: --backend tensorrt needs an engine folder (dflash2-build), "
+                               f"found an export folder")
+        return TrtBackend(folder, manifest)
+    from dflash2.runtime.engines import OrtBackend
+
+    if manifest["format"] == mf.ENGINE_FORMAT:  # an engine folder remembers the export it was built from
+        folder = Path(manifest["export_dir"])
+        manifest = mf.load(folder, (mf.EXPORT_FORMAT,))
+    graphs = {name: g["flavours"]["portable"] for name, g in manifest["graphs"].items()}
+    return OrtBackend(folder, graphs, provider, threads)
+
+
+class Runtime:
+    def __init__(self, folder: str | Path, backend: str | None = None, verify: bool = True,
+                 max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None):
+        self.folder = Path(folder)
+        self.manifest = mf.load(self.folder)
+        if verify:
+            mf.verify_files(self.folder, self.manifest)
+        self.backend_name = pick_backend(self.manifest, backend)
+        self.session = SpecSession(self.manifest, make_backend(self.folder, self.manifest, self.backend_name,
+                                                               provider, threads), max_seq_len)
+        self._text: Text | None = None
+
+    @property
+    def text(self) -> Text:
+        if self._text is None:
+            self._text = Text(self.folder)
+        return self._text
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(self.manifest["eos_token_ids"])
+
+    def prompt_ids(self, text: str | None = None, ids: Sequence | None = None, chat: bool = False,
+                   system: str | None = None) -> list[int]:
+        if (text is None) == (ids is None):
+            raise PromptError("give exactly one of a text prompt or prompt ids")
+        if ids is None:
+            if not text.strip():
+                raise PromptError("the prompt is empty")
+            ids = self.text.encode(text, chat=chat, system=system)
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)]
+        if bad:
+            raise PromptError(f"prompt ids must be integers, found {bad[:5]}")
+        out = [i for i in ids if not 0 <= i < self.session.vocab_size]
+        if out:
+            raise PromptError(f"prompt ids {out[:5]} are outside the vocabulary [0, {self.session.vocab_size})")
+        if not ids:
+            raise PromptError("the prompt is empty (0 tokens)")
+        return list(ids)
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int = 128, speculative: bool = True,
+                 stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None) -> Generation:
+        self.session.check_capacity(len(ids), max_new_tokens)
+        stream = Stream(self.text) if on_text else None
+        out: list[int] = []
+
+        def on_tokens(new: list[int]) -> bool:
+            out.extend(new)
+            if stream is not None:
+                on_text(stream.push(new))
+            return bool(stop) and any(s in self.text.decode(out[-(len(new) + 32):]) for s in stop)
+
+        gen = generate(self.session, ids, max_new_tokens, self.eos_ids, speculative, on_tokens)
+        if gen.stop_reason == "stop":
+            gen.ids = _trim_at_stop(gen.ids, stop, self.text)
+        if stream is not None:
+            on_text(stream.flush())
+        return gen
+
+
+def _trim_at_stop(ids: list[int], stops: Sequence[str], text: Text) -> list[int]:
+    """Shortest prefix whose text contains a stop string (the stop string is kept)."""
+    for k in range(1, len(ids) + 1):
+        if any(s in text.decode(ids[max(0, k - 64):k]) for s in stops):
+            return ids[:k]
+    return ids
+
+
+def open_runtime(folder: str | Path, **kw) -> Runtime:
+    return Runtime(folder, **kw)

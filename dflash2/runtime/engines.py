@@ -1,0 +1,91 @@
+"""One engine interface, several backends (Polygraphy-style runners).
+
+    backend.engine(name).run(inputs={name: View}, outputs={name: View})
+
+runs one graph with every input read from and every output written into caller-owned buffers.
+The ONNX Runtime backend binds views with IOBinding (raw pointers, no OrtValue per step).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from dflash2.runtime.memory import HostBuffer, View
+
+
+class Engine(Protocol):
+    name: str
+
+    def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def engine(self, graph: str) -> Engine: ...
+
+    def device_buffer(self, shape: tuple[int, ...], dtype) -> HostBuffer: ...
+
+    def host_buffer(self, shape: tuple[int, ...], dtype) -> HostBuffer: ...
+
+
+class OrtEngine:
+    def __init__(self, name: str, path: Path, providers: list[str], threads: int | None = None):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.name = name
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=providers)
+        except Exception as e:  # ORT raises its own Fail/InvalidGraph types; keep the file in the message
+            raise RuntimeError(f"{path}: ONNX Runtime could not load the graph: {e}") from e
+        self.binding = self.session.io_binding()
+        self.output_names = {o.name for o in self.session.get_outputs()}
+
+    def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        b = self.binding
+        for name, v in inputs.items():
+            b.bind_input(name, v.device, 0, v.dtype, v.shape, v.ptr)
+        for name, v in outputs.items():
+            b.bind_output(name, v.device, 0, v.dtype, v.shape, v.ptr)
+        for name in self.output_names - outputs.keys():
+            b.bind_output(name, "cpu")  # an output nobody reads (e.g. debug logits): ORT allocates it
+        self.session.run_with_iobinding(b)
+
+
+class OrtBackend:
+    """ONNX Runtime on the CPU (host buffers). The CUDA provider, when installed, is used for compute;
+    buffers stay in host memory, so ORT copies inputs to the GPU each step: use TensorRT on GPUs."""
+
+    name = "onnxruntime"
+
+    def __init__(self, folder: Path, graphs: dict[str, str], provider: str | None = None,
+                 threads: int | None = None):
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+        if provider and provider not in available:
+            raise RuntimeError(f"ONNX Runtime provider {provider!r} is not available; found {available}")
+        self.providers = [provider] if provider else ["CPUExecutionProvider"]
+        self.folder, self.graphs = folder, graphs
+        self.threads = threads or int(os.environ.get("DFLASH2_THREADS", "0")) or None
+
+    def engine(self, graph: str) -> OrtEngine:
+        return OrtEngine(graph, self.folder / self.graphs[graph], self.providers, self.threads)
+
+    def device_buffer(self, shape, dtype) -> HostBuffer:
+        return HostBuffer(shape, dtype)
+
+    def host_buffer(self, shape, dtype) -> HostBuffer:
+        return HostBuffer(shape, dtype)
+
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}

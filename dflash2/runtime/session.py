@@ -1,0 +1,105 @@
+"""The speculative session: drafter + target engines over buffers allocated once.
+
+Implements `dflash2.speculative.SpecBackend`, so the loop itself is the shared one.
+Buffer plan (T = max_seq_len, rows of the sequence-major KV layout from the manifest):
+    kv       [T, L, 2, kv, hd]   target KV; a step reads kv[:pos], writes kv[pos:pos+n]
+    ctx_kv   [T, Ld, 2, kv, hd]  drafter context KV; same rule with ctx_pos
+    context  [T, C]              target's context rows; the drafter reads rows [0, pending)
+    ids/next [T] int32           token staging in / target argmax out
+    anchor [1], draft [S], cand [S, K] int32
+Rollback after a rejection moves `pos`; rows past it are overwritten by the next step.
+The verify pass wrote its context rows at [0, S+1); committing acc+1 of them needs no copy.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dflash2.runtime.engines import NP_DTYPES, Backend
+
+
+class CapacityError(ValueError):
+    pass
+
+
+class SpecSession:
+    def __init__(self, manifest: dict, backend: Backend, max_seq_len: int | None = None):
+        m = manifest
+        self.manifest, self.backend = m, backend
+        self.block_size, S = m["block_size"], m["num_drafts"]
+        self.vocab_size = m["vocab_size"]
+        self.max_seq_len = T = min(max_seq_len or m["max_seq_len"], m["max_seq_len"])
+        dt = NP_DTYPES[m["dtype"]] if m["dtype"] in NP_DTYPES else np.uint16  # bf16 storage: 16-bit words
+        self.target, self.drafter = backend.engine("target"), backend.engine("drafter")
+        self.kv = backend.device_buffer((T, *m["kv"]["rows"]["target"]), dt)
+        self.ctx_kv = backend.device_buffer((T, *m["kv"]["rows"]["drafter"]), dt)
+        self.context = backend.device_buffer((T, m["context"]["width"]), dt)
+        self.ids = backend.host_buffer((T,), np.int32)
+        self.next_ids = backend.host_buffer((T,), np.int32)
+        self.anchor = backend.host_buffer((1,), np.int32)
+        self.draft_ids = backend.host_buffer((S,), np.int32)
+        self.has_lattice = m["drafter_version"] == 2
+        K = m["selector"]["top_k"] if self.has_lattice else 1
+        self.cand_ids = backend.host_buffer((S, K), np.int32)
+        self.reset()
+
+    def reset(self) -> None:
+        self.pos = self.ctx_pos = self.pending = 0
+
+    def buffers(self) -> dict[str, int]:
+        """name -> base address: constant for the life of the session (tested)."""
+        return {n: b.ptr for n, b in vars(self).items() if hasattr(b, "rows")}
+
+    def check_capacity(self, prompt_len: int, max_new_tokens: int) -> None:
+        need = prompt_len + max_new_tokens + self.block_size
+        if need > self.max_seq_len:
+            raise CapacityError(f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + block "
+                                f"{self.block_size} = {need} exceeds max_seq_len {self.max_seq_len} "
+                                f"(re-export with a larger --max-seq-len)")
+
+    def _run_target(self, tokens: Sequence[int]) -> np.ndarray:
+        n = len(tokens)
+        if self.pos + n > self.max_seq_len:
+            raise CapacityError(f"KV cache full: {self.pos} + {n} > max_seq_len {self.max_seq_len}")
+        self.ids.host[:n] = tokens
+        self.ids.push(n)
+        self.target.run(
+            {"input_ids": self.ids.rows(0, n), "past_kv": self.kv.rows(0, self.pos)},
+            {"next_ids": self.next_ids.rows(0, n), "context": self.context.rows(0, n),
+             "new_kv": self.kv.rows(self.pos, self.pos + n)})
+        return self.next_ids.pull(n)
+
+    # --- SpecBackend ---------------------------------------------------------------------------
+    def prefill(self, ids: Sequence[int]) -> int:
+        self.reset()
+        out = self._run_target(ids)
+        self.pos, self.pending = len(ids), len(ids)
+        return int(out[-1])
+
+    def draft(self, anchor: int) -> np.ndarray:
+        n, p = self.pending, self.ctx_pos
+        self.anchor.host[0] = anchor
+        self.anchor.push(1)
+        outputs = {"draft_ids": self.draft_ids.whole(), "new_ctx_kv": self.ctx_kv.rows(p, p + n)}
+        if self.has_lattice:
+            outputs["cand_ids"] = self.cand_ids.whole()
+        self.drafter.run({"context": self.context.rows(0, n), "past_ctx_kv": self.ctx_kv.rows(0, p),
+                          "anchor": self.anchor.whole()}, outputs)
+        self.ctx_pos, self.pending = p + n, 0
+        if self.has_lattice:
+            self.cand_ids.pull(self.cand_ids.capacity)
+        return self.draft_ids.pull(self.block_size - 1)
+
+    def verify(self, tokens: Sequence[int]) -> np.ndarray:
+        return self._run_target(tokens)  # writes KV rows at pos..pos+S; pos moves at commit
+
+    def commit(self, n: int) -> None:
+        self.pos += n
+        self.pending = n  # verify's context rows [0, n) are the drafter's next input, in place
+
+    def decode(self, token: int) -> int:
+        out = self._run_target([token])
+        self.pos += 1
+        return int(out[0])
