@@ -216,13 +216,25 @@ def random_inputs(B: int, S: int, K: int, R: int, V: int, codebook_dtype: str = 
             "pred_codebook": floats((V, R), codebook_dtype), "succ_codebook": floats((V, R), codebook_dtype)}
 
 
-def _time_us(fn, min_seconds: float = 0.3, min_iters: int = 3) -> float:
+def _time_us(fn, repeats: int = 7, min_seconds: float = 0.05) -> float:
+    """Median over `repeats` of the mean microseconds per call (robust to a busy machine)."""
     fn()  # warm-up
-    n, t0 = 0, time.perf_counter()
-    while n < min_iters or time.perf_counter() - t0 < min_seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n * 1e6
+    n = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = time.perf_counter() - t0
+        if dt >= min_seconds:
+            break
+        n *= 2
+    samples = [dt / n]
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - t0) / n)
+    return float(np.median(samples)) * 1e6
 
 
 def bench(batches=(1, 8), codebook_dtypes=("float32", "bfloat16"), S: int = 7, K: int = 16, R: int = 256,
@@ -252,8 +264,50 @@ def _time_torch_reference(x: dict, K: int, R: int) -> float:
         return torch.from_numpy(a)
 
     t = {k: tensor(v) for k, v in x.items()}
-    with torch.inference_mode():
-        return _time_us(lambda: torch.ops.dflash2.select_path(**t, top_k=K, rank=R))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU twin is single-threaded; OpenMP spinning on a busy box distorts
+    try:
+        with torch.inference_mode():
+            return _time_us(lambda: torch.ops.dflash2.select_path(**t, top_k=K, rank=R))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _has_bf16() -> bool:
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpu_check(V: int = 151936, iters: int = 200) -> dict:
+    """Kernel vs CPU twin (bit-identical with softcap 0) on odd and production shapes, plus kernel
+    microseconds per launch at production sizes. Needs a GPU, not torch."""
+    n, why = cuda_device_count()
+    if n == 0:
+        raise PluginLibraryError(f"no CUDA device: {why}")
+    dtypes = ("float32", "float16") + (("bfloat16",) if _has_bf16() else ())
+    shapes = [(1, 7, 16, 256, 2000), (8, 7, 16, 256, 2000), (3, 1, 1, 1, 50), (2, 5, 64, 1024, 500),
+              (2, 40, 4, 33, 64)]
+    mismatches, checked = [], 0
+    for dt in dtypes:
+        for B, S, K, R, Vs in shapes:
+            x = random_inputs(B, S, K, R, Vs, codebook_dtype=dt, logits_dtype=dt, seed=B + S + K + R)
+            cpu = select_path_cpu(**x, top_k=K, rank=R)
+            gpu = select_path_cuda(**x, top_k=K, rank=R)[:3]
+            checked += 1
+            for name, a, b in zip(C.output_names(), gpu, cpu):
+                if not np.array_equal(a, b):
+                    mismatches.append(f"{dt} B={B} S={S} K={K} R={R}: {name} differs at "
+                                      f"{np.argwhere(a != b)[:3].tolist()}")
+    timings = []
+    dt = "bfloat16" if _has_bf16() else "float16"
+    for B in (1, 8):
+        x = random_inputs(B, 7, 16, 256, V, codebook_dtype=dt)
+        us = select_path_cuda(**x, top_k=16, rank=256, timing_iters=iters)[3]
+        timings.append({"batch": B, "S": 7, "K": 16, "R": 256, "V": V, "codebook_dtype": dt, "kernel_us": us})
+    return {"cases_checked": checked, "mismatches": mismatches, "timings": timings}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +318,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--vocab", type=int, default=151936)
     b.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference (no torch needed)")
     sub.add_parser("find", help="print the library paths that would be loaded")
+    sub.add_parser("gpu", help="kernel vs CPU twin + kernel microseconds (needs a GPU, not torch)")
     args = ap.parse_args(argv)
+    if args.cmd == "gpu":
+        try:
+            res = gpu_check()
+        except PluginLibraryError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"kernel vs CPU twin: {res['cases_checked']} cases, {len(res['mismatches'])} mismatching")
+        for m in res["mismatches"]:
+            print("  MISMATCH", m)
+        for t in res["timings"]:
+            print(f"kernel B={t['batch']} S=7 K=16 R=256 V={t['V']} {t['codebook_dtype']}: {t['kernel_us']:.1f} us")
+        print(json.dumps(res))
+        return 1 if res["mismatches"] else 0
     if args.cmd == "find":
         for name in (PLUGIN_LIB, CPU_LIB):
             try:
@@ -272,8 +340,13 @@ def main(argv: list[str] | None = None) -> int:
             except PluginLibraryError as e:
                 print(e)
         return 0
-    rows = bench(tuple(args.batch), V=args.vocab, reference=not args.no_reference)
-    print(f"{'batch':>5} {'codebooks':>9} {'CPU twin us':>12} {'torch ref us':>13} {'speedup':>8}")
+    try:
+        rows = bench(tuple(args.batch), V=args.vocab, reference=not args.no_reference)
+    except PluginLibraryError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{'batch':>5} {'codebooks':>9} {'CPU twin us':>12} {'torch ref us':>13} {'speedup':>8}"
+          "   (median us per call, one thread each)")
     for r in rows:
         ref = r.get("torch_reference_us")
         ref_s, speedup = (f"{ref:.1f}", f"{ref / r['cpu_twin_us']:.1f}x") if ref else ("-", "-")

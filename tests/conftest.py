@@ -28,3 +28,16 @@ def pairs(tiny_root, targets):
                               num_layers=2 if ver == 2 else 1)
         out[(fam, ver)] = (d, targets[fam])
     return out
+
+
+@pytest.fixture(scope="session")
+def exports(tiny_root, pairs):
+    """(family, version) -> export folder, made lazily once per session."""
+    from tests.exports import export_pair
+
+    class Lazy(dict):
+        def __missing__(self, key):
+            self[key] = export_pair(tiny_root, pairs, *key, max_seq_len=6000)
+            return self[key]
+
+    return Lazy()

@@ -132,6 +132,7 @@ def test_low_precision_codebooks_computed_in_fp32():
     (lambda c: (*c[:2], c[2][:, :, :1], *c[3:]), "dim R"),
     (lambda c: (*c[:4], c[4].half(), c[5]), "share a dtype"),
     (lambda c: (*c[:3], c[3][None], *c[4:]), "anchor expected rank 1"),
+    (lambda c: (c[0], c[1] + 20, *c[2:]), r"cand_ids expected ids in \[0, 20\)"),
 ])
 def test_bad_inputs_are_rejected(mutate, match):
     case = random_case(1, 3, 4, 2, 20)

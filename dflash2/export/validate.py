@@ -18,6 +18,9 @@ from dflash2.errors import ValidationError
 from dflash2.export.graphs import GraphSpec
 
 TOLERANCES = {"float32": (1e-4, 1e-3), "float16": (5e-2, 2e-2), "bfloat16": (2e-1, 5e-2)}  # (atol, rtol)
+# Share of id entries allowed to differ. fp32: none. In fp16/bf16 the LM-head output is rounded to
+# 16 bits before the fp32 top-K, so near-equal candidates can swap order between backends.
+ID_MISMATCH_SHARE = {"float32": 0.0, "float16": 0.05, "bfloat16": 0.1}
 
 
 def np_of(t: torch.Tensor) -> np.ndarray:
@@ -51,8 +54,9 @@ def compare(graph: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray],
         if np.issubdtype(ref.dtype, np.integer):
             bad = int((out != ref).sum())
             report[name] = {"mismatches": bad, "total": int(ref.size)}
-            if bad:
-                failures.append(f"{graph}.{name} (step {step}): {bad}/{ref.size} ids differ")
+            if bad > ID_MISMATCH_SHARE[dtype] * ref.size:
+                failures.append(f"{graph}.{name} (step {step}): {bad}/{ref.size} ids differ "
+                                f"(allowed {ID_MISMATCH_SHARE[dtype]:.0%} in {dtype})")
             continue
         a, b = out.astype(np.float64), ref.astype(np.float64)
         diff = np.abs(a - b)

@@ -12,6 +12,8 @@ Math (see algorithm.md section 4), all in fp32 whatever the input dtypes:
     NaN -> -inf;  idx_0 = argmax_c score[b,0,0,c];  idx_s = argmax_c score[b,s,idx_{s-1},c]
     ties -> lowest index (a +inf wins, the first +inf if several; all -inf -> 0)
     draft_ids[b,s] = cand_ids[b,s,idx_s]; path_index[b,s] = idx_s; path_scores[b,s,:] = walked row
+Ids outside [0, V) are invalid input: the torch op and the CPU twin raise; the CUDA kernel never
+reads out of bounds and scores such a candidate -inf.
 """
 
 from __future__ import annotations

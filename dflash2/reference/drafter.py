@@ -100,8 +100,14 @@ class Drafter(nn.Module):
         if c.version == 2:
             self.candidate_selector = CandidateSelector(c)
         self.register_buffer("embed_weight", embed_weight, persistent=False)
-        self.register_buffer("head_weight", head_weight, persistent=False)
+        # a tied target shares one tensor: register it once so no graph stores it twice
+        self.tied = head_weight is embed_weight or head_weight.data_ptr() == embed_weight.data_ptr()
+        self.register_buffer("untied_head", None if self.tied else head_weight, persistent=False)
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_weight if self.tied else self.untied_head
 
     def kv_row_shape(self) -> tuple[int, int, int, int]:
         c = self.config

@@ -37,8 +37,8 @@ def select_path(
         unary = torch.tanh(unary / logit_softcap) * logit_softcap
     ids = cand_ids.long()
     pred_ids = torch.cat([anchor.long()[:, None, None].expand(B, 1, K), ids[:, :-1]], dim=1)  # [B, S, K]
-    P = pred_codebook.float()[pred_ids]  # [B, S, K, R]
-    Q = succ_codebook.float()[ids]  # [B, S, K, R]
+    P = pred_codebook[pred_ids].float()  # [B, S, K, R]: gather first, then widen only the rows used
+    Q = succ_codebook[ids].float()  # [B, S, K, R]
     pair = torch.einsum("bspr,bsr,bscr->bspc", P, gate.float(), Q)  # [B, S, K(pred), K(cand)]
     scores = unary[:, :, None, :] + pair  # [B, S, K, K]
     scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
@@ -97,6 +97,10 @@ def check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebo
         raise ValueError(f"{C.OP_NAME}: R of the inputs expected rank={a['rank']}, found {dims['R']}")
     if dims["S"] < 1:
         raise ValueError(f"{C.OP_NAME}: S expected >= 1, found {dims['S']}")
+    for name, ids in (("cand_ids", cand_ids), ("anchor", anchor)):
+        if ids.numel() and not torch.compiler.is_exporting() and (ids.min() < 0 or ids.max() >= dims["V"]):
+            raise ValueError(f"{C.OP_NAME}: {name} expected ids in [0, {dims['V']}), found "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
 
 
 def select_candidates(

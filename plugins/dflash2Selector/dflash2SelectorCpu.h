@@ -36,6 +36,10 @@ DF2_API int32_t dflash2_select_path_cpu(Df2SelectArgs const* args, char* err, si
 DF2_API int32_t dflash2_select_path_cuda(
     Df2SelectArgs const* args, int32_t timingIters, float* usPerCall, char* err, size_t errLen);
 
+/* libdflash2_plugins.so only: number of visible CUDA devices, or -1 with the CUDA error in `err`
+   (no driver, no device). Lets tests skip with the real reason. */
+DF2_API int32_t dflash2_cuda_device_count(char* err, size_t errLen);
+
 #ifdef __cplusplus
 }
 #endif

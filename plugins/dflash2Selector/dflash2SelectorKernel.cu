@@ -231,3 +231,15 @@ extern "C" DF2_API int32_t dflash2_select_path_cuda(
     char const* what = runOnDevice(*host, timingIters, usPerCall, st);
     return what == nullptr ? 0 : dflash2::cudaFail(err, errLen, what, st);
 }
+
+extern "C" DF2_API int32_t dflash2_cuda_device_count(char* err, size_t errLen)
+{
+    int count = 0;
+    cudaError_t const st = cudaGetDeviceCount(&count);
+    if (st != cudaSuccess)
+    {
+        dflash2::cudaFail(err, errLen, "cudaGetDeviceCount", st);
+        return -1;
+    }
+    return count;
+}

@@ -1,0 +1,207 @@
+"""dflash2-export: graphs, flavours, validation, manifest, ONNX-Runtime-only greedy loop, bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from dflash2.errors import CheckpointError, TensorSetError, ValidationError
+from dflash2.export import selector_onnx as so
+from dflash2.export import trace as tr
+from dflash2.export.api import OutputError, export
+from dflash2.ops import contract as C
+from dflash2.reference.backend import TorchBackend
+from dflash2.reference.load import load_pair
+from dflash2.runtime.api import Runtime
+from dflash2.speculative import generate
+
+COMBOS = [("llama", 1), ("llama", 2), ("qwen3", 1), ("qwen3", 2)]
+
+
+@pytest.mark.parametrize("family,version", COMBOS)
+def test_export_validates_and_ort_loop_equals_reference(exports, pairs, family, version):
+    out = exports[(family, version)]
+    m = json.loads((out / "manifest.json").read_text())
+    so.register_schema()
+    for g in m["graphs"].values():
+        for f in g["flavours"].values():
+            onnx.checker.check_model(str(out / f), full_check=True)
+    assert all(v["ok"] for v in m["validation"].values())
+    assert set(m["graphs"]) == ({"target", "drafter", "selector"} if version == 2 else {"target", "drafter"})
+    # a greedy loop driven only by ONNX Runtime sessions over the portable graphs
+    prompt = [7, 1, 8, 2, 8, 1, 8]
+    ort_gen = generate(Runtime(out).session, prompt, 64)
+    target, drafter = load_pair(*pairs[(family, version)])
+    ref = generate(TorchBackend(target, drafter, 512), prompt, 64)
+    assert ort_gen.ids == ref.ids and len(ref.ids) == 64
+    assert ort_gen.stats.accepted == ref.stats.accepted
+
+
+def test_flavours(exports):
+    out = exports[("qwen3", 2)]
+    trt = onnx.load(str(out / "drafter.trt.onnx"), load_external_data=False)
+    portable = onnx.load(str(out / "drafter.onnx"), load_external_data=False)
+    nodes = [n for n in trt.graph.node if n.op_type == C.OP_NAME]
+    assert len(nodes) == 1 and nodes[0].domain == C.ONNX_DOMAIN
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    assert attrs["plugin_version"] == C.PLUGIN_VERSION.encode() and attrs["plugin_namespace"] == b""
+    assert attrs["top_k"] == 8 and attrs["rank"] == 16 and attrs["mode"] == b"greedy"
+    assert len(trt.functions) == 0  # TensorRT's parser must fall through to the plugin registry
+    assert [f.name for f in portable.functions] == [C.OP_NAME]
+    # both flavours share one external data file
+    locations = {e.value for t in trt.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"drafter.onnx.data"}
+    # the custom node's outputs are int32, int32, fp32 as the contract says
+    sel = onnx.load(str(out / "selector.trt.onnx"), load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in sel.graph.output}
+    assert types == {"draft_ids": onnx.TensorProto.INT32, "path_index": onnx.TensorProto.INT32,
+                     "path_scores": onnx.TensorProto.FLOAT}
+
+
+def test_manifest_contents(exports):
+    out = exports[("llama", 2)]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["contract_version"] == C.CONTRACT_VERSION and m["kv"]["layout"][0] == "seq"
+    assert m["graphs"]["target"]["inputs"][1] == {"name": "past_kv", "dtype": "float32",
+                                                   "shape": ["past", *m["kv"]["rows"]["target"]]}
+    assert {"torch", "onnx", "onnxruntime", "onnxscript"} <= set(m["tools"])
+    assert (out / "tokenizer.json").is_file() and "tokenizer.json" in m["files"]
+    for name in ("target.inputs.json", "target.reference.json", "drafter.onnx.data"):
+        assert name in m["files"]
+
+
+def test_polygraphy_cli_replays_reference(exports):
+    out = exports[("llama", 2)]
+    polygraphy = str(Path(sys.executable).parent / "polygraphy")
+    r = subprocess.run([polygraphy, "run", "target.onnx", "--onnxrt", "--load-inputs",
+                        "target.inputs.json", "--load-outputs", "target.reference.json", "--atol", "1e-4",
+                        "--rtol", "1e-3"], cwd=out, capture_output=True, text=True)
+    assert r.returncode == 0 and "PASSED" in r.stdout + r.stderr
+
+
+def test_tied_embedding_stored_once(tmp_path):
+    from dflash2 import tiny
+
+    t = tiny.make_target(tmp_path / "t", tie_word_embeddings=True)
+    d = tiny.make_drafter(tmp_path / "d", t, version=2)
+    out = tmp_path / "out"
+    export(d, t, out, quiet=True)
+    assert tr.duplicate_initializers(out / "target.onnx") == []
+    assert tr.duplicate_initializers(out / "drafter.onnx") == []
+
+
+def test_fp16_export_validates(tmp_path, pairs):
+    out = tmp_path / "fp16"
+    m = export(*pairs[("qwen3", 2)], out, dtype="float16", quiet=True)
+    assert all(v["ok"] for v in m["validation"].values())
+    assert m["graphs"]["target"]["inputs"][1]["dtype"] == "float16"
+    # selector scores and unary logits stay fp32 inside an fp16 graph
+    model = onnx.load(str(out / "drafter.trt.onnx"), load_external_data=False)
+    node = next(n for n in model.graph.node if n.op_type == C.OP_NAME)
+    vi = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    assert vi.get(node.input[0]) == onnx.TensorProto.FLOAT  # cand_logits fp32
+    assert vi.get(node.input[2]) == onnx.TensorProto.FLOAT16  # gate in the graph dtype
+
+
+def test_validation_failure_lists_every_output_and_writes_nothing(tmp_path, pairs, monkeypatch):
+    from dflash2.export import validate
+
+    monkeypatch.setitem(validate.TOLERANCES, "float32", (0.0, 0.0))
+    out = tmp_path / "bad"
+    with pytest.raises(ValidationError) as e:
+        export(*pairs[("llama", 2)], out, quiet=True)
+    text = str(e.value)
+    assert "target.context" in text and "target.new_kv" in text and "max abs" in text
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def _no_leftovers(folder):
+    return [p.name for p in folder.iterdir() if ".tmp-" in p.name or ".old-" in p.name] == []
+
+
+@pytest.mark.parametrize("case", ["wrong_folder", "missing_tensor", "hidden", "vocab", "architecture"])
+def test_bad_checkpoints(tmp_path, pairs, case):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(pairs[("llama", 2)][0], drafter)
+    target = pairs[("llama", 2)][1]
+    cfg = json.loads((drafter / "config.json").read_text())
+    err, match = CheckpointError, None
+    if case == "wrong_folder":
+        drafter, match = tmp_path / "nope", "no such directory"
+    elif case == "missing_tensor":
+        t = load_file(str(drafter / "model.safetensors"))
+        del t["norm.weight"]
+        save_file(t, str(drafter / "model.safetensors"))
+        err, match = TensorSetError, r"missing \(1\): norm.weight"
+    elif case == "hidden":
+        cfg.update(hidden_size=32, head_dim=8)
+        match = "hidden_size: expected target hidden_size=64"
+    elif case == "vocab":
+        cfg["vocab_size"] = 999
+        match = "vocab_size: expected target vocab_size"
+    else:
+        cfg["architectures"] = ["MedusaModel"]
+        match = "unsupported architecture"
+    (drafter / "config.json").write_text(json.dumps(cfg)) if drafter.exists() else None
+    out = tmp_path / "out"
+    with pytest.raises(err, match=match):
+        export(drafter, target, out, quiet=True)
+    assert not out.exists() and _no_leftovers(tmp_path)
+
+
+def test_output_rules(tmp_path, pairs):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OutputError, match="is a file, not a folder"):
+        export(*pairs[("llama", 1)], blocker / "out", quiet=True)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    with pytest.raises(OutputError, match="exists; pass --force"):
+        export(*pairs[("llama", 1)], existing, quiet=True)
+    assert (existing / "keep.txt").read_text() == "mine"
+    export(*pairs[("llama", 1)], existing, force=True, quiet=True)
+    assert (existing / "manifest.json").is_file() and not (existing / "keep.txt").exists()
+    assert _no_leftovers(tmp_path)
+
+
+def test_cli_prints_time_and_sizes(tmp_path, pairs):
+    drafter, target = pairs[("qwen3", 1)]
+    r = subprocess.run([sys.executable, "-m", "dflash2.cli.export", "--model", str(drafter), "--target", str(target),
+                        "--out", str(tmp_path / "o"), "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "exported" in r.stdout and " s (dtype float32" in r.stdout and "target.onnx.data" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "dflash2.cli.export", "--model", str(drafter), "--target", str(target),
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 2 and "exists; pass --force" in r.stderr
+
+
+def test_portable_selector_function_matches_torch_op():
+    import onnxruntime as ort
+    import torch
+
+    so.register_schema()
+    m = so.selector_model(7, 16, 256, 300, "portable", {"output_multiplier": 0.5, "logit_softcap": 2.0})
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = dict(cand_logits=rng.standard_normal((3, 7, 16), dtype=np.float32),
+                 cand_ids=rng.integers(0, 300, (3, 7, 16)).astype(np.int32),
+                 gate=rng.standard_normal((3, 7, 256), dtype=np.float32), anchor=np.array([1, 2, 3], np.int32),
+                 pred_codebook=rng.standard_normal((300, 256), dtype=np.float32) / 4,
+                 succ_codebook=rng.standard_normal((300, 256), dtype=np.float32) / 4)
+    feeds["cand_logits"][0, 2, 3] = np.nan
+    feeds["cand_logits"][1, 4] = -np.inf
+    got = sess.run(None, feeds)
+    want = torch.ops.dflash2.select_path(*[torch.from_numpy(v) for v in feeds.values()], top_k=16, rank=256,
+                                         output_multiplier=0.5, logit_softcap=2.0)
+    np.testing.assert_array_equal(got[0], want[0].numpy())
+    np.testing.assert_array_equal(got[1], want[1].numpy())
+    np.testing.assert_allclose(got[2], want[2].numpy(), rtol=1e-5, atol=1e-5)
