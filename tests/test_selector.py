@@ -99,7 +99,7 @@ def test_hand_built_path_is_known():
 
 
 def test_nan_inf_and_ties():
-    K, V, R = 4, 10, 2
+    V, R = 10, 2
     ids = torch.tensor([[[1, 2, 3, 4]] * 4], dtype=torch.int32)
     zero = torch.zeros(V, R)
     logits = torch.tensor([[[0.5, float("nan"), 0.5, 0.1],  # NaN is -inf; tie 0.5/0.5 -> lowest index 0

@@ -7,7 +7,6 @@ validation, so a failure leaves nothing behind and an existing folder is replace
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from dflash2 import __version__
 from dflash2 import manifest as mf
 from dflash2.config import check_pair, load_drafter_config, load_target_config
-from dflash2.errors import Dflash2Error
+from dflash2.folders import OutputError, check_output, replace_folder, temp_folder
 from dflash2.export import trace as tr
 from dflash2.export.graphs import graph_specs
 from dflash2.export.validate import raise_if_failed, validate_graph
@@ -32,25 +31,6 @@ KV_BINDING = ("prefix-view: past_kv is the contiguous prefix buffer[:P] of one p
               "[max_seq_len, L, 2, kv, hd]; new_kv is bound to buffer[P:P+n], so a step copies nothing and "
               "rollback moves P. A static buffer + write position would make every step attend over max_seq_len "
               "rows and scatter inside the graph.")
-
-
-class OutputError(Dflash2Error):
-    pass
-
-
-def check_output(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise OutputError(f"{out}: output folder exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: expected a folder, found a file")
-    parent = out.parent
-    probe = parent
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise OutputError(f"{out}: cannot create the output folder: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK):
-        raise OutputError(f"{out}: cannot write into {probe} (permission denied)")
 
 
 def tool_versions() -> dict[str, str]:
@@ -80,10 +60,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     progress = Progress(1 + 2 * specs_count + 1, quiet)
     with progress.step("loading and checking the checkpoints"):
         target, drafter = load_pair(drafter_dir, target_dir, DTYPES[dtype])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temp_folder(out)
     try:
         manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress)
         manifest["sources"] = {"drafter": str(Path(drafter_dir).absolute()), "target": str(Path(target_dir).absolute())}
@@ -97,7 +74,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
             (tmp / mf.NAME).write_text(json.dumps(manifest, indent=2))
         raise_if_failed(manifest.pop("_failures"))
         (tmp / mf.NAME).write_text(json.dumps(manifest, indent=2))
-        _replace(tmp, out)
+        replace_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     manifest["export_seconds"] = progress.elapsed
@@ -136,14 +113,3 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fu
         "target_config": tc.to_dict(), "drafter_config": dc.to_dict(),
         "graphs": graphs, "validation": validation, "_failures": failures,
     }
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename into place; an existing folder (only with --force) is moved aside first, then removed."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -17,10 +17,7 @@ import torch
 from dflash2.errors import ValidationError
 from dflash2.export.graphs import GraphSpec
 
-TOLERANCES = {"float32": (1e-4, 1e-3), "float16": (5e-2, 2e-2), "bfloat16": (2e-1, 5e-2)}  # (atol, rtol)
-# Share of id entries allowed to differ. fp32: none. In fp16/bf16 the LM-head output is rounded to
-# 16 bits before the fp32 top-K, so near-equal candidates can swap order between backends.
-ID_MISMATCH_SHARE = {"float32": 0.0, "float16": 0.05, "bfloat16": 0.1}
+from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES  # noqa: E402
 
 
 def np_of(t: torch.Tensor) -> np.ndarray:

@@ -160,15 +160,16 @@ class Drafter(nn.Module):
 
     def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> dict[str, torch.Tensor]:
         """hidden [S, H] -> draft_ids [S] int32 (+ the selector's lattice for v2)."""
-        c = self.config
-        logits = self.logits(hidden).float()  # [S, V]
-        if c.version == 1:
-            return {"draft_ids": _scaled(logits, c).argmax(-1).int()}
-        sel = self.candidate_selector
-        out = select_candidates(logits[None], hidden[None], anchor.reshape(1), sel.hidden_projection.weight,
-                                sel.predecessor_codebook, sel.successor_codebook, c.selector_top_k,
-                                c.output_multiplier, c.logit_softcap)
-        return {k: v[0] for k, v in out.items()}
+        if self.config.version == 1:
+            return {"draft_ids": _scaled(self.logits(hidden).float(), self.config).argmax(-1).int()}
+        return {k: v[0] for k, v in self.propose_batch(hidden[None], anchor.reshape(1)).items()}
+
+    def propose_batch(self, hidden: torch.Tensor, anchor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """DFlash2: hidden [nb, S, H], anchor [nb] -> selector outputs [nb, S(, K)]."""
+        c, sel = self.config, self.candidate_selector
+        return select_candidates(self.logits(hidden).float(), hidden, anchor, sel.hidden_projection.weight,
+                                 sel.predecessor_codebook, sel.successor_codebook, c.selector_top_k,
+                                 c.output_multiplier, c.logit_softcap)
 
 
 def _scaled(logits: torch.Tensor, c: DrafterConfig) -> torch.Tensor:

@@ -31,7 +31,9 @@ def pick_backend(manifest: dict, requested: str | None) -> str:
 
 def make_backend(folder: Path, manifest: dict, name: str, provider: str | None = None, threads: int | None = None):
     if name == "tensorrt":
-        from dflash2.runtime.trt import TrtBackend  # raises a clear error when tensorrt is missing
+        from dflash2.runtime.trt import TrtBackend, require_tensorrt
+
+        require_tensorrt()  # "TensorRT is not installed: ..." before any folder-kind message
 
         if manifest["format"] != mf.ENGINE_FORMAT:
             raise Dflash2Error(f"{folder}: --backend tensorrt needs an engine folder (dflash2-build), "

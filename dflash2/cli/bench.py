@@ -1,0 +1,40 @@
+"""dflash2-bench: autoregressive vs speculative decoding on the same prompts in one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dflash2.errors import Dflash2Error
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash2-bench", description=__doc__)
+    p.add_argument("folder", type=Path, help="export or engine folder")
+    p.add_argument("--prompts", type=Path, help="JSON list or one prompt per line (default: the shipped set)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved AR/spec runs per prompt")
+    p.add_argument("--json", type=Path, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG of acceptance per draft position")
+    a = p.parse_args(argv)
+    from dflash2.runtime import bench as b
+
+    try:
+        r = b.bench(a.folder, b.load_prompts(a.prompts), a.max_new_tokens, chat=not a.raw, repeats=a.repeats)
+    except (Dflash2Error, ValueError) as e:
+        print(f"dflash2-bench: error: {e}", file=sys.stderr)
+        return 2
+    print(b.table(r))
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=2))
+    if a.plot:
+        b.plot(r, a.plot)
+    print(json.dumps({k: r[k] for k in ("speedup", "acceptance_length", "lossless", "host_overhead_share")}))
+    return 0 if r["lossless"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

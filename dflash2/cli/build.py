@@ -1,0 +1,60 @@
+"""dflash2-build: an export folder -> TensorRT engines + manifest (engine folder for dflash2-run).
+
+Precision comes from the export: engines are strongly typed, so --precision fp16 needs a
+`dflash2-export --dtype float16` folder (the default is the export's own dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dflash2.errors import Dflash2Error
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash2-build", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("export_dir", type=Path, help="export folder written by dflash2-export")
+    p.add_argument("--out", required=True, type=Path, help="engine folder (written atomically)")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], help="must match the export dtype (default: it)")
+    p.add_argument("--max-seq-len", type=int, help="KV capacity (default and maximum: the export's max_seq_len)")
+    p.add_argument("--max-prefill", type=int, help="longest prompt in one prefill step (default: max_seq_len)")
+    p.add_argument("--plugin", type=Path, help="libdflash2_plugins.so (default: found like dflash2.plugins does)")
+    p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache file, loaded if present, then saved")
+    p.add_argument("--workspace", type=int, metavar="MB", help="builder workspace limit in MiB")
+    p.add_argument("--print-trtexec", action="store_true", help="print equivalent trtexec commands, build nothing")
+    p.add_argument("--manifest-only", action="store_true",
+                   help="write manifest.json for engines already in --out (built by the trtexec commands)")
+    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    from dflash2.engines.plan import plan_build
+
+    mode = "print" if a.print_trtexec else "adopt" if a.manifest_only else "build"
+    try:
+        plan = plan_build(a.export_dir, a.out, a.precision, a.max_seq_len, a.max_prefill, a.plugin, a.timing_cache,
+                          a.workspace, a.force, mode=mode)
+        if mode == "print":
+            from dflash2.engines.trtexec import commands
+
+            print("\n".join(commands(plan)))
+            return 0
+        from dflash2.engines.build import adopt, build
+
+        m = adopt(plan) if mode == "adopt" else build(plan, a.quiet)
+    except Dflash2Error as e:
+        print(f"dflash2-build: error: {e}", file=sys.stderr)
+        return 2
+    took = f" in {m['build_seconds']:.1f} s" if "build_seconds" in m else ""
+    print(f"engines in {a.out}{took} (TensorRT {m['tensorrt_version']}, precision {m['precision']}, "
+          f"max_seq_len {m['max_seq_len']}, max_prefill {m['max_prefill']})")
+    print(f"{'file':<28}{'MB':>10}")
+    for name, meta in m["files"].items():
+        print(f"{name:<28}{meta['bytes'] / 1e6:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""dflash2-compare: every exported graph vs its PyTorch reference with Polygraphy (ONNX Runtime, and
+TensorRT engines with --engines); a per-graph, per-output table; exit code 1 on any failure."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dflash2.errors import Dflash2Error
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash2-compare", description=__doc__)
+    p.add_argument("folder", type=Path, help="export folder written by dflash2-export")
+    p.add_argument("--engines", type=Path, help="engine folder written by dflash2-build from this export")
+    p.add_argument("--atol", type=float, help="absolute tolerance (default: by export dtype)")
+    p.add_argument("--rtol", type=float, help="relative tolerance (default: by export dtype)")
+    p.add_argument("--graph", action="append", help="compare only this graph (repeatable)")
+    a = p.parse_args(argv)
+    from dflash2.engines.compare import compare
+
+    try:
+        report = compare(a.folder, a.engines, a.atol, a.rtol, a.graph)
+    except Dflash2Error as e:
+        print(f"dflash2-compare: error: {e}", file=sys.stderr)
+        return 2
+    print(report.table())
+    failed = sum(not r.passed for r in report.rows)
+    if not report.rows:
+        print("FAILED: no comparison ran (see the notes above)")
+        return 1
+    print(f"{'PASSED' if report.passed else 'FAILED'}: {len(report.rows) - failed}/{len(report.rows)} comparisons")
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

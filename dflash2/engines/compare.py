@@ -1,0 +1,209 @@
+"""Polygraphy comparisons of every exported graph against its PyTorch reference.
+
+For each graph of an export folder: the feeds saved at export (`<name>.inputs.json`) go through
+Polygraphy's OnnxrtRunner on the portable flavour and, given an engine folder, through TrtRunner
+on the built engine; each runner is compared with the saved PyTorch outputs
+(`<name>.reference.json`, a RunResults) by `Comparator.compare_accuracy` (CompareFunc.simple).
+The same checks replay from the shell with `polygraphy run X.onnx --onnxrt --load-inputs
+X.inputs.json --load-outputs X.reference.json`.
+
+The TensorRT runner uses the engine's first optimization profile (for the target: prefill, which
+covers every saved feed); the decode profile is exercised end to end by dflash2-run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dflash2 import manifest as mf
+from dflash2.errors import Dflash2Error
+
+# Same (atol, rtol) per export dtype as the validation right after export (dflash2.export.validate),
+# repeated here because the engines stage must not import torch.
+from dflash2.numerics import TOLERANCES  # noqa: E402
+REFERENCE = "pytorch"
+
+
+@dataclass
+class Row:
+    graph: str
+    pair: str
+    output: str
+    max_abs: float | None
+    max_rel: float | None
+    passed: bool
+    note: str = ""
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    def table(self) -> str:
+        head = f"{'graph':<10}{'runners':<22}{'output':<14}{'max abs':>11}{'max rel':>11}  result"
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            num = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
+            lines.append(f"{r.graph:<10}{r.pair:<22}{r.output:<14}{num(r.max_abs):>11}{num(r.max_rel):>11}  "
+                         f"{'PASS' if r.passed else 'FAIL'}{'  ' + r.note if r.note else ''}")
+        return "\n".join(lines + self.notes)
+
+
+def _quiet_polygraphy() -> None:
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.CRITICAL  # our table replaces its per-iteration [E] lines
+
+
+def onnxrt_runner(path: Path):
+    """OnnxrtRunner with our own session factory: Polygraphy's SessionFromOnnx would go through its
+    ONNX loader, which is not needed here; ORT resolves external data and inlines local functions."""
+    import onnxruntime as ort
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    def session():
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+    return OnnxrtRunner(session, name="onnxrt")
+
+
+def trt_runner(engine_path: Path, plugin: Path | None):
+    """TrtRunner over a built engine; the plugin library is loaded before deserializing."""
+    from polygraphy.backend.common import BytesFromPath
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+    from dflash2.runtime.trt import load_plugin, require_tensorrt
+
+    trt = require_tensorrt()
+    if plugin is not None:
+        load_plugin(trt, plugin)
+    return TrtRunner(EngineFromBytes(BytesFromPath(str(engine_path))), name="tensorrt")
+
+
+def _simple(pc, atol: float, rtol: float):
+    """CompareFunc.simple (Polygraphy < 0.53 spelling) or SimpleCompareFunc (newer, same semantics)."""
+    if hasattr(pc, "SimpleCompareFunc"):
+        return pc.SimpleCompareFunc(atol=atol, rtol=rtol)
+    return pc.CompareFunc.simple(atol=atol, rtol=rtol)
+
+
+def _max(results: list, attr: str) -> float | None:
+    """Largest finite statistic over iterations (0/0 relative differences are NaN: equal zeros)."""
+    vals = [getattr(c, attr, None) for c in results]
+    vals = [v for v in vals if v is not None and not math.isnan(v)]
+    return max(vals, default=0.0 if any(getattr(c, attr, None) is not None for c in results) else None)
+
+
+def _summarize(graph: str, accuracy, reference, report: Report) -> None:
+    """Per runner pair and output: max abs/rel over the iterations, pass only if every iteration did."""
+    expected = list(reference[0].keys()) if reference else []
+    results = accuracy if hasattr(accuracy, "items") else accuracy[0]  # AccuracyResults (>= 0.50) or AccuracyResult
+    for (r0, r1), iterations in results.items():
+        for name in expected:
+            per_iter = [it[name] for it in iterations if name in it.keys()]
+            if len(per_iter) < len(iterations):
+                report.rows.append(Row(graph, f"{r0} vs {r1}", name, None, None, False, "output missing"))
+                continue
+            bad = [i for i, c in enumerate(per_iter) if not bool(c)]
+            report.rows.append(Row(graph, f"{r0} vs {r1}", name, _max(per_iter, "max_absdiff"),
+                                   _max(per_iter, "max_reldiff"), not bad,
+                                   f"feed(s) {bad} of {len(per_iter)} out of tolerance" if bad else ""))
+
+
+def compare_graph(export_dir: Path, graph: str, g: dict, runners: list, atol: float, rtol: float,
+                  report: Report) -> None:
+    from polygraphy import comparator as pc
+    from polygraphy.comparator import Comparator, RunResults
+    from polygraphy.exception import PolygraphyException
+    from polygraphy.json import load_json
+
+    inputs_path, ref_path = export_dir / f"{graph}.inputs.json", export_dir / f"{graph}.reference.json"
+    for p in (inputs_path, ref_path):
+        if not p.is_file():
+            raise mf.ManifestError(f"{p}: expected the Polygraphy file dflash2-export saves, found none")
+    feeds = load_json(str(inputs_path))
+    reference = RunResults.load(str(ref_path))
+    if REFERENCE not in reference.keys():
+        raise mf.ManifestError(f"{ref_path}: expected runner {REFERENCE!r}, found {list(reference.keys())}")
+    ref_iters = reference[REFERENCE]
+    if len(ref_iters) != len(feeds):
+        raise mf.ManifestError(f"{ref_path}: {len(ref_iters)} reference iterations for {len(feeds)} saved feeds")
+    try:
+        ran = Comparator.run(runners, data_loader=feeds, warm_up=0)
+    except PolygraphyException as e:
+        report.rows.append(Row(graph, "run", "-", None, None, False, f"inference failed: {e}"))
+        return
+    results = RunResults()
+    results.append((REFERENCE, ref_iters))
+    for name, iters in ran.items():
+        results.append((name, iters))
+    with np.errstate(divide="ignore", invalid="ignore"):  # relative differences of exact zeros
+        accuracy = Comparator.compare_accuracy(results, comparisons=[(0, i) for i in range(1, len(runners) + 1)],
+                                               compare_func=_simple(pc, atol, rtol))
+    _summarize(graph, accuracy, ref_iters, report)
+
+
+def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol: float | None = None,
+            rtol: float | None = None, graphs: list[str] | None = None) -> Report:
+    """Compare every graph (or `graphs`) of an export folder; returns the per-output report."""
+    _quiet_polygraphy()
+    export_dir = Path(export_dir)
+    export = mf.load(export_dir, (mf.EXPORT_FORMAT,))
+    dtype = export["dtype"]
+    d_atol, d_rtol = TOLERANCES.get(dtype, TOLERANCES["float32"])
+    atol, rtol = (d_atol if atol is None else atol), (d_rtol if rtol is None else rtol)
+    report = Report(notes=[f"tolerances: atol {atol}, rtol {rtol} (export dtype {dtype})"])
+    unknown = sorted(set(graphs or []) - set(export["graphs"]))
+    if unknown:
+        raise Dflash2Error(f"--graph: expected names from {sorted(export['graphs'])}, found {unknown}")
+    engines, plugin, trt_skip = None, None, None
+    if engines_dir is not None:
+        from dflash2.engines.manifest import read
+
+        engines = read(engines_dir)
+        if Path(engines["export_dir"]).resolve() != export_dir.resolve():
+            report.notes.append(f"note: {engines_dir} was built from {engines['export_dir']}, not {export_dir}")
+        if engines.get("plugin"):  # the recorded library, else this machine's build
+            plugin = Path(engines["plugin"]["path"])
+            if not plugin.is_file():
+                from dflash2 import plugins
+
+                plugin = plugins.find_library(plugins.PLUGIN_LIB)
+        try:
+            from dflash2.runtime.trt import require_tensorrt
+
+            require_tensorrt()
+        except Dflash2Error as e:
+            trt_skip = f"TensorRT comparisons skipped: {e}"
+        if trt_skip is None and dtype == "bfloat16":
+            trt_skip = ("TensorRT comparisons skipped for a bfloat16 export: the saved feeds are float32 (numpy has "
+                        "no bfloat16); dflash2-run's spec vs --no-spec ids check the engines instead")
+        if trt_skip:
+            report.notes.append(trt_skip)
+    for graph, g in export["graphs"].items():
+        if graphs and graph not in graphs:
+            continue
+        runners = []
+        if dtype == "bfloat16":
+            report.notes.append(f"{graph}: onnxrt skipped (ONNX Runtime's CPU provider has no bfloat16 kernels)")
+        else:
+            runners.append(onnxrt_runner(export_dir / g["flavours"]["portable"]))
+        if engines is not None and trt_skip is None:
+            if graph in engines["engines"]:
+                runners.append(trt_runner(Path(engines_dir) / engines["engines"][graph]["file"], plugin))
+            else:
+                report.notes.append(f"{graph}: no engine in {engines_dir}")
+        if runners:
+            compare_graph(export_dir, graph, g, runners, atol, rtol, report)
+    return report

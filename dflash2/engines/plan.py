@@ -1,0 +1,158 @@
+"""What dflash2-build will do, checked before TensorRT is imported: export folder, precision vs the
+export dtype, capacity limits, the plugin library, the output folder. No tensorrt, no torch.
+
+Precision: engines are built from a STRONGLY TYPED network, which takes every tensor type from the
+ONNX graph (TensorRT then rejects the FP16/BF16 builder flags). So precision is decided at export:
+`--precision fp16` needs a `dflash2-export --dtype float16` folder, bf16 a bfloat16 one. We never
+let TensorRT pick lower precisions on its own: the selector's fp32 scores and the argmax over fp32
+logits are what keep greedy decoding lossless.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash2 import manifest as mf
+from dflash2 import plugins
+from dflash2.engines import profiles as pr
+from dflash2.engines.manifest import check_output
+from dflash2.errors import Dflash2Error
+from dflash2.ops import contract as C
+
+PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+PRECISION_OF_DTYPE = {v: k for k, v in PRECISIONS.items()}
+ENGINE_SUFFIX = ".engine"
+MODES = ("build", "print", "adopt")
+
+
+class PrecisionError(Dflash2Error):
+    pass
+
+
+class PluginVersionError(Dflash2Error):
+    pass
+
+
+@dataclass
+class EngineJob:
+    graph: str
+    onnx: Path  # absolute path of the flavour TensorRT parses (*.trt.onnx when the graph has the selector)
+    engine: str  # file name inside the engine folder
+    profiles: list[pr.Profile]
+    inputs: list[dict]
+    outputs: list[dict]
+
+
+@dataclass
+class BuildPlan:
+    export_dir: Path
+    export: dict
+    out: Path
+    precision: str
+    dtype: str
+    max_seq_len: int
+    max_prefill: int
+    plugin: Path | None  # None: the export has no custom op
+    plugin_found: bool = True
+    timing_cache: Path | None = None
+    workspace_mb: int | None = None
+    force: bool = False
+    jobs: list[EngineJob] = field(default_factory=list)
+
+
+def resolve_precision(precision: str | None, export_dtype: str, export_dir: Path) -> str:
+    if export_dtype not in PRECISION_OF_DTYPE:
+        raise PrecisionError(f"{export_dir / mf.NAME}: dtype: expected one of {list(PRECISION_OF_DTYPE)}, "
+                             f"found {export_dtype!r}")
+    if precision is None:
+        return PRECISION_OF_DTYPE[export_dtype]
+    if precision not in PRECISIONS:
+        raise PrecisionError(f"--precision: expected one of {list(PRECISIONS)}, found {precision!r}")
+    if PRECISIONS[precision] != export_dtype:
+        want = PRECISIONS[precision]
+        raise PrecisionError(
+            f"--precision {precision} does not match the export dtype {export_dtype} ({export_dir}): engines are "
+            f"strongly typed and take their types from the ONNX graph, so {precision} needs a {want} export "
+            f"(dflash2-export ... --dtype {want}); or build this export with --precision "
+            f"{PRECISION_OF_DTYPE[export_dtype]}")
+    return precision
+
+
+def check_selector_contract(export: dict, export_dir: Path) -> None:
+    """The export's selector node must name the plugin this checkout builds."""
+    sel = export.get("selector")
+    if not sel:
+        return
+    want = {"op": C.OP_NAME, "plugin_version": C.PLUGIN_VERSION, "plugin_namespace": C.PLUGIN_NAMESPACE}
+    bad = [f"{k}: export has {sel.get(k)!r}, this dflash2 builds {v!r}" for k, v in want.items() if sel.get(k) != v]
+    if bad:
+        raise PluginVersionError(f"{export_dir / mf.NAME}: selector plugin version mismatch ("
+                                 + "; ".join(bad) + "); re-export with this dflash2 or build the matching plugin")
+
+
+def library_abi(path: Path) -> int:
+    """The C ABI version libdflash2_plugins.so reports (loads with ctypes: no TensorRT or GPU needed)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise plugins.PluginLibraryError(f"{path} failed to load: {e}; {plugins.BUILD_HINT}") from e
+    if not hasattr(lib, "dflash2_selector_abi_version"):
+        raise plugins.PluginLibraryError(f"{path}: not a DFlash2 plugin library (no dflash2_selector_abi_version); "
+                                         f"{plugins.BUILD_HINT}")
+    lib.dflash2_selector_abi_version.restype = ctypes.c_int32
+    return int(lib.dflash2_selector_abi_version())
+
+
+def resolve_plugin(export: dict, plugin: str | Path | None, required: bool) -> tuple[Path | None, bool]:
+    """(library path, found). Only exports with the DFlash2Selector node need the plugin library."""
+    if not export.get("selector"):
+        return None, True
+    if plugin is not None:
+        path = Path(plugin).absolute()
+        if not path.is_file():
+            if required:
+                raise plugins.PluginLibraryError(f"--plugin {path}: no such file; {plugins.BUILD_HINT}")
+            return path, False
+    else:
+        try:
+            path = plugins.find_library(plugins.PLUGIN_LIB).absolute()
+        except plugins.PluginLibraryError:
+            if required:
+                raise
+            return Path(plugins.__file__).resolve().parents[1] / "build" / "plugins" / plugins.PLUGIN_LIB, False
+    if required and (abi := library_abi(path)) != plugins.ABI_VERSION:
+        raise PluginVersionError(f"{path}: plugin library ABI version expected {plugins.ABI_VERSION}, found {abi} "
+                                 f"(built from another checkout?); rebuild it with `bash plugins/build.sh`")
+    return path, True
+
+
+def plan_build(export_dir: str | Path, out: str | Path, precision: str | None = None, max_seq_len: int | None = None,
+               max_prefill: int | None = None, plugin: str | Path | None = None,
+               timing_cache: str | Path | None = None, workspace_mb: int | None = None, force: bool = False,
+               mode: str = "build") -> BuildPlan:
+    """Every check that needs no TensorRT. mode: "build"; "print" (--print-trtexec: no output, checksum or
+    plugin checks); "adopt" (--manifest-only: engines already in `out`, so no output-folder check)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, found {mode!r}")
+    export_dir, out = Path(export_dir).absolute(), Path(out).absolute()
+    export = mf.load(export_dir, (mf.EXPORT_FORMAT,))
+    if mode != "print":
+        mf.verify_files(export_dir, export)
+    if mode == "build":
+        check_output(out, force)
+    prec = resolve_precision(precision, export["dtype"], export_dir)
+    T, P = pr.limits(export, max_seq_len, max_prefill)
+    check_selector_contract(export, export_dir)
+    lib, found = resolve_plugin(export, plugin, required=mode != "print")
+    if workspace_mb is not None and workspace_mb <= 0:
+        raise Dflash2Error(f"--workspace: expected a positive number of MiB, found {workspace_mb}")
+    plan = BuildPlan(export_dir, export, out, prec, export["dtype"], T, P, lib, found,
+                     Path(timing_cache).absolute() if timing_cache else None, workspace_mb, force)
+    profiles = pr.plan_profiles(export, T, P)
+    for graph, g in export["graphs"].items():
+        flavour = g["flavours"].get("tensorrt", g["flavours"]["portable"])
+        plan.jobs.append(EngineJob(graph, export_dir / flavour, graph + ENGINE_SUFFIX, profiles[graph],
+                                   g["inputs"], g["outputs"]))
+    return plan

@@ -1,0 +1,109 @@
+"""Optimization profiles from the export manifest: pure functions, no TensorRT.
+
+Every dynamic input dim of every graph is one of the export's symbolic dims (manifest io specs):
+    n     rows of this step (prompt tokens, verify block, context rows)
+    past  rows already in the KV cache (prefix view of the preallocated buffer)
+    batch selector batch
+A profile is a box of (min, opt, max) per symbolic dim; an input's min/opt/max shapes substitute
+those ranges into its io spec. TensorRT tunes kernels at `opt`, so the target gets two profiles:
+prefill (long n, empty cache) and decode/verify (n <= S+1, the steady state), as in Edge-LLM.
+
+Bounds: rows past + n must fit the max_seq_len buffer and n >= 1, so past <= max_seq_len - 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash2.errors import Dflash2Error
+
+SELECTOR_MAX_BATCH = 8
+
+
+class ProfileError(Dflash2Error):
+    pass
+
+
+@dataclass(frozen=True)
+class DimRange:
+    min: int
+    opt: int
+    max: int
+
+    def __post_init__(self):
+        if not 0 <= self.min <= self.opt <= self.max:
+            raise ProfileError(f"dim range expected 0 <= min <= opt <= max, found ({self.min}, {self.opt}, {self.max})")
+
+    def contains(self, v: int) -> bool:
+        return self.min <= v <= self.max
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    dims: dict[str, DimRange]  # symbolic dim -> range
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]  # dynamic input -> (min, opt, max)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name,
+                "dims": {d: [r.min, r.opt, r.max] for d, r in self.dims.items()},
+                "shapes": {n: {"min": list(s[0]), "opt": list(s[1]), "max": list(s[2])}
+                           for n, s in self.shapes.items()}}
+
+
+def limits(export: dict, max_seq_len: int | None = None, max_prefill: int | None = None) -> tuple[int, int]:
+    """(max_seq_len, max_prefill) for the engines: --max-seq-len may only shrink the export's capacity."""
+    exported, block = int(export["max_seq_len"]), int(export["block_size"])
+    T = exported if max_seq_len is None else int(max_seq_len)
+    if T > exported:
+        raise ProfileError(f"--max-seq-len: expected <= the export's max_seq_len {exported}, found {T} "
+                           f"(re-export with dflash2-export --max-seq-len {T})")
+    if T < block + 2:
+        raise ProfileError(f"--max-seq-len: expected >= block_size + 2 = {block + 2}, found {T}")
+    P = T if max_prefill is None else int(max_prefill)
+    if not 1 <= P <= T:
+        raise ProfileError(f"--max-prefill: expected 1 <= max_prefill <= max_seq_len {T}, found {P}")
+    return T, P
+
+
+def dim_boxes(graph: str, export: dict, T: int, P: int) -> list[tuple[str, dict[str, DimRange]]]:
+    """Named profiles of one graph as ranges of its symbolic dims."""
+    S1 = int(export["block_size"])  # S + 1 = num_drafts + 1 rows in a verify step
+    mid = T // 2  # opt past: the middle of the cache, where decode spends most of its steps
+    if graph == "target":
+        return [("prefill", {"n": DimRange(1, P, P), "past": DimRange(0, 0, T - 1)}),
+                ("decode", {"n": DimRange(1, S1, S1), "past": DimRange(0, mid, T - 1)})]
+    if graph == "drafter":
+        # n: the prompt after prefill (<= max_prefill), then acc + 1 <= S + 1 rows per round
+        return [("draft", {"n": DimRange(1, S1, max(P, S1)), "past": DimRange(0, mid, T - 1)})]
+    if graph == "selector":
+        return [("batch", {"batch": DimRange(1, 1, SELECTOR_MAX_BATCH)})]
+    raise ProfileError(f"graph {graph!r}: no profile rule (expected one of target, drafter, selector)")
+
+
+def input_shapes(graph: str, io_inputs: list[dict], dims: dict[str, DimRange]) -> dict[str, tuple]:
+    """min/opt/max shapes of every input with a symbolic dim; static inputs need no profile entry."""
+    out = {}
+    for spec in io_inputs:
+        sym = [d for d in spec["shape"] if isinstance(d, str)]
+        if not sym:
+            continue
+        missing = [d for d in sym if d not in dims]
+        if missing:
+            raise ProfileError(f"graph {graph}: input {spec['name']} has symbolic dim(s) {missing} with no range "
+                               f"(expected only {sorted(dims)})")
+        out[spec["name"]] = tuple(tuple(getattr(dims[d], k) if isinstance(d, str) else int(d) for d in spec["shape"])
+                                  for k in ("min", "opt", "max"))
+    return out
+
+
+def plan_profiles(export: dict, max_seq_len: int | None = None,
+                  max_prefill: int | None = None) -> dict[str, list[Profile]]:
+    """graph -> its optimization profiles, for every graph of the export manifest."""
+    T, P = limits(export, max_seq_len, max_prefill)
+    plan = {}
+    for graph, g in export["graphs"].items():
+        plan[graph] = [Profile(name, dims, input_shapes(graph, g["inputs"], dims))
+                       for name, dims in dim_boxes(graph, export, T, P)]
+    return plan
+

@@ -1,0 +1,1 @@
+"""Built-in models: where they come from and how they are prepared."""

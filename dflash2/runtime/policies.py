@@ -1,0 +1,50 @@
+"""Draft-path policies for measurement: what the drafter's lattice could have drafted.
+
+- selector: the DFlash2 selector's walked path (what the runtime drafts)
+- top1:     the top-1 candidate per position (what DFlash v1 drafts from the same drafter)
+- oracle:   the best path inside the top-K lattice given the target's own greedy continuation
+            (a ceiling, not deployable: it reads the answer)
+The verify step is unchanged, so every policy stays lossless.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dflash2.runtime.session import SpecSession
+
+POLICIES = ("selector", "top1", "oracle")
+
+
+class PolicySession(SpecSession):
+    """A session whose drafts come from a policy over the drafter's candidate lattice."""
+
+    def __init__(self, *args, policy: str = "selector", **kw):
+        super().__init__(*args, **kw)
+        if policy not in POLICIES:
+            raise ValueError(f"policy expected one of {POLICIES}, found {policy!r}")
+        if policy != "selector" and not self.has_lattice:
+            raise ValueError(f"policy {policy!r} needs a DFlash2 drafter (a candidate lattice); this is DFlash v1")
+        self.policy, self.truth, self.prompt_len = policy, None, 0
+
+    def set_truth(self, prompt_len: int, greedy_ids: Sequence[int]) -> None:
+        """The target-only greedy continuation of this prompt (for the oracle)."""
+        self.prompt_len, self.truth = prompt_len, list(greedy_ids)
+
+    def draft(self, anchor: int) -> np.ndarray:
+        drafts = super().draft(anchor)
+        if self.policy == "selector":
+            return drafts
+        cand = self.cand_ids.host  # [S, K]
+        if self.policy == "top1":
+            return cand[:, 0]
+        start = self.pos - self.prompt_len + 1  # index in truth of the token after the anchor
+        out = cand[:, 0].copy()
+        for k in range(len(out)):
+            want = self.truth[start + k] if start + k < len(self.truth) else -1
+            if want not in cand[k]:
+                break
+            out[k] = want
+        return out

@@ -1,0 +1,287 @@
+"""The TensorRT backend: engines from an engine folder (dflash2-build) behind the `Backend` protocol.
+
+Follows Edge-LLM's runtime design: every buffer is allocated once in the constructor (device
+buffers, pinned mirrors, one execution-context scratch shared by all contexts since the engines run
+one after another on one stream); per step only `set_input_shape` / `set_tensor_address` (skipped
+when unchanged) and `execute_async_v3`. One execution context per optimization profile, so a step
+picks a context instead of switching profiles. KV "past" and "new" views point into the same
+preallocated buffer (the session computes them). Optional CUDA graphs per (graph, shapes,
+addresses) after one warm-up run: `TrtBackend(..., cuda_graphs=True)` or DFLASH2_CUDA_GRAPHS=1.
+
+Importing this module never fails; constructing `TrtBackend` without TensorRT raises
+`TensorRTMissingError` saying what to install. No torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from dflash2 import manifest as mf
+from dflash2 import plugins
+from dflash2.errors import Dflash2Error
+from dflash2.ops import contract as C
+from dflash2.runtime.cuda import DeviceBuffer, GraphCache, Stream, cudart
+from dflash2.runtime.memory import View
+
+try:
+    import tensorrt as _trt
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as e:  # the normal case on machines without TensorRT
+    _trt, _IMPORT_ERROR = None, e
+
+INSTALL_HINT = ("install TensorRT 10.x for your CUDA version: `pip install tensorrt-cu12` (CUDA 12) or "
+                "`pip install tensorrt-cu13` (CUDA 13); on Jetson it comes with JetPack "
+                "(`sudo apt install nvidia-jetpack`, Python module python3-libnvinfer)")
+GRAPHS_ENV = "DFLASH2_CUDA_GRAPHS"
+
+
+class TensorRTMissingError(Dflash2Error):
+    pass
+
+
+class EngineError(Dflash2Error):
+    pass
+
+
+def require_tensorrt():
+    """The tensorrt module, or TensorRTMissingError with what to install."""
+    if _trt is None:
+        raise TensorRTMissingError(f"TensorRT is not installed (import tensorrt: {_IMPORT_ERROR}); {INSTALL_HINT}")
+    return _trt
+
+
+def make_logger(trt, echo: str = "ERROR"):
+    """A trt.ILogger that keeps the last messages (for error reports) and prints those at `echo` or worse."""
+
+    class Logger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.messages: list[str] = []
+            self.echo = int(getattr(trt.ILogger.Severity, echo))
+
+        def log(self, severity, msg):
+            if int(severity) <= int(trt.ILogger.Severity.WARNING):
+                self.messages = self.messages[-49:] + [f"[{severity.name}] {msg}"]
+            if int(severity) <= self.echo:
+                print(f"TensorRT [{severity.name}] {msg}", file=sys.stderr, flush=True)
+
+        def tail(self, n: int = 8) -> str:
+            return "\n  ".join(self.messages[-n:]) or "(TensorRT logged nothing)"
+
+    return Logger()
+
+
+_LOADED: dict[str, object] = {}
+
+
+def load_plugin(trt, path: Path, logger=None) -> None:
+    """Load libdflash2_plugins.so into TensorRT's plugin registry (once) and check it provides the
+    DFlash2Selector creator this checkout's ONNX graphs name (op, version, namespace)."""
+    path = Path(path).resolve()
+    registry = trt.get_plugin_registry()
+    if str(path) not in _LOADED:
+        if not path.is_file():
+            raise plugins.PluginLibraryError(f"{path}: plugin library not found; {plugins.BUILD_HINT}")
+        handle = registry.load_library(str(path))
+        if handle is None:
+            tail = logger.tail() if logger is not None else ""
+            raise plugins.PluginLibraryError(f"{path}: TensorRT could not load the plugin library {tail}; "
+                                             f"{plugins.BUILD_HINT}")
+        _LOADED[str(path)] = handle
+    if not hasattr(registry, "get_creator"):
+        raise EngineError(f"TensorRT {trt.__version__}: IPluginRegistry.get_creator missing; TensorRT >= 10.0 "
+                          f"is needed for IPluginV3 plugins")
+    if registry.get_creator(C.OP_NAME, C.PLUGIN_VERSION, C.PLUGIN_NAMESPACE) is None:
+        found = sorted({str(getattr(c, "plugin_version", "?")) for c in getattr(registry, "all_creators", [])
+                        if getattr(c, "name", None) == C.OP_NAME})
+        raise plugins.PluginLibraryError(
+            f"{path}: plugin version mismatch: TensorRT's registry has no {C.OP_NAME} version "
+            f"{C.PLUGIN_VERSION!r} namespace {C.PLUGIN_NAMESPACE!r} (found versions: {found or 'none'}); "
+            f"rebuild the library from this checkout with `bash plugins/build.sh`")
+
+
+def max_shape(shape: list, profiles: list[dict]) -> tuple[int, ...]:
+    """An io-spec shape with its symbolic dims at their largest value over the manifest's profiles."""
+    return tuple(max(p["dims"][d][2] for p in profiles if d in p["dims"]) if isinstance(d, str) else int(d)
+                 for d in shape)
+
+
+def pick_profile(order: list[tuple[int, dict]], shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """First profile (in `order`: smallest box first) whose [min, max] contains every input shape."""
+    for index, box in order:
+        if all(len(shapes[n]) == len(lo) and all(a <= s <= b for a, s, b in zip(lo, shapes[n], hi))
+               for n, (lo, hi) in box.items()):
+            return index
+    return None
+
+
+class TrtEngine:
+    """One engine: a context per profile, bindings set only when they change, spare outputs."""
+
+    def __init__(self, name: str, engine, entry: dict, stream: Stream, graphs: GraphCache | None, logger):
+        trt = require_tensorrt()
+        self.name, self.engine, self.entry, self.stream, self.graphs, self.logger = (
+            name, engine, entry, stream, graphs, logger)
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self.inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if n not in self.inputs]
+        self.itemsize = {n: int(engine.get_tensor_dtype(n).itemsize) for n in names}
+        dynamic = [n for n in self.inputs if any(d < 0 for d in engine.get_tensor_shape(n))]
+        self.dynamic = set(dynamic)  # static inputs (e.g. anchor [1]) need no set_input_shape
+        boxes = []
+        for i in range(engine.num_optimization_profiles):
+            box = {}
+            for n in dynamic:
+                lo, _, hi = engine.get_tensor_profile_shape(n, i)
+                box[n] = (tuple(lo), tuple(hi))
+            boxes.append((i, box))
+        self.order = sorted(boxes, key=lambda b: sum(int(np.prod(hi)) for _, hi in b[1].values()))
+        self.contexts, self.bound = {}, {}
+        for i, _ in boxes:
+            ctx = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            if ctx is None or not ctx.set_optimization_profile_async(i, stream.ptr):
+                raise EngineError(f"{name}: cannot create an execution context for profile {i}: {logger.tail()}")
+            self.contexts[i], self.bound[i] = ctx, {}
+        self.spare: dict[str, DeviceBuffer] = {}
+
+    def memory_size(self) -> int:
+        e = self.engine
+        return int(e.device_memory_size_v2 if hasattr(e, "device_memory_size_v2") else e.device_memory_size)
+
+    def use_memory(self, ptr: int, size: int) -> None:
+        for ctx in self.contexts.values():
+            if hasattr(ctx, "set_device_memory"):  # TensorRT >= 10.1
+                ctx.set_device_memory(ptr, size)
+            else:
+                ctx.device_memory = ptr
+
+    def _spare_view(self, name: str, shape: tuple[int, ...]) -> View:
+        """An output nobody reads (e.g. debug logits): one buffer at its largest profile shape."""
+        size = self.itemsize[name]
+        if name not in self.spare:  # raw bytes: the element type only matters to TensorRT (bf16 has no numpy dtype)
+            spec = next(o for o in self.entry["outputs"] if o["name"] == name)
+            rows = int(np.prod(max_shape(spec["shape"], self.entry["profiles"])))
+            self.spare[name] = DeviceBuffer((rows * size,), np.uint8, self.stream)
+        buf = self.spare[name]
+        if int(np.prod(shape)) * size > buf.nbytes:
+            raise EngineError(f"{self.name}: output {name} shape {list(shape)} exceeds its {buf.nbytes}-byte buffer")
+        return View(buf.ptr, shape, np.dtype(f"V{size}"), buf.device)
+
+    def _set(self, ctx, bound: dict, name: str, view: View, is_input: bool) -> None:
+        if is_input and name in self.dynamic and bound.get(("shape", name)) != view.shape:
+            if not ctx.set_input_shape(name, view.shape):
+                raise EngineError(f"{self.name}: set_input_shape({name}, {list(view.shape)}) rejected: "
+                                  f"{self.logger.tail(2)}")
+            bound[("shape", name)] = view.shape
+        if bound.get(name) != view.ptr:
+            if not ctx.set_tensor_address(name, view.ptr):
+                raise EngineError(f"{self.name}: set_tensor_address({name}) rejected: {self.logger.tail(2)}")
+            bound[name] = view.ptr
+
+    def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        missing = [n for n in self.inputs if n not in inputs]
+        unknown = sorted(set(inputs) - set(self.inputs)) + sorted(set(outputs) - set(self.outputs))
+        if missing or unknown:
+            raise EngineError(f"{self.name}: inputs expected {self.inputs}; missing {missing}, unknown {unknown}")
+        shapes = {n: inputs[n].shape for n in self.inputs}
+        index = pick_profile(self.order, shapes)
+        if index is None:
+            ranges = "; ".join(f"profile {i}: " + ", ".join(f"{n} {list(lo)}..{list(hi)}" for n, (lo, hi) in b.items())
+                               for i, b in self.order)
+            raise EngineError(f"{self.name}: input shapes {shapes} fit no optimization profile ({ranges}); "
+                              f"rebuild with a larger dflash2-build --max-prefill / --max-seq-len")
+        for n in self.inputs:
+            if inputs[n].dtype.itemsize != self.itemsize[n]:
+                raise EngineError(f"{self.name}: input {n} expected {self.itemsize[n]}-byte elements, bound "
+                                  f"{inputs[n].dtype}")
+        ctx, bound = self.contexts[index], self.bound[index]
+        for n in self.inputs:
+            self._set(ctx, bound, n, inputs[n], True)
+        views = {}
+        for n in self.outputs:
+            want = tuple(ctx.get_tensor_shape(n))
+            v = outputs.get(n) or self._spare_view(n, want)
+            if tuple(v.shape) != want or v.dtype.itemsize != self.itemsize[n]:
+                raise EngineError(f"{self.name}: output {n} expected shape {list(want)} with {self.itemsize[n]}-byte "
+                                  f"elements, bound {list(v.shape)} {v.dtype}")
+            self._set(ctx, bound, n, v, False)
+            views[n] = v
+        if self.graphs is None:
+            self._enqueue(ctx)
+            return
+        key = (self.name, index, tuple((n, inputs[n].shape, inputs[n].ptr) for n in self.inputs),
+               tuple((n, views[n].ptr) for n in self.outputs))
+        self.graphs.launch(key, lambda: self._enqueue(ctx))
+
+    def _enqueue(self, ctx) -> None:
+        if not ctx.execute_async_v3(self.stream.ptr):
+            raise EngineError(f"{self.name}: execute_async_v3 failed: {self.logger.tail()}")
+
+
+class TrtBackend:
+    """The `Backend` protocol over an engine folder; engines for target and drafter load eagerly."""
+
+    name = "tensorrt"
+
+    def __init__(self, folder: str | Path, manifest: dict, cuda_graphs: bool | None = None,
+                 graphs: tuple[str, ...] = ("target", "drafter")):
+        trt = require_tensorrt()
+        cudart()  # CudaMissingError before any TensorRT work
+        self.folder, self.manifest = Path(folder), manifest
+        if manifest.get("format") != mf.ENGINE_FORMAT:
+            raise EngineError(f"{folder}: the TensorRT backend needs an engine folder (dflash2-build), found "
+                              f"format {manifest.get('format')!r}")
+        self.logger = make_logger(trt)
+        if manifest.get("plugin"):
+            load_plugin(trt, self._plugin_path(manifest["plugin"]), self.logger)
+        self.runtime = trt.Runtime(self.logger)
+        self.stream = Stream()
+        if cuda_graphs is None:
+            cuda_graphs = os.environ.get(GRAPHS_ENV, "0") == "1"
+        self.graphs = GraphCache(self.stream) if cuda_graphs else None
+        self.engines = {g: self._load(trt, g) for g in graphs}
+        size = max(e.memory_size() for e in self.engines.values())
+        self.scratch = DeviceBuffer((max(size, 1),), np.uint8, self.stream)
+        for e in self.engines.values():
+            e.use_memory(self.scratch.ptr, size)
+        self.stream.sync()  # profiles were selected asynchronously
+
+    def _plugin_path(self, entry: dict) -> Path:
+        path = Path(entry["path"])
+        if not path.is_file():  # engine folder moved to another machine: use this machine's build
+            path = plugins.find_library(plugins.PLUGIN_LIB)
+        if mf.sha256(path) != entry.get("sha256"):
+            warnings.warn(f"{path} differs from the plugin library the engines were built with ({entry['path']}); "
+                          f"if deserialization fails, rebuild the engines with dflash2-build", RuntimeWarning)
+        return path
+
+    def _load(self, trt, graph: str) -> TrtEngine:
+        entry = self.manifest["engines"].get(graph)
+        if entry is None:
+            raise EngineError(f"{self.folder / mf.NAME}: engines: expected {graph!r}, found "
+                              f"{sorted(self.manifest['engines'])}")
+        path = self.folder / entry["file"]
+        if not path.is_file():
+            raise EngineError(f"{path}: engine file missing (rebuild with dflash2-build)")
+        engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            raise EngineError(f"{path}: TensorRT {trt.__version__} could not deserialize the engine (built with "
+                              f"TensorRT {self.manifest.get('tensorrt_version')}; engines are tied to the TensorRT "
+                              f"version and GPU: rebuild with dflash2-build):\n  {self.logger.tail()}")
+        return TrtEngine(graph, engine, entry, self.stream, self.graphs, self.logger)
+
+    def engine(self, graph: str) -> TrtEngine:
+        if graph not in self.engines:
+            raise EngineError(f"{self.folder}: no {graph!r} engine loaded (have {sorted(self.engines)})")
+        return self.engines[graph]
+
+    def device_buffer(self, shape: tuple[int, ...], dtype) -> DeviceBuffer:
+        return DeviceBuffer(shape, dtype, self.stream, pinned=False)
+
+    def host_buffer(self, shape: tuple[int, ...], dtype) -> DeviceBuffer:
+        return DeviceBuffer(shape, dtype, self.stream, pinned=True)

@@ -1,0 +1,172 @@
+"""Training data for a drafter: the target's OWN greedy answers to a prompt set, with the taps.
+
+The drafter must predict what the target will verify, so labels are target-generated tokens.
+Generation is batched (left padding) and keeps the tap layers' outputs of every position from
+the same forward passes, so no second pass over the corpus is needed. Shards are safetensors.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+TOPICS = (
+    "photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning", "volcanoes",
+    "the immune system", "climate change", "the printing press", "electric cars", "the Roman Empire", "gravity",
+    "honey bees", "the internet", "vaccines", "renewable energy", "the moon landing", "DNA", "earthquakes",
+    "the stock market", "coffee", "the Olympic Games", "rainbows", "compound interest", "the human heart",
+    "recycling", "the piano", "chess", "the Great Wall of China", "tea", "sleep", "exercise", "bread baking",
+    "the solar system", "magnets", "the ocean tides", "dinosaurs", "the Renaissance", "bicycles", "clouds",
+    "prime numbers", "fractions", "the Pythagorean theorem", "probability", "sorting algorithms", "recursion",
+    "binary numbers", "databases", "encryption", "operating systems", "time management", "public speaking",
+    "learning a new language", "healthy breakfast ideas", "saving money", "gardening", "camping", "friendship",
+)
+TEMPLATES = (
+    "Explain {t} in simple terms.", "What is {t}? Answer briefly.", "Give me three facts about {t}.",
+    "Write a short paragraph about {t}.", "Why is {t} important?", "List some pros and cons of {t}.",
+    "How would you explain {t} to a child?", "Write a haiku about {t}.", "Summarize the history of {t}.",
+    "What are common misconceptions about {t}?", "Give me a quiz question about {t} with the answer.",
+    "Write a tweet about {t}.", "Compare {t} and {u}.", "Write a short story that involves {t}.",
+)
+CODE_TASKS = (
+    "reverses a string", "checks whether a word is a palindrome", "returns the n-th Fibonacci number",
+    "counts the vowels in a sentence", "finds the largest number in a list", "merges two sorted lists",
+    "converts Celsius to Fahrenheit", "removes duplicates from a list", "computes the factorial of n",
+    "checks whether a year is a leap year", "sums the digits of an integer", "sorts a list of tuples by the second item",
+    "reads a text file and counts its lines", "returns the greatest common divisor of two numbers",
+    "flattens a nested list", "capitalizes every word in a sentence",
+)
+LANGS = ("Python", "JavaScript", "C")
+
+
+def _math_prompt(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 12)
+    return rng.choice([f"What is {a} plus {b}? Explain the steps.",
+                       f"A shop sells pens for {c} dollars each. How much do {a} pens cost?",
+                       f"A car drives {a * c} km in {c} hours. What is its average speed?",
+                       f"If I have {a} apples and give away {min(a, b)}, how many are left?",
+                       f"What is {c} times {b}? Show your work."])
+
+
+def _stdlib_prompts(limit: int) -> list[str]:
+    """'What does <module>.<function> do?' from the docstrings of this Python's standard library."""
+    root = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    out = []
+    for path in sorted(root.glob("*.py"))[:400]:
+        try:
+            tree = ast.parse(path.read_text(errors="ignore"))
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and ast.get_docstring(node):
+                out.append(f"What does the Python function {path.stem}.{node.name} do? Give an example.")
+    random.Random(0).shuffle(out)
+    return out[:limit]
+
+
+def make_prompts(n: int, seed: int = 0, exclude: set[str] = frozenset()) -> list[str]:
+    rng = random.Random(seed)
+    pool = [t.format(t=a, u=rng.choice(TOPICS)) for a in TOPICS for t in TEMPLATES]
+    pool += [f"Write a {lang} function that {task}." for lang in LANGS for task in CODE_TASKS]
+    pool += [_math_prompt(rng) for _ in range(200)]
+    pool += _stdlib_prompts(300)
+    pool = sorted(set(pool) - set(exclude))
+    rng.shuffle(pool)
+    return pool[:n]
+
+
+@torch.no_grad()
+def generate_corpus(target_dir: str | Path, prompts: list[str], out_dir: str | Path, tap_ids: list[int],
+                    max_new_tokens: int = 128, batch_size: int = 32, shard_size: int = 128, log=print) -> Path:
+    """Greedy answers of the target (chat template) + tap outputs, sharded as safetensors."""
+    from transformers import AutoTokenizer, LlamaForCausalLM, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    cls = Qwen3ForCausalLM if cfg["architectures"][0].startswith("Qwen3") else LlamaForCausalLM
+    model = cls.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+    ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch: less padding
+    done = {int(p.stem.split("-")[1]) for p in out.glob("shard-*.safetensors")}
+    for s0 in range(0, len(order), shard_size):
+        if s0 // shard_size in done:
+            continue
+        records = []
+        for b0 in range(s0, min(s0 + shard_size, len(order)), batch_size):
+            batch = [ids[i] for i in order[b0: b0 + batch_size]]
+            records += _generate_batch(model, batch, tap_ids, max_new_tokens, eos, cfg.get("pad_token_id") or 0)
+            log(f"corpus: {b0 + len(batch)}/{len(ids)} prompts")
+        _save_shard(out / f"shard-{s0 // shard_size:04d}.safetensors", records)
+    (out / "corpus.json").write_text(json.dumps({"target": str(target_dir), "tap_ids": tap_ids, "prompts": prompts,
+                                                 "max_new_tokens": max_new_tokens}, indent=1))
+    return out
+
+
+def _generate_batch(model, batch: list[list[int]], tap_ids, max_new, eos, pad) -> list[dict]:
+    B, L = len(batch), max(len(x) for x in batch)
+    input_ids = torch.full((B, L), pad, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for i, x in enumerate(batch):
+        input_ids[i, L - len(x):] = torch.tensor(x)
+        mask[i, L - len(x):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids, attention_mask=mask, position_ids=pos, use_cache=True, output_hidden_states=True)
+    taps = [torch.cat([out.hidden_states[k + 1][:, -1:] for k in tap_ids], -1)]  # per step [B, 1, n*H]
+    prompt_taps = torch.cat([out.hidden_states[k + 1] for k in tap_ids], -1).half()  # [B, L, n*H]
+    nxt = out.logits[:, -1].argmax(-1)
+    gen, alive = [nxt], torch.ones(B, dtype=torch.bool)
+    cache = out.past_key_values
+    for _ in range(max_new - 1):
+        alive &= ~torch.isin(nxt, torch.tensor(eos))
+        if not alive.any():
+            break
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
+        pos = pos[:, -1:] + 1
+        out = model(nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                    output_hidden_states=True)
+        cache = out.past_key_values
+        taps.append(torch.cat([out.hidden_states[k + 1] for k in tap_ids], -1))
+        nxt = out.logits[:, -1].argmax(-1)
+        gen.append(nxt)
+    gen_ids = torch.stack(gen, 1)  # [B, G]
+    gen_taps = torch.cat(taps[1:], 1).half() if len(taps) > 1 else prompt_taps[:, :0]  # taps of gen tokens 0..G-2
+    records = []
+    for i, x in enumerate(batch):
+        g = gen_ids[i].tolist()
+        n = next((k + 1 for k, t in enumerate(g) if t in eos), len(g))
+        seq = x + g[:n]
+        # taps exist for every position whose token went through the target: the prompt + g[:n-1]
+        t = torch.cat([prompt_taps[i, L - len(x):], gen_taps[i, : n - 1]], 0)
+        records.append({"ids": torch.tensor(seq, dtype=torch.int32), "taps": t.contiguous(),
+                        "prompt_len": len(x)})
+    return records
+
+
+def _save_shard(path: Path, records: list[dict]) -> None:
+    tensors = {}
+    for j, r in enumerate(records):
+        tensors[f"{j}.ids"], tensors[f"{j}.taps"] = r["ids"], r["taps"]
+        tensors[f"{j}.prompt_len"] = torch.tensor([r["prompt_len"]], dtype=torch.int32)
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.rename(path)
+
+
+def load_corpus(folder: str | Path) -> list[dict]:
+    records = []
+    for shard in sorted(Path(folder).glob("shard-*.safetensors")):
+        t = load_file(str(shard))
+        for j in range(len({k.split(".")[0] for k in t})):
+            records.append({"ids": t[f"{j}.ids"].long(), "taps": t[f"{j}.taps"],
+                            "prompt_len": int(t[f"{j}.prompt_len"][0])})
+    return records

@@ -1,0 +1,243 @@
+"""Train a DFlash2 drafter (and its candidate selector) for a target, on the CPU at small scale.
+
+Recipe (algorithm.md section 4): the target's embedding and LM head are frozen; each training
+sequence is a target-generated answer with the target's taps; random anchors a (in the answer)
+give blocks [tok_a, MASK x S] that see the context rows < a and predict tok_{a+1..a+S};
+loss = depth-decayed cross-entropy (weight exp(-k/gamma)) + a K-way cross-entropy for the
+selector with the TRUE previous token as predecessor, counted where the true token is in the top-K.
+Checkpoints are safetensors (weights and optimizer moments), never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from dflash2.config import load_drafter_config, load_target_config
+from dflash2.reference.drafter import Drafter
+from dflash2.reference.load import load_target
+
+
+@dataclass
+class TrainConfig:
+    layers: int = 1
+    block_size: int = 8
+    top_k: int = 8
+    rank: int = 64
+    steps: int = 1000
+    lr: float = 5e-4
+    warmup: int = 50
+    seqs_per_step: int = 6
+    anchors_per_seq: int = 16
+    gamma: float = 4.0  # ~4 for B=8, ~7 for B=16
+    selector_weight: float = 1.0
+    mask_token_id: int = 0
+    tap_ids: tuple[int, ...] = ()
+    seed: int = 0
+    eval_every: int = 100
+    save_every: int = 100
+    eval_seqs: int = 48
+
+
+def drafter_config_dict(target_dir: str | Path, c: TrainConfig) -> dict:
+    t = load_target_config(target_dir)
+    return {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size, "num_hidden_layers": c.layers,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
+        "vocab_size": t.vocab_size, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope.theta,
+        "attention_bias": False, "hidden_act": "silu", "num_target_layers": t.num_layers,
+        "block_size": c.block_size, "is_causal": False, "tie_word_embeddings": False,
+        "dflash_config": {"block_size": c.block_size, "target_layer_ids": list(c.tap_ids),
+                          "mask_token_id": c.mask_token_id, "conv_kernel_size": 2, "conv_group_size": 16,
+                          "selector_rank": c.rank, "selector_top_k": c.top_k},
+    }
+
+
+def init_drafter(target, cfg_dict: dict, folder: Path) -> Drafter:
+    """Fresh drafter: attention/MLP from the target's last layers, identity convs, small codebooks."""
+    (folder / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    dc = load_drafter_config(folder)
+    d = Drafter(dc, target.embed_tokens.weight.detach(), target.head_weight.detach(), target.config.hidden_size)
+    src = target.layers[-dc.num_layers:]
+    for mine, theirs in zip(d.layers, src):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(mine.self_attn, name).weight.data.copy_(getattr(theirs.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mine.mlp, name).weight.data.copy_(getattr(theirs.mlp, name).weight)
+        mine.input_layernorm.weight.data.copy_(theirs.input_layernorm.weight)
+        mine.post_attention_layernorm.weight.data.copy_(theirs.post_attention_layernorm.weight)
+    d.norm.weight.data.copy_(target.norm.weight)
+    g = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(d.fc.weight, std=d.fc.in_features ** -0.5, generator=g)
+    sel = d.candidate_selector
+    torch.nn.init.normal_(sel.hidden_projection.weight, std=0.02, generator=g)
+    torch.nn.init.normal_(sel.predecessor_codebook, std=0.02, generator=g)
+    torch.nn.init.normal_(sel.successor_codebook, std=0.02, generator=g)
+    return d
+
+
+def sample_anchors(rec: dict, S: int, n: int, rng: random.Random) -> list[int]:
+    """Anchor positions inside the answer (as at inference, slot 0 holds a target-generated token);
+    the block sees context rows < a and its labels are the following generated tokens."""
+    lo, hi = rec["prompt_len"], len(rec["ids"]) - 2  # at least one label after the anchor
+    if hi < lo:
+        return []
+    return sorted(rng.sample(range(lo, hi + 1), min(n, hi - lo + 1)))
+
+
+def block_forward(d: Drafter, rec: dict, anchors: list[int]):
+    """-> hidden [nb, S, H] (final-normed rows 1..S), labels [nb, S] (-100 beyond the sequence)."""
+    S = d.config.block_size - 1
+    ids, taps = rec["ids"], rec["taps"]
+    T = taps.shape[0]  # taps exist for positions 0..T-1
+    c = d.context(taps.float())  # [T, H]
+    ctx_kv = d.append_context(c, 0)  # [T, Ld, 2, kv, hd]
+    a = torch.tensor(anchors)
+    h = d.block_embeddings(ids[a], nb=len(anchors))  # [nb, B, H]
+    hidden = d.run_blocks(h, ctx_kv, torch.arange(T), a, a)[:, 1:]  # [nb, S, H]
+    idx = a[:, None] + torch.arange(1, S + 1)[None, :]  # [nb, S]
+    labels = torch.where(idx < len(ids), ids[idx.clamp(max=len(ids) - 1)], torch.full_like(idx, -100))
+    return hidden, labels, ids[a]
+
+
+def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int):
+    S = hidden.shape[1]
+    logits = d.logits(hidden)  # [nb, S, V]
+    w = torch.exp(-torch.arange(S, dtype=torch.float32) / gamma)  # position k+1 -> exp(-k/gamma)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none").view_as(labels)
+    valid = labels >= 0
+    draft_loss = (ce * w * valid).sum() / (w * valid).sum().clamp(min=1)
+    # selector: K-way CE over the drafter's own top-K, predecessor = the TRUE previous token
+    sel = d.candidate_selector
+    with torch.no_grad():
+        unary, cand = logits.detach().float().topk(K, dim=-1)  # [nb, S, K]
+    prev = torch.cat([anchor_ids[:, None], labels[:, :-1].clamp(min=0)], 1)  # [nb, S]
+    gate = hidden.detach() @ sel.hidden_projection.weight.T  # [nb, S, R]
+    pair = torch.einsum("nsr,nskr->nsk", sel.predecessor_codebook[prev] * gate, sel.successor_codebook[cand])
+    hit = cand == labels[..., None]  # [nb, S, K]
+    present = hit.any(-1) & valid
+    target = hit.float().argmax(-1)
+    sel_ce = F.cross_entropy((unary * d.config.output_multiplier + pair).flatten(0, 1), target.flatten(),
+                             reduction="none").view_as(labels)
+    sel_loss = (sel_ce * present).sum() / present.sum().clamp(min=1)
+    return draft_loss, sel_loss, logits.detach(), cand, unary, gate.detach()
+
+
+@torch.no_grad()
+def offline_acceptance(d: Drafter, records: list[dict], anchors_per_seq: int = 16, seed: int = 1) -> dict:
+    """tau for the selector path, the top-1 path and the top-K oracle on held-out blocks.
+
+    A block's accepted length = leading drafts equal to the target's greedy tokens (the labels)."""
+    rng = random.Random(seed)
+    taus = {"selector": [], "top1": [], "oracle": []}
+    for rec in records:
+        anchors = sample_anchors(rec, d.config.num_drafts, anchors_per_seq, rng)
+        if not anchors:
+            continue
+        hidden, labels, anchor_ids = block_forward(d, rec, anchors)
+        out = d.propose_batch(hidden, anchor_ids)
+        for name, path in (("selector", out["draft_ids"].long()), ("top1", out["cand_ids"][..., 0].long())):
+            taus[name] += _accepted(path == labels).tolist()
+        taus["oracle"] += _accepted((out["cand_ids"].long() == labels[..., None]).any(-1)).tolist()
+    return {k: 1 + sum(v) / len(v) for k, v in taus.items() if v} | {"blocks": len(taus["top1"])}
+
+
+def _accepted(ok: torch.Tensor) -> torch.Tensor:  # [nb, S] bool -> leading True count [nb]
+    return ok.int().cumprod(-1).sum(-1)
+
+
+def save_drafter(d: Drafter, folder: Path, dtype=torch.float16) -> None:
+    state = {k: v.detach().to(dtype).contiguous() for k, v in d.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+STATE = "train_state"  # resumable state lives in a subfolder: the checkpoint folder holds only the model
+
+
+def _save_resume(folder: Path, d: Drafter, opt: torch.optim.Optimizer, step: int, c: TrainConfig, log: list) -> None:
+    folder = folder / STATE
+    folder.mkdir(exist_ok=True)
+    tensors = {f"param/{k}": v.detach().contiguous() for k, v in d.state_dict().items()}
+    names = {id(p): n for n, p in d.named_parameters()}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    tensors[f"{key}/{names[id(p)]}"] = st[key].contiguous()
+    save_file(tensors, str(folder / "resume.safetensors.tmp"))
+    (folder / "resume.safetensors.tmp").rename(folder / "resume.safetensors")
+    (folder / "resume.json").write_text(json.dumps({"step": step, "config": asdict(c), "log": log}, indent=1))
+
+
+def _load_resume(folder: Path, d: Drafter, opt: torch.optim.Optimizer) -> tuple[int, list]:
+    folder = folder / STATE
+    meta = json.loads((folder / "resume.json").read_text())
+    t = load_file(str(folder / "resume.safetensors"))
+    d.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("param/")})
+    for n, p in d.named_parameters():
+        if f"exp_avg/{n}" in t:
+            opt.state[p] = {"step": torch.tensor(float(meta["step"])), "exp_avg": t[f"exp_avg/{n}"],
+                            "exp_avg_sq": t[f"exp_avg_sq/{n}"]}
+    return meta["step"], meta["log"]
+
+
+def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: TrainConfig,
+          eval_records: list[dict] | None = None, log_fn=print) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(c.seed)
+    rng = random.Random(c.seed)
+    target = load_target(target_dir, ())
+    d = init_drafter(target, drafter_config_dict(target_dir, c), out)
+    del target.layers  # only the embedding / LM head (buffers of the drafter) are needed from here
+    params = [p for p in d.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    step, history = 0, []
+    if (out / STATE / "resume.json").is_file():
+        step, history = _load_resume(out, d, opt)
+        log_fn(f"resumed at step {step}")
+    K, t0 = c.top_k, time.perf_counter()
+    while step < c.steps:
+        lr = c.lr * min(1.0, (step + 1) / c.warmup) * 0.5 * (1 + math.cos(math.pi * step / c.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        d.train()
+        opt.zero_grad(set_to_none=True)
+        dl_sum = sl_sum = 0.0
+        for rec in rng.sample(records, min(c.seqs_per_step, len(records))):
+            anchors = sample_anchors(rec, c.block_size - 1, c.anchors_per_seq, rng)
+            if not anchors:
+                continue
+            hidden, labels, anchor_ids = block_forward(d, rec, anchors)
+            dl, sl, *_ = losses(d, hidden, labels, anchor_ids, c.gamma, K)
+            ((dl + c.selector_weight * sl) / c.seqs_per_step).backward()
+            dl_sum, sl_sum = dl_sum + dl.item(), sl_sum + sl.item()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 10 == 0 or step == c.steps:
+            rate = (time.perf_counter() - t0) / max(step - (history[0]["step"] if history else 0), 1)
+            log_fn(f"step {step}/{c.steps}  draft CE {dl_sum / c.seqs_per_step:.3f}  selector CE "
+                   f"{sl_sum / c.seqs_per_step:.3f}  lr {lr:.2e}  {rate:.2f} s/step  ETA {(c.steps - step) * rate / 60:.1f} min")
+        if eval_records and (step % c.eval_every == 0 or step == c.steps):
+            d.eval()
+            acc = offline_acceptance(d, eval_records[: c.eval_seqs])
+            history.append({"step": step, **acc})
+            log_fn(f"eval @ {step}: tau selector {acc['selector']:.3f}  top1 {acc['top1']:.3f}  "
+                   f"oracle {acc['oracle']:.3f}  ({acc['blocks']} held-out blocks)")
+        if step % c.save_every == 0 or step == c.steps:
+            _save_resume(out, d, opt, step, c, history)
+    d.eval()
+    save_drafter(d, out)
+    (out / "training.json").write_text(json.dumps({"config": asdict(c), "history": history}, indent=1))
+    return {"history": history}

@@ -1,0 +1,177 @@
+"""The edge runtime: lossless through the exported graphs, no per-step allocation, bad input."""
+
+import json
+import resource
+import subprocess
+import sys
+import tracemalloc
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+from dflash2.cli import run as run_cli
+from dflash2.runtime.api import Runtime
+from dflash2.runtime.session import SpecSession
+from dflash2.speculative import generate
+
+HF = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+PROMPT = [11, 22, 33, 44, 55, 66]
+
+
+def run_json(capsys, *args):
+    code = run_cli.main([str(a) for a in args] + ["--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)
+
+
+def test_runtime_imports_neither_torch_nor_transformers():
+    code = ("import sys, dflash2.runtime.api, dflash2.runtime.session, dflash2.runtime.bench, "
+            "dflash2.runtime.policies, dflash2.cli.run, dflash2.cli.bench, dflash2.plugins; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("family,version", [("llama", 1), ("llama", 2), ("qwen3", 1), ("qwen3", 2)])
+def test_run_json_equals_transformers_generate(capsys, exports, pairs, family, version):
+    folder = exports[(family, version)]
+    spec = run_json(capsys, folder, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", 48)
+    base = run_json(capsys, folder, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", 48, "--no-spec")
+    hf = HF[family].from_pretrained(pairs[(family, version)][1], dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=48, do_sample=False, min_new_tokens=48,
+                      eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert spec["ids"] == base["ids"] == ref
+    assert spec["speculative"] and not base["speculative"] and spec["rounds"] > 0
+
+
+class PlannedDrafts(SpecSession):
+    """Real graphs, drafts = the known greedy continuation with planned mistakes: zero, partial and
+    full acceptance and the KV / context rollback all go through ONNX Runtime."""
+
+    def __init__(self, manifest, backend, truth, prompt_len, plan):
+        super().__init__(manifest, backend)
+        self.truth, self.prompt_len, self.plan, self.r = truth, prompt_len, plan, 0
+
+    def draft(self, anchor):
+        super().draft(anchor)
+        S, start = self.block_size - 1, self.pos - self.prompt_len + 1
+        good = self.plan[self.r % len(self.plan)]
+        self.r += 1
+        nxt = (self.truth[start: start + S] + [0] * S)[:S]
+        return [t if k < good else (t + 1) % self.vocab_size for k, t in enumerate(nxt)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rollback_through_onnxruntime(exports, family):
+    rt = Runtime(exports[(family, 2)])
+    truth = generate(rt.session, PROMPT, 90, speculative=False).ids
+    s = PlannedDrafts(rt.manifest, rt.session.backend, truth, len(PROMPT), plan=[0, 4, 7, 2, 7, 1])
+    g = generate(s, PROMPT, 90)
+    assert g.ids == truth and {0, 4, 7} <= set(g.stats.accepted)
+
+
+def test_no_allocation_per_step(exports):
+    """1,000 speculative steps: tracemalloc net growth and every buffer address, reported."""
+    s = Runtime(exports[("llama", 2)]).session
+    addresses = s.buffers()
+    t = s.prefill(PROMPT)
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    steps, start_pos = 0, s.pos
+    while steps < 1000:
+        if s.pos + s.block_size + 1 >= s.max_seq_len:
+            s.pos, s.ctx_pos, s.pending = start_pos, start_pos, 1  # rewind pointers: no reallocation
+        drafts = s.draft(t)
+        preds = s.verify([t, *map(int, drafts)])
+        s.commit(1)
+        t = int(preds[0])
+        steps += 1
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    growth = sum(st.size_diff for st in after.compare_to(before, "filename"))
+    print(f"\n1000 steps: tracemalloc net growth {growth} bytes; buffer addresses unchanged: "
+          f"{s.buffers() == addresses} ({len(addresses)} buffers)")
+    assert s.buffers() == addresses
+    assert growth < 64 * 1024  # allocator noise only; a per-step allocation would be >= 1000x its size
+
+
+def _rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_5000_tokens_without_memory_growth(exports):
+    rt = Runtime(exports[("qwen3", 2)])
+    g1 = rt.generate(PROMPT, max_new_tokens=5000)
+    peak1 = _rss_mb()
+    tracemalloc.start()
+    g2 = rt.generate(PROMPT, max_new_tokens=5000)
+    _, py_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    peak2 = _rss_mb()
+    print(f"\n5000 tokens: peak RSS {peak1:.1f} MB after run 1, {peak2:.1f} MB after run 2; "
+          f"python heap peak during run 2 {py_peak / 1e6:.2f} MB")
+    assert len(g1.ids) == len(g2.ids) == 5000 and g1.ids == g2.ids
+    assert peak2 - peak1 < 16
+    assert py_peak < 8e6  # ids + stats lists, not tensors
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt-ids", "1,99999"], "prompt ids [99999] are outside the vocabulary [0, "),
+    (["--prompt", "   "], "the prompt is empty"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "7000"], "exceeds max_seq_len 6000"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "--max-new-tokens: expected >= 1"),
+    (["--prompt-ids", "1,2", "--backend", "tensorrt"], "TensorRT"),
+])
+def test_bad_input_messages(capsys, exports, args, message):
+    assert run_cli.main([str(exports[("llama", 1)]), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_non_integer_id_is_a_usage_error(capsys, exports):
+    with pytest.raises(SystemExit) as e:
+        run_cli.main([str(exports[("llama", 1)]), "--prompt-ids", "1,2,x"])
+    assert e.value.code == 2 and "'x' is not an integer" in capsys.readouterr().err
+
+
+def test_folder_that_is_not_an_export(capsys, tmp_path):
+    assert run_cli.main([str(tmp_path), "--prompt-ids", "1"]) == 2
+    assert "expected manifest.json" in capsys.readouterr().err
+
+
+def test_checksum_mismatch(capsys, exports, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(exports[("llama", 1)], copy)
+    with open(copy / "target.onnx.data", "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\x00\x01\x02\x03")
+    assert run_cli.main([str(copy), "--prompt-ids", "1,2"]) == 2
+    assert "target.onnx.data: sha256 does not match the manifest" in capsys.readouterr().err
+
+
+def test_text_chat_stream_and_stop_strings(capsys, exports):
+    rt = Runtime(exports[("qwen3", 2)])
+    ids = rt.prompt_ids(text="the model", chat=True)
+    assert ids[:1] == [rt.text.token_id("<|im_start|>")]
+    streamed = []
+    g = rt.generate(ids, max_new_tokens=40, on_text=streamed.append)
+    assert "".join(streamed) == rt.text.decode(g.ids)
+    stop = rt.text.decode(g.ids[5:7])
+    if stop.strip():
+        g2 = rt.generate(ids, max_new_tokens=40, stop=[stop])
+        assert g2.stop_reason == "stop" and stop in rt.text.decode(g2.ids) and len(g2.ids) <= 7
+
+
+def test_bench_reports(tmp_path, exports):
+    from dflash2.cli import bench as bench_cli
+
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    code = bench_cli.main([str(exports[("llama", 2)]), "--max-new-tokens", "16", "--json", str(out), "--plot", str(png)])
+    r = json.loads(out.read_text())
+    assert code == 0 and r["lossless"] and png.stat().st_size > 1000
+    assert {"autoregressive_tokens_per_second", "speculative_tokens_per_second", "speedup", "host_overhead_share",
+            "position_acceptance", "selector_gap_closed"} <= set(r)
+    assert set(r["acceptance_length"]) == {"selector", "top1", "oracle"}
