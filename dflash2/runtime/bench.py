@@ -36,6 +36,32 @@ def load_prompts(path: str | Path | None) -> list[str]:
     return json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln.strip()]
 
 
+def selector_ms(rt: Runtime, repeats: int = 200) -> float | None:
+    """Median ms of the standalone selector.onnx at one round's shape [1, S, K]: the select share
+    of a draft step (in drafter.onnx the same node runs fused)."""
+    import numpy as np
+
+    graph = rt.manifest["graphs"].get("selector")
+    if graph is None or rt.backend_name != "onnxruntime":
+        return None
+    from dflash2.runtime.engines import OrtEngine
+
+    sel = rt.manifest["selector"]
+    S, K, R, V = rt.manifest["num_drafts"], sel["top_k"], sel["rank"], rt.manifest["vocab_size"]
+    rng = np.random.default_rng(0)
+    feeds = {"cand_logits": np.sort(rng.standard_normal((1, S, K), dtype=np.float32))[..., ::-1].copy(),
+             "cand_ids": rng.integers(0, V, (1, S, K)).astype(np.int32),
+             "gate": rng.standard_normal((1, S, R)).astype(rt.manifest["dtype"]),
+             "anchor": np.array([1], np.int32)}
+    session = OrtEngine("selector", Path(rt.folder) / graph["flavours"]["portable"], ["CPUExecutionProvider"]).session
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
 def _merge(all_stats: list[Stats]) -> Stats:
     out = Stats(all_stats[0].block_size)
     for s in all_stats:
@@ -90,6 +116,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
         "spec_step_ms": 1e3 * (S.times["draft"] + S.times["verify"]) / max(S.rounds, 1),
         "ar_step_ms": 1e3 * A.times["decode"] / max(A.new_tokens - len(ar), 1),
     }
+    result["select_ms_standalone"] = selector_ms(rt)
     if {"top1", "oracle", "selector"} <= set(acc):
         gap = acc["oracle"] - acc["top1"]
         result["selector_gap_closed"] = (acc["selector"] - acc["top1"]) / gap if gap > 0 else None
@@ -104,6 +131,8 @@ def table(r: dict) -> str:
             ("speedup", f"{r['speedup']:.2f}x"),
             ("AR step ms / spec round ms", f"{r['ar_step_ms']:.2f} / {r['spec_step_ms']:.2f}"),
             ("host overhead (spec)", f"{100 * r['host_overhead_share']:.1f}%")]
+    if r.get("select_ms_standalone") is not None:
+        rows.append(("select ms (standalone graph)", f"{r['select_ms_standalone']:.3f}"))
     rows += [(f"acceptance length: {p}", f"{v:.2f}") for p, v in r["acceptance_length"].items()]
     if r.get("selector_gap_closed") is not None:
         rows.append(("top1->oracle gap closed", f"{100 * r['selector_gap_closed']:.0f}%"))

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dflash2.errors import Dflash2Error
 from dflash2.runtime.memory import HostBuffer, View
 
 
@@ -36,6 +37,7 @@ class Backend(Protocol):
 class OrtEngine:
     def __init__(self, name: str, path: Path, providers: list[str], threads: int | None = None):
         import onnxruntime as ort
+        from onnxruntime.capi import onnxruntime_pybind11_state as state
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
@@ -45,8 +47,9 @@ class OrtEngine:
         self.name = name
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=providers)
-        except Exception as e:  # ORT raises its own Fail/InvalidGraph types; keep the file in the message
-            raise RuntimeError(f"{path}: ONNX Runtime could not load the graph: {e}") from e
+        except (state.Fail, state.InvalidGraph, state.InvalidProtobuf, state.NoSuchFile, state.NotImplemented,
+                state.InvalidArgument) as e:
+            raise Dflash2Error(f"{path}: ONNX Runtime could not load the graph: {e}") from e
         self.binding = self.session.io_binding()
         self.output_names = {o.name for o in self.session.get_outputs()}
 
@@ -73,7 +76,7 @@ class OrtBackend:
 
         available = ort.get_available_providers()
         if provider and provider not in available:
-            raise RuntimeError(f"ONNX Runtime provider {provider!r} is not available; found {available}")
+            raise Dflash2Error(f"ONNX Runtime provider {provider!r} is not available; found {available}")
         self.providers = [provider] if provider else ["CPUExecutionProvider"]
         self.folder, self.graphs = folder, graphs
         self.threads = threads or int(os.environ.get("DFLASH2_THREADS", "0")) or None

@@ -45,6 +45,10 @@ class TrainConfig:
     eval_every: int = 100
     save_every: int = 100
     eval_seqs: int = 48
+    init_from: str = "last"  # target layers copied into the drafter: "last" | "first" (measured worse)
+    learn_multiplier: bool = True  # learn output_multiplier (unary vs pair balance) from the selector loss
+    shortlist: bool = True  # softmax over corpus tokens + random negatives instead of the whole vocab
+    negatives: int = 2048
 
 
 def drafter_config_dict(target_dir: str | Path, c: TrainConfig) -> dict:
@@ -62,12 +66,13 @@ def drafter_config_dict(target_dir: str | Path, c: TrainConfig) -> dict:
     }
 
 
-def init_drafter(target, cfg_dict: dict, folder: Path) -> Drafter:
-    """Fresh drafter: attention/MLP from the target's last layers, identity convs, small codebooks."""
+def init_drafter(target, cfg_dict: dict, folder: Path, init_from: str = "last") -> Drafter:
+    """Fresh drafter: attention/MLP copied from the target's first (or last) layers, identity convs,
+    small codebooks. The block's input is a token embedding, which the first layers expect."""
     (folder / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     dc = load_drafter_config(folder)
     d = Drafter(dc, target.embed_tokens.weight.detach(), target.head_weight.detach(), target.config.hidden_size)
-    src = target.layers[-dc.num_layers:]
+    src = target.layers[:dc.num_layers] if init_from == "first" else target.layers[-dc.num_layers:]
     for mine, theirs in zip(d.layers, src):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(mine.self_attn, name).weight.data.copy_(getattr(theirs.self_attn, name).weight)
@@ -109,9 +114,18 @@ def block_forward(d: Drafter, rec: dict, anchors: list[int]):
     return hidden, labels, ids[a]
 
 
-def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int):
+def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: torch.Tensor | None = None,
+           multiplier: torch.Tensor | float | None = None):
+    """vocab: ids the softmax runs over ([U], sorted, must hold every label), or None for all.
+    multiplier: the selector's unary scale (a learnable scalar while training), default the config's."""
     S = hidden.shape[1]
-    logits = d.logits(hidden)  # [nb, S, V]
+    if vocab is None:
+        logits = d.logits(hidden)  # [nb, S, V]
+        to_vocab = None
+    else:
+        logits = hidden @ d.head_weight[vocab].T  # [nb, S, U]
+        to_vocab = vocab
+        labels = torch.where(labels >= 0, torch.searchsorted(vocab, labels.clamp(min=0)), labels)
     w = torch.exp(-torch.arange(S, dtype=torch.float32) / gamma)  # position k+1 -> exp(-k/gamma)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none").view_as(labels)
     valid = labels >= 0
@@ -119,14 +133,18 @@ def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int):
     # selector: K-way CE over the drafter's own top-K, predecessor = the TRUE previous token
     sel = d.candidate_selector
     with torch.no_grad():
-        unary, cand = logits.detach().float().topk(K, dim=-1)  # [nb, S, K]
+        unary, cand = logits.detach().float().topk(K, dim=-1)  # [nb, S, K] (shortlist positions)
     prev = torch.cat([anchor_ids[:, None], labels[:, :-1].clamp(min=0)], 1)  # [nb, S]
+    if to_vocab is not None:  # codebooks are indexed by vocabulary id
+        prev = torch.cat([anchor_ids[:, None], to_vocab[labels[:, :-1].clamp(min=0)]], 1)
     gate = hidden.detach() @ sel.hidden_projection.weight.T  # [nb, S, R]
-    pair = torch.einsum("nsr,nskr->nsk", sel.predecessor_codebook[prev] * gate, sel.successor_codebook[cand])
+    cand_vocab = cand if to_vocab is None else to_vocab[cand]
+    pair = torch.einsum("nsr,nskr->nsk", sel.predecessor_codebook[prev] * gate, sel.successor_codebook[cand_vocab])
     hit = cand == labels[..., None]  # [nb, S, K]
     present = hit.any(-1) & valid
     target = hit.float().argmax(-1)
-    sel_ce = F.cross_entropy((unary * d.config.output_multiplier + pair).flatten(0, 1), target.flatten(),
+    m = d.config.output_multiplier if multiplier is None else multiplier
+    sel_ce = F.cross_entropy((unary * m + pair).flatten(0, 1), target.flatten(),
                              reduction="none").view_as(labels)
     sel_loss = (sel_ce * present).sum() / present.sum().clamp(min=1)
     return draft_loss, sel_loss, logits.detach(), cand, unary, gate.detach()
@@ -139,6 +157,7 @@ def offline_acceptance(d: Drafter, records: list[dict], anchors_per_seq: int = 1
     A block's accepted length = leading drafts equal to the target's greedy tokens (the labels)."""
     rng = random.Random(seed)
     taus = {"selector": [], "top1": [], "oracle": []}
+    S = d.config.num_drafts
     for rec in records:
         anchors = sample_anchors(rec, d.config.num_drafts, anchors_per_seq, rng)
         if not anchors:
@@ -148,15 +167,31 @@ def offline_acceptance(d: Drafter, records: list[dict], anchors_per_seq: int = 1
         for name, path in (("selector", out["draft_ids"].long()), ("top1", out["cand_ids"][..., 0].long())):
             taus[name] += _accepted(path == labels).tolist()
         taus["oracle"] += _accepted((out["cand_ids"].long() == labels[..., None]).any(-1)).tolist()
-    return {k: 1 + sum(v) / len(v) for k, v in taus.items() if v} | {"blocks": len(taus["top1"])}
+    if not taus["top1"]:
+        return {"blocks": 0}
+    out = {k: 1 + sum(v) / len(v) for k, v in taus.items()}
+    out["position_acceptance"] = {k: [sum(a > j for a in v) / len(v) for j in range(S)] for k, v in taus.items()}
+    return out | {"blocks": len(taus["top1"])}
 
 
 def _accepted(ok: torch.Tensor) -> torch.Tensor:  # [nb, S] bool -> leading True count [nb]
     return ok.int().cumprod(-1).sum(-1)
 
 
+def _set_multiplier(d: Drafter, folder: Path, value: float) -> None:
+    """Write the learned unary scale into the drafter's config (object and config.json)."""
+    import dataclasses
+
+    d.config = dataclasses.replace(d.config, output_multiplier=value)
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["dflash_config"]["output_multiplier"] = value
+    path.write_text(json.dumps(cfg, indent=2))
+
+
 def save_drafter(d: Drafter, folder: Path, dtype=torch.float16) -> None:
-    state = {k: v.detach().to(dtype).contiguous() for k, v in d.state_dict().items()}
+    state = {k: v.detach().to(dtype).contiguous() for k, v in d.state_dict().items()
+             if not k.startswith("train_")}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -183,7 +218,10 @@ def _load_resume(folder: Path, d: Drafter, opt: torch.optim.Optimizer) -> tuple[
     folder = folder / STATE
     meta = json.loads((folder / "resume.json").read_text())
     t = load_file(str(folder / "resume.safetensors"))
-    d.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("param/")})
+    state = {k[6:]: v for k, v in t.items() if k.startswith("param/")}
+    missing, unexpected = d.load_state_dict(state, strict=False)
+    if unexpected or any(not k.startswith("train_") for k in missing):
+        raise ValueError(f"{folder}: resume state does not match the model: missing {missing}, unexpected {unexpected}")
     for n, p in d.named_parameters():
         if f"exp_avg/{n}" in t:
             opt.state[p] = {"step": torch.tensor(float(meta["step"])), "exp_avg": t[f"exp_avg/{n}"],
@@ -198,15 +236,19 @@ def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: T
     torch.manual_seed(c.seed)
     rng = random.Random(c.seed)
     target = load_target(target_dir, ())
-    d = init_drafter(target, drafter_config_dict(target_dir, c), out)
+    d = init_drafter(target, drafter_config_dict(target_dir, c), out, c.init_from)
     del target.layers  # only the embedding / LM head (buffers of the drafter) are needed from here
+    log_mult = torch.nn.Parameter(torch.zeros(()), requires_grad=c.learn_multiplier)
+    d.register_parameter("train_log_multiplier", log_mult)  # saved in train_state, not in the checkpoint
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, history = 0, []
     if (out / STATE / "resume.json").is_file():
         step, history = _load_resume(out, d, opt)
         log_fn(f"resumed at step {step}")
-    K, t0 = c.top_k, time.perf_counter()
+    K, t0, step0 = c.top_k, time.perf_counter(), step
+    corpus_vocab = torch.unique(torch.cat([r["ids"] for r in records]))  # every token the target produced
+    V = d.config.vocab_size
     while step < c.steps:
         lr = c.lr * min(1.0, (step + 1) / c.warmup) * 0.5 * (1 + math.cos(math.pi * step / c.steps))
         for g in opt.param_groups:
@@ -214,23 +256,28 @@ def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: T
         d.train()
         opt.zero_grad(set_to_none=True)
         dl_sum = sl_sum = 0.0
+        vocab = None
+        if c.shortlist:
+            negatives = torch.randint(0, V, (c.negatives,))
+            vocab = torch.unique(torch.cat([corpus_vocab, negatives, torch.tensor([c.mask_token_id])]))
         for rec in rng.sample(records, min(c.seqs_per_step, len(records))):
             anchors = sample_anchors(rec, c.block_size - 1, c.anchors_per_seq, rng)
             if not anchors:
                 continue
             hidden, labels, anchor_ids = block_forward(d, rec, anchors)
-            dl, sl, *_ = losses(d, hidden, labels, anchor_ids, c.gamma, K)
+            dl, sl, *_ = losses(d, hidden, labels, anchor_ids, c.gamma, K, vocab, log_mult.exp())
             ((dl + c.selector_weight * sl) / c.seqs_per_step).backward()
             dl_sum, sl_sum = dl_sum + dl.item(), sl_sum + sl.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         if step % 10 == 0 or step == c.steps:
-            rate = (time.perf_counter() - t0) / max(step - (history[0]["step"] if history else 0), 1)
+            rate = (time.perf_counter() - t0) / max(step - step0, 1)
             log_fn(f"step {step}/{c.steps}  draft CE {dl_sum / c.seqs_per_step:.3f}  selector CE "
                    f"{sl_sum / c.seqs_per_step:.3f}  lr {lr:.2e}  {rate:.2f} s/step  ETA {(c.steps - step) * rate / 60:.1f} min")
         if eval_records and (step % c.eval_every == 0 or step == c.steps):
             d.eval()
+            _set_multiplier(d, out, float(log_mult.exp()))
             acc = offline_acceptance(d, eval_records[: c.eval_seqs])
             history.append({"step": step, **acc})
             log_fn(f"eval @ {step}: tau selector {acc['selector']:.3f}  top1 {acc['top1']:.3f}  "
@@ -238,6 +285,7 @@ def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: T
         if step % c.save_every == 0 or step == c.steps:
             _save_resume(out, d, opt, step, c, history)
     d.eval()
+    _set_multiplier(d, out, float(log_mult.exp()))
     save_drafter(d, out)
     (out / "training.json").write_text(json.dumps({"config": asdict(c), "history": history}, indent=1))
     return {"history": history}

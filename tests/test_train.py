@@ -1,0 +1,66 @@
+"""dflash2-train on a tiny target: corpus, checkpoint format, loss goes down, resume, export."""
+
+import json
+
+import pytest
+import torch
+
+from dflash2 import tiny
+from dflash2.config import load_drafter_config
+from dflash2.reference.load import load_pair
+from dflash2.train.data import generate_corpus, load_corpus, make_prompts
+from dflash2.train.trainer import STATE, TrainConfig, offline_acceptance, train
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = tiny.make_target(root / "target", family="qwen3")
+    generate_corpus(target, make_prompts(24), root / "corpus", [1, 2], max_new_tokens=32, batch_size=8,
+                    shard_size=8, log=lambda m: None)
+    return target, load_corpus(root / "corpus")
+
+
+def test_corpus_is_the_targets_greedy_answer_with_its_taps(corpus):
+    from dflash2.reference.load import load_target
+
+    target_dir, records = corpus
+    assert len(records) == 24
+    t = load_target(target_dir, (1, 2))
+    r = records[3]
+    with torch.no_grad():
+        logits, taps, _ = t(r["ids"], torch.zeros(0, *t.kv_row_shape()))
+    p = r["prompt_len"]
+    assert torch.equal(logits.argmax(-1)[p - 1:-1], r["ids"][p:])  # the answer IS the target's greedy output
+    assert r["taps"].shape[0] == len(r["ids"]) - 1
+    assert (taps[:-1] - r["taps"].float()).abs().max() < 1e-2  # fp16 storage
+
+
+def test_train_writes_a_dflash2_checkpoint_and_learns(tmp_path, corpus):
+    target_dir, records = corpus
+    c = TrainConfig(layers=1, block_size=6, top_k=4, rank=8, steps=40, lr=3e-3, seqs_per_step=4, anchors_per_seq=6,
+                    tap_ids=(1, 2), mask_token_id=3, eval_every=20, save_every=20)
+    logs = []
+    r = train(target_dir, tmp_path / "d", records[:20], c, eval_records=records[20:], log_fn=logs.append)
+    ces = [float(line.split("draft CE ")[1].split()[0]) for line in logs if "draft CE" in line]
+    assert ces[-1] < ces[0]  # the draft cross-entropy goes down
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors", STATE,
+                                                                 "training.json"]
+    cfg = load_drafter_config(tmp_path / "d")
+    assert cfg.version == 2 and cfg.block_size == 6 and cfg.selector_top_k == 4 and cfg.target_layer_ids == (1, 2)
+    target, d = load_pair(tmp_path / "d", target_dir)  # the exact DFlash2 format: loads and validates
+    acc = offline_acceptance(d, records[20:])
+    assert acc["oracle"] >= acc["top1"] >= 1.0 and acc["oracle"] >= acc["selector"]
+    assert r["history"][-1]["step"] == 40
+
+
+def test_resume_continues_from_the_saved_step(tmp_path, corpus):
+    target_dir, records = corpus
+    c = TrainConfig(layers=1, block_size=6, top_k=4, rank=8, steps=10, seqs_per_step=2, anchors_per_seq=4,
+                    tap_ids=(1, 2), mask_token_id=3, eval_every=100, save_every=5)
+    train(target_dir, tmp_path / "d", records, c, log_fn=lambda m: None)
+    assert json.loads((tmp_path / "d" / STATE / "resume.json").read_text())["step"] == 10
+    logs = []
+    c.steps = 15
+    train(target_dir, tmp_path / "d", records, c, log_fn=logs.append)
+    assert logs[0] == "resumed at step 10" and json.loads((tmp_path / "d" / STATE / "resume.json").read_text())["step"] == 15
