@@ -64,3 +64,20 @@ def test_resume_continues_from_the_saved_step(tmp_path, corpus):
     c.steps = 15
     train(target_dir, tmp_path / "d", records, c, log_fn=logs.append)
     assert logs[0] == "resumed at step 10" and json.loads((tmp_path / "d" / STATE / "resume.json").read_text())["step"] == 15
+
+
+def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus):
+    from dflash2.cli import train as train_cli
+
+    target_dir, _ = corpus
+    code = train_cli.main(["--target", str(target_dir), "--out", str(tmp_path / "d"), "--corpus", str(tmp_path / "c"),
+                           "--prompts", "12", "--max-new-tokens", "16", "--taps", "1,2", "--steps", "4",
+                           "--block-size", "5", "--top-k", "4", "--rank", "8", "--seqs-per-step", "2",
+                           "--anchors", "3", "--mask-token-id", "3", "--threads", "1"])
+    assert code == 0
+    assert len(load_corpus(tmp_path / "c")) == 12
+    assert load_drafter_config(tmp_path / "d").block_size == 5
+    # a corpus tapped at other layers is refused, naming both
+    code = train_cli.main(["--target", str(target_dir), "--out", str(tmp_path / "d2"), "--corpus",
+                           str(tmp_path / "c"), "--taps", "0,2", "--steps", "1"])
+    assert code == 2

@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-train", description=__doc__)
     p.add_argument("--target", required=True, type=Path, help="target folder (Llama / Qwen3, safetensors)")
     p.add_argument("--out", required=True, type=Path, help="drafter folder to write (resumes if it has train_state/)")
-    p.add_argument("--corpus", type=Path, help="corpus folder (made here if empty; default OUT/../corpus)")
+    p.add_argument("--corpus", type=Path, nargs="+",
+                   help="corpus folder(s) (the first is generated when empty; default OUT/../corpus)")
     p.add_argument("--prompts", type=int, default=1200, help="prompts to generate answers for")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length when generating the corpus")
     p.add_argument("--taps", type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="target layers copied into the drafter at initialisation")
     p.add_argument("--fixed-multiplier", action="store_true",
                    help="keep output_multiplier at 1 instead of learning it from the selector loss")
-    p.add_argument("--holdout", type=float, default=0.1, help="share of the corpus kept for evaluation")
+    p.add_argument("--holdout", type=float, default=0.1, help="share of the (last) corpus kept for evaluation")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -52,15 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tc = load_target_config(a.target)
         taps = a.taps or default_target_layer_ids(tc.num_layers, 3)
-        corpus = a.corpus or a.out.parent / "corpus"
-        meta = corpus / "corpus.json"
-        if meta.is_file() and tuple(json.loads(meta.read_text())["tap_ids"]) != tuple(taps):
-            raise Dflash2Error(f"{meta}: tap_ids {json.loads(meta.read_text())['tap_ids']} != --taps {list(taps)}")
-        if not meta.is_file():
-            generate_corpus(a.target, make_prompts(a.prompts, a.seed), corpus, list(taps), a.max_new_tokens)
-        records = load_corpus(corpus)
-        random.Random(a.seed).shuffle(records)  # shards are ordered by prompt length
-        n_eval = max(1, int(len(records) * a.holdout))
+        corpora = a.corpus or [a.out.parent / "corpus"]
+        for corpus in corpora:
+            meta = corpus / "corpus.json"
+            if meta.is_file() and tuple(json.loads(meta.read_text())["tap_ids"]) != tuple(taps):
+                raise Dflash2Error(f"{meta}: tap_ids {json.loads(meta.read_text())['tap_ids']} != --taps {list(taps)}")
+        if not (corpora[0] / "corpus.json").is_file():
+            generate_corpus(a.target, make_prompts(a.prompts, a.seed), corpora[0], list(taps), a.max_new_tokens)
+        # shards are ordered by prompt length: shuffle; hold out from the LAST corpus only, so a run
+        # warm-started on earlier corpora is evaluated on records it never saw
+        loaded = [load_corpus(corpus) for corpus in corpora]
+        for recs in loaded:
+            random.Random(a.seed).shuffle(recs)
+        n_eval = max(1, int(len(loaded[-1]) * a.holdout))
+        records = [r for recs in loaded for r in recs]  # the held-out records are the last n_eval
         cfg = TrainConfig(layers=a.layers, block_size=a.block_size, top_k=a.top_k, rank=a.rank, steps=a.steps,
                           lr=a.lr, seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors,
                           mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed, init_from=a.init_from,

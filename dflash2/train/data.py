@@ -70,9 +70,32 @@ def _stdlib_prompts(limit: int) -> list[str]:
     return out[:limit]
 
 
-def make_prompts(n: int, seed: int = 0, exclude: set[str] = frozenset()) -> list[str]:
+WORD_TEMPLATES = (
+    "Tell me about {w}.", "What does the word \"{w}\" mean? Give an example sentence.",
+    "Write a short story about {w}.", "Give three interesting facts about {w}.", "Explain {w} to a beginner.",
+    "Write a short poem about {w}.", "How is {w} used in everyday life?", "List five things related to {w}.",
+    "Write a friendly email that mentions {w}.", "What is the history of {w}?", "Describe {w} in one paragraph.",
+    "Give me advice about {w}.", "What are the advantages and disadvantages of {w}?",
+    "Write a dialogue between two friends about {w}.", "Create a quiz question about {w} and answer it.",
+)
+
+
+def vocab_words(tokenizer_json: str | Path, limit: int = 5000, seed: int = 0) -> list[str]:
+    """Whole English words from a byte-level BPE vocabulary ('Ġgarden' -> 'garden'): cheap topic diversity."""
+    vocab = json.loads(Path(tokenizer_json).read_text())["model"]["vocab"]
+    words = sorted({t[1:] for t in vocab if t.startswith("\u0120") and t[1:].isalpha() and t[1:].islower()
+                    and 5 <= len(t) - 1 <= 12})
+    random.Random(seed).shuffle(words)
+    return words[:limit]
+
+
+def make_prompts(n: int, seed: int = 0, exclude: set[str] = frozenset(),
+                 words: list[str] | None = None) -> list[str]:
+    """Templated instructions over fixed topics, code tasks, arithmetic, stdlib docstrings, and (when
+    `words` is given) one random template per vocabulary word, the bulk of the topic diversity."""
     rng = random.Random(seed)
     pool = [t.format(t=a, u=rng.choice(TOPICS)) for a in TOPICS for t in TEMPLATES]
+    pool += [rng.choice(WORD_TEMPLATES).format(w=w) for w in (words or [])]
     pool += [f"Write a {lang} function that {task}." for lang in LANGS for task in CODE_TASKS]
     pool += [_math_prompt(rng) for _ in range(200)]
     pool += _stdlib_prompts(300)
