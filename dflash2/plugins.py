@@ -122,51 +122,22 @@ def cuda_device_count() -> tuple[int, str]:
     return max(n, 0), (err.value.decode() if n < 0 else "no CUDA device visible" if n == 0 else "")
 
 
-def _float_dtype(name: str, a: np.ndarray) -> str:
-    dt = a.dtype.name  # ml_dtypes' bfloat16 arrays report "bfloat16"
-    if dt not in C.FLOAT_TYPES:
-        raise ValueError(f"{C.OP_NAME}: input {name} dtype expected one of {C.FLOAT_TYPES}, found {dt}")
-    return dt
-
-
 def _prepare(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, attrs: dict):
-    """Validate like the reference op, then fill the C struct; returns (args, outputs, keepalive)."""
+    """Validate with the contract's rules (the same as the reference op), then fill the C struct;
+    returns (args, outputs, keepalive)."""
     a = C.check_attributes(attrs)
     arrays = dict(zip(C.input_names(), (cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook)))
     arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-    dims: dict[str, int] = {}
-    for spec in C.INPUTS:
-        arr = arrays[spec.name]
-        if arr.ndim != len(spec.dims):
-            raise ValueError(f"{C.OP_NAME}: input {spec.name} expected rank {len(spec.dims)} {list(spec.dims)}, "
-                             f"found shape {list(arr.shape)}")
-        if "int32" in spec.dtypes and arr.dtype != np.int32:
-            raise ValueError(f"{C.OP_NAME}: input {spec.name} dtype expected int32, found {arr.dtype.name}")
-        for d, n in zip(spec.dims, arr.shape):
-            if dims.setdefault(d, n) != n:
-                raise ValueError(f"{C.OP_NAME}: dim {d} of input {spec.name} expected {dims[d]}, found {n}")
-    tl = _float_dtype("cand_logits", arrays["cand_logits"])
-    tc = {n: _float_dtype(n, arrays[n]) for n in ("gate", "pred_codebook", "succ_codebook")}
-    if len(set(tc.values())) != 1:
-        raise ValueError(f"{C.OP_NAME}: gate, pred_codebook and succ_codebook must share a dtype, found "
-                         f"{', '.join(tc.values())}")
-    if dims["K"] != a["top_k"]:
-        raise ValueError(f"{C.OP_NAME}: K of the inputs expected top_k={a['top_k']}, found {dims['K']}")
-    if dims["R"] != a["rank"]:
-        raise ValueError(f"{C.OP_NAME}: R of the inputs expected rank={a['rank']}, found {dims['R']}")
-    if dims["S"] < 1:
-        raise ValueError(f"{C.OP_NAME}: S expected >= 1, found {dims['S']}")
-    for name in ("cand_ids", "anchor"):
-        ids = arrays[name]
-        if ids.size and (ids.min() < 0 or ids.max() >= dims["V"]):
-            raise ValueError(f"{C.OP_NAME}: input {name} expected ids in [0, {dims['V']}), found "
-                             f"[{ids.min()}, {ids.max()}]")
+    ranges = {n: (int(arrays[n].min()), int(arrays[n].max())) for n in ("cand_ids", "anchor") if arrays[n].size}
+    # ml_dtypes' bfloat16 arrays report "bfloat16"
+    dims = C.check_io({n: v.shape for n, v in arrays.items()}, {n: v.dtype.name for n, v in arrays.items()},
+                      a, ranges)
     B, S, K = dims["B"], dims["S"], dims["K"]
     outs = (np.empty((B, S), np.int32), np.empty((B, S), np.int32), np.empty((B, S, K), np.float32))
     ptr = {k: v.ctypes.data for k, v in arrays.items()}
     args = _Args(*[ptr[n] for n in C.input_names()], *[o.ctypes.data for o in outs],
-                 B, S, K, dims["R"], dims["V"], _DTYPE_CODES[tl], _DTYPE_CODES[tc["gate"]],
-                 a["output_multiplier"], a["logit_softcap"])
+                 B, S, K, dims["R"], dims["V"], _DTYPE_CODES[arrays["cand_logits"].dtype.name],
+                 _DTYPE_CODES[arrays["gate"].dtype.name], a["output_multiplier"], a["logit_softcap"])
     return args, outs, arrays
 
 

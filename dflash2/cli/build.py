@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from dflash2.cli import print_files
 from dflash2.errors import Dflash2Error
 
 
@@ -50,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     took = f" in {m['build_seconds']:.1f} s" if "build_seconds" in m else ""
     print(f"engines in {a.out}{took} (TensorRT {m['tensorrt_version']}, precision {m['precision']}, "
           f"max_seq_len {m['max_seq_len']}, max_prefill {m['max_prefill']})")
-    print(f"{'file':<28}{'MB':>10}")
-    for name, meta in m["files"].items():
-        print(f"{name:<28}{meta['bytes'] / 1e6:>10.2f}")
+    print_files(m["files"])
     return 0
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from dflash2.cli import print_files
 from dflash2.errors import Dflash2Error
 
 
@@ -30,9 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash2-export: error: {e}", file=sys.stderr)
         return 2
     print(f"exported {a.out} in {m['export_seconds']:.1f} s (dtype {m['dtype']}, block size {m['block_size']})")
-    print(f"{'file':<28}{'MB':>10}")
-    for name, meta in m["files"].items():
-        print(f"{name:<28}{meta['bytes'] / 1e6:>10.2f}")
+    print_files(m["files"])
     return 0
 
 

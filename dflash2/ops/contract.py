@@ -131,6 +131,41 @@ def check_attributes(attrs: dict) -> dict:
     return out
 
 
+def check_io(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str], attrs: dict,
+             id_ranges: dict[str, tuple[int, int]] | None = None) -> dict[str, int]:
+    """The op's input rules on plain shapes / dtype names (torch op and CPU twin both call this).
+
+    Returns the dims {B, S, K, R, V}; ValueError names the tensor, what was expected and found.
+    id_ranges: optional (min, max) of cand_ids / anchor, checked against [0, V)."""
+    a = check_attributes(attrs)
+    for spec in INPUTS:
+        if dtypes[spec.name] not in spec.dtypes:
+            raise ValueError(f"{OP_NAME}: input {spec.name} dtype expected one of {spec.dtypes}, "
+                             f"found {dtypes[spec.name]}")
+        if len(shapes[spec.name]) != len(spec.dims):
+            raise ValueError(f"{OP_NAME}: input {spec.name} expected rank {len(spec.dims)} {list(spec.dims)}, "
+                             f"found shape {list(shapes[spec.name])}")
+    for var in {t.type_var for t in INPUTS}:
+        group = {t.name: dtypes[t.name] for t in INPUTS if t.type_var == var}
+        if len(set(group.values())) > 1:
+            raise ValueError(f"{OP_NAME}: {', '.join(group)} must share a dtype, found {', '.join(group.values())}")
+    dims: dict[str, int] = {}
+    for spec in INPUTS:
+        for d, n in zip(spec.dims, shapes[spec.name]):
+            if dims.setdefault(d, n) != n:
+                raise ValueError(f"{OP_NAME}: dim {d} of input {spec.name} expected {dims[d]}, found {n}")
+    if dims["K"] != a["top_k"]:
+        raise ValueError(f"{OP_NAME}: K of the inputs expected top_k={a['top_k']}, found {dims['K']}")
+    if dims["R"] != a["rank"]:
+        raise ValueError(f"{OP_NAME}: R of the inputs expected rank={a['rank']}, found {dims['R']}")
+    if dims["S"] < 1:
+        raise ValueError(f"{OP_NAME}: S expected >= 1, found {dims['S']}")
+    for name, (lo, hi) in (id_ranges or {}).items():
+        if lo < 0 or hi >= dims["V"]:
+            raise ValueError(f"{OP_NAME}: {name} expected ids in [0, {dims['V']}), found [{lo}, {hi}]")
+    return dims
+
+
 def as_dict() -> dict:
     """The contract as plain data (compared with plugins/*/..._PluginConfig.yaml)."""
     return {

@@ -73,34 +73,13 @@ def first_argmax(row: torch.Tensor) -> torch.Tensor:
 
 
 def check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, **attrs) -> None:
-    """Shape / dtype rules of the contract; ValueError names the tensor, expected and found."""
-    a = C.check_attributes(attrs)
+    """The contract's shape / dtype / id rules (dflash2.ops.contract.check_io) on torch tensors."""
     t = dict(zip(C.input_names(), (cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook)))
-    for spec in C.INPUTS:
-        dt = str(t[spec.name].dtype).replace("torch.", "")
-        if dt not in spec.dtypes:
-            raise ValueError(f"{C.OP_NAME}: input {spec.name} dtype expected one of {spec.dtypes}, found {dt}")
-        if t[spec.name].dim() != len(spec.dims):
-            raise ValueError(f"{C.OP_NAME}: input {spec.name} expected rank {len(spec.dims)} "
-                             f"{list(spec.dims)}, found shape {list(t[spec.name].shape)}")
-    if gate.dtype != pred_codebook.dtype or gate.dtype != succ_codebook.dtype:
-        raise ValueError(f"{C.OP_NAME}: gate, pred_codebook and succ_codebook must share a dtype, found "
-                         f"{gate.dtype}, {pred_codebook.dtype}, {succ_codebook.dtype}")
-    dims: dict[str, int] = {}
-    for spec in C.INPUTS:
-        for d, n in zip(spec.dims, t[spec.name].shape):
-            if dims.setdefault(d, n) != n:
-                raise ValueError(f"{C.OP_NAME}: dim {d} of input {spec.name} expected {dims[d]}, found {n}")
-    if dims["K"] != a["top_k"]:
-        raise ValueError(f"{C.OP_NAME}: K of the inputs expected top_k={a['top_k']}, found {dims['K']}")
-    if dims["R"] != a["rank"]:
-        raise ValueError(f"{C.OP_NAME}: R of the inputs expected rank={a['rank']}, found {dims['R']}")
-    if dims["S"] < 1:
-        raise ValueError(f"{C.OP_NAME}: S expected >= 1, found {dims['S']}")
-    for name, ids in (("cand_ids", cand_ids), ("anchor", anchor)):
-        if ids.numel() and not torch.compiler.is_exporting() and (ids.min() < 0 or ids.max() >= dims["V"]):
-            raise ValueError(f"{C.OP_NAME}: {name} expected ids in [0, {dims['V']}), found "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
+    ranges = None
+    if not torch.compiler.is_exporting():  # data-dependent: eager only
+        ranges = {n: (int(t[n].min()), int(t[n].max())) for n in ("cand_ids", "anchor") if t[n].numel()}
+    C.check_io({n: tuple(v.shape) for n, v in t.items()},
+               {n: str(v.dtype).replace("torch.", "") for n, v in t.items()}, attrs, ranges)
 
 
 def select_candidates(
