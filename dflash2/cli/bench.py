@@ -17,13 +17,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.add_argument("--repeats", type=int, default=1, help="interleaved AR/spec runs per prompt")
+    p.add_argument("--policies", type=lambda v: tuple(v.split(",")),
+                   help="draft paths to measure, from selector,top1,oracle (default: all the drafter supports)")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of acceptance per draft position")
     a = p.parse_args(argv)
     from dflash2.runtime import bench as b
 
     try:
-        r = b.bench(a.folder, b.load_prompts(a.prompts), a.max_new_tokens, chat=not a.raw, repeats=a.repeats)
+        r = b.bench(a.folder, b.load_prompts(a.prompts), a.max_new_tokens, chat=not a.raw, policies=a.policies,
+                    repeats=a.repeats)
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench: error: {e}", file=sys.stderr)
         return 2

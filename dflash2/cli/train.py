@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash2.config import default_target_layer_ids, load_target_config
     from dflash2.train.data import generate_corpus, load_corpus, make_prompts
+    from dflash2.runtime.bench import default_prompts
     from dflash2.train.trainer import TrainConfig, train
 
     if a.threads:
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             if meta.is_file() and tuple(json.loads(meta.read_text())["tap_ids"]) != tuple(taps):
                 raise Dflash2Error(f"{meta}: tap_ids {json.loads(meta.read_text())['tap_ids']} != --taps {list(taps)}")
         if not (corpora[0] / "corpus.json").is_file():
-            generate_corpus(a.target, make_prompts(a.prompts, a.seed), corpora[0], list(taps), a.max_new_tokens)
+            bench = set(default_prompts())  # never train on the benchmark's prompts
+            generate_corpus(a.target, make_prompts(a.prompts, a.seed, exclude=bench), corpora[0], list(taps),
+                            a.max_new_tokens)
         # shards are ordered by prompt length: shuffle; hold out from the LAST corpus only, so a run
         # warm-started on earlier corpora is evaluated on records it never saw
         loaded = [load_corpus(corpus) for corpus in corpora]

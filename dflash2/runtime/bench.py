@@ -78,6 +78,8 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     rt = Runtime(folder)
     v2 = rt.manifest["drafter_version"] == 2
     policies = policies or (POLICIES if v2 else ("selector",))
+    if "selector" not in policies:
+        policies = ("selector", *policies)  # the speculative timing is the selector's path
     sessions = {p: PolicySession(rt.manifest, rt.session.backend, policy=p) for p in policies}
     for s in sessions.values():
         s.target, s.drafter = TimedEngine(s.target), TimedEngine(s.drafter)

@@ -35,7 +35,8 @@ class Backend(Protocol):
 
 
 class OrtEngine:
-    def __init__(self, name: str, path: Path, providers: list[str], threads: int | None = None):
+    def __init__(self, name: str, path: Path, providers: list[str], threads: int | None = None,
+                 spin: bool = True):
         import onnxruntime as ort
         from onnxruntime.capi import onnxruntime_pybind11_state as state
 
@@ -44,6 +45,7 @@ class OrtEngine:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             opts.intra_op_num_threads = threads
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         self.name = name
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=providers)
@@ -82,7 +84,11 @@ class OrtBackend:
         self.threads = threads or int(os.environ.get("DFLASH2_THREADS", "0")) or None
 
     def engine(self, graph: str) -> OrtEngine:
-        return OrtEngine(graph, self.folder / self.graphs[graph], self.providers, self.threads)
+        # Target and drafter alternate every round. Threads spin-waiting after the drafter steal the cores
+        # from the verify that follows; the target's spinning speeds up back-to-back steps. SmolLM2, 2 cores,
+        # ms per round (verify + draft): both spin 37.6 + 8.6, none 26.0 + 6.4, target only 21.7 + 7.2.
+        return OrtEngine(graph, self.folder / self.graphs[graph], self.providers, self.threads,
+                         spin=graph == "target")
 
     def device_buffer(self, shape, dtype) -> HostBuffer:
         return HostBuffer(shape, dtype)
