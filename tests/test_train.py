@@ -9,7 +9,9 @@ from dflash2 import tiny
 from dflash2.config import load_drafter_config
 from dflash2.reference.load import load_pair
 from dflash2.train.data import generate_corpus, load_corpus, make_prompts
-from dflash2.train.trainer import STATE, TrainConfig, offline_acceptance, train
+from dflash2.reference.backend import TorchBackend
+from dflash2.speculative import generate
+from dflash2.train.trainer import STATE, TrainConfig, accepted_lengths, offline_acceptance, train
 
 
 @pytest.fixture(scope="module")
@@ -36,22 +38,46 @@ def test_corpus_is_the_targets_greedy_answer_with_its_taps(corpus):
     assert (taps[:-1] - r["taps"].float()).abs().max() < 1e-2  # fp16 storage
 
 
-def test_train_writes_a_dflash2_checkpoint_and_learns(tmp_path, corpus):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
     target_dir, records = corpus
+    out = tmp_path_factory.mktemp("trained") / "d"
     c = TrainConfig(layers=1, block_size=6, top_k=4, rank=8, steps=40, lr=3e-3, seqs_per_step=4, anchors_per_seq=6,
                     tap_ids=(1, 2), mask_token_id=3, eval_every=20, save_every=20)
     logs = []
-    r = train(target_dir, tmp_path / "d", records[:20], c, eval_records=records[20:], log_fn=logs.append)
+    r = train(target_dir, out, records[:20], c, eval_records=records[20:], log_fn=logs.append)
+    return out, r, logs
+
+
+def test_train_writes_a_dflash2_checkpoint_and_learns(trained, corpus):
+    target_dir, records = corpus
+    out, r, logs = trained
     ces = [float(line.split("draft CE ")[1].split()[0]) for line in logs if "draft CE" in line]
     assert ces[-1] < ces[0]  # the draft cross-entropy goes down
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors", STATE,
-                                                                 "training.json"]
-    cfg = load_drafter_config(tmp_path / "d")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", STATE, "training.json"]
+    cfg = load_drafter_config(out)
     assert cfg.version == 2 and cfg.block_size == 6 and cfg.selector_top_k == 4 and cfg.target_layer_ids == (1, 2)
-    target, d = load_pair(tmp_path / "d", target_dir)  # the exact DFlash2 format: loads and validates
+    target, d = load_pair(out, target_dir)  # the exact DFlash2 format: loads and validates
     acc = offline_acceptance(d, records[20:])
     assert acc["oracle"] >= acc["top1"] >= 1.0 and acc["oracle"] >= acc["selector"]
     assert r["history"][-1]["step"] == 40
+
+
+def test_training_evaluator_matches_the_speculative_loop(trained, corpus):
+    """At the anchors the loop visits, the trainer's block evaluation accepts exactly what the loop
+    accepted, round by round: training sees the same context, anchor and labels as inference."""
+    target_dir, records = corpus
+    t, d = load_pair(trained[0], target_dir)
+    online = []
+    for rec in records[20:]:
+        p, ids = rec["prompt_len"], rec["ids"].tolist()
+        g = generate(TorchBackend(t, d, 256), ids[:p], len(ids) - p)
+        assert g.ids == ids[p:]
+        anchors = (p + torch.tensor([0, *g.stats.accepted]).add(1).cumsum(0)[:-1] - 1).tolist()
+        anchors = [a for a in anchors if a <= len(ids) - 2]  # a block needs one label after its anchor
+        assert accepted_lengths(d, rec, anchors)["selector"] == g.stats.accepted[: len(anchors)]
+        online += g.stats.accepted
+    assert sum(online) > 0  # some drafts are accepted, so the comparison is not all zeros
 
 
 def test_resume_continues_from_the_saved_step(tmp_path, corpus):

@@ -151,22 +151,28 @@ def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: 
 
 
 @torch.no_grad()
-def offline_acceptance(d: Drafter, records: list[dict], anchors_per_seq: int = 16, seed: int = 1) -> dict:
-    """tau for the selector path, the top-1 path and the top-K oracle on held-out blocks.
+def accepted_lengths(d: Drafter, rec: dict, anchors: list[int]) -> dict[str, list[int]]:
+    """Drafts accepted per block (leading matches with the target's greedy tokens) for the selector
+    path, the top-1 path and the top-K oracle: what the speculative loop would accept at these anchors."""
+    hidden, labels, anchor_ids = block_forward(d, rec, anchors)
+    out = d.propose_batch(hidden, anchor_ids)
+    return {"selector": _accepted(out["draft_ids"].long() == labels).tolist(),
+            "top1": _accepted(out["cand_ids"][..., 0].long() == labels).tolist(),
+            "oracle": _accepted((out["cand_ids"].long() == labels[..., None]).any(-1)).tolist()}
 
-    A block's accepted length = leading drafts equal to the target's greedy tokens (the labels)."""
+
+@torch.no_grad()
+def offline_acceptance(d: Drafter, records: list[dict], anchors_per_seq: int = 16, seed: int = 1) -> dict:
+    """tau for the selector path, the top-1 path and the top-K oracle on held-out blocks at random
+    anchors (every position weighs the same; the loop's own anchors sit more often where drafts fail)."""
     rng = random.Random(seed)
     taus = {"selector": [], "top1": [], "oracle": []}
     S = d.config.num_drafts
     for rec in records:
-        anchors = sample_anchors(rec, d.config.num_drafts, anchors_per_seq, rng)
-        if not anchors:
-            continue
-        hidden, labels, anchor_ids = block_forward(d, rec, anchors)
-        out = d.propose_batch(hidden, anchor_ids)
-        for name, path in (("selector", out["draft_ids"].long()), ("top1", out["cand_ids"][..., 0].long())):
-            taus[name] += _accepted(path == labels).tolist()
-        taus["oracle"] += _accepted((out["cand_ids"].long() == labels[..., None]).any(-1)).tolist()
+        anchors = sample_anchors(rec, S, anchors_per_seq, rng)
+        if anchors:
+            for name, acc in accepted_lengths(d, rec, anchors).items():
+                taus[name] += acc
     if not taus["top1"]:
         return {"blocks": 0}
     out = {k: 1 + sum(v) / len(v) for k, v in taus.items()}
@@ -277,7 +283,7 @@ def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: T
                    f"{sl_sum / c.seqs_per_step:.3f}  lr {lr:.2e}  {rate:.2f} s/step  ETA {(c.steps - step) * rate / 60:.1f} min")
         if eval_records and (step % c.eval_every == 0 or step == c.steps):
             d.eval()
-            _set_multiplier(d, out, float(log_mult.exp()))
+            _set_multiplier(d, out, float(log_mult.detach().exp()))
             acc = offline_acceptance(d, eval_records[: c.eval_seqs])
             history.append({"step": step, **acc})
             log_fn(f"eval @ {step}: tau selector {acc['selector']:.3f}  top1 {acc['top1']:.3f}  "
@@ -285,7 +291,7 @@ def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: T
         if step % c.save_every == 0 or step == c.steps:
             _save_resume(out, d, opt, step, c, history)
     d.eval()
-    _set_multiplier(d, out, float(log_mult.exp()))
+    _set_multiplier(d, out, float(log_mult.detach().exp()))
     save_drafter(d, out)
     (out / "training.json").write_text(json.dumps({"config": asdict(c), "history": history}, indent=1))
     return {"history": history}
