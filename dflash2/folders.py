@@ -28,6 +28,21 @@ def check_output(out: Path, force: bool) -> None:
         raise OutputError(f"{out}: cannot write into {probe} (permission denied)")
 
 
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Write a temp sibling, then rename: readers never see a half-written file."""
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def copy_present(src: Path, names: list[str], dst: Path) -> list[str]:
+    """Copy those of `names` that exist in `src` into `dst`; returns the copied names."""
+    copied = [n for n in names if (src / n).is_file()]
+    for n in copied:
+        shutil.copy2(src / n, dst / n)
+    return copied
+
+
 def temp_folder(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.folders import write_atomic
 
 EXPORT_FORMAT = "dflash2-export"
 ENGINE_FORMAT = "dflash2-engines"
@@ -31,6 +32,14 @@ def sha256(path: Path) -> str:
 
 def file_table(folder: Path, names: list[str]) -> dict[str, dict]:
     return {n: {"sha256": sha256(folder / n), "bytes": (folder / n).stat().st_size} for n in sorted(names)}
+
+
+def write(folder: Path, manifest: dict) -> dict:
+    """Checksum every file of the folder into manifest["files"], then write manifest.json atomically."""
+    names = [p.name for p in folder.iterdir() if p.is_file() and p.name != NAME and not p.name.startswith(".")]
+    manifest["files"] = file_table(folder, names)
+    write_atomic(folder / NAME, json.dumps(manifest, indent=2))
+    return manifest
 
 
 def load(folder: str | Path, formats: tuple[str, ...] = (EXPORT_FORMAT, ENGINE_FORMAT)) -> dict:

@@ -52,13 +52,25 @@ class _Args(ctypes.Structure):
         ("output_multiplier", ctypes.c_float), ("logit_softcap", ctypes.c_float)]
 
 
+BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "plugins"  # where plugins/build.sh writes
+
+
+def abi_version(lib: ctypes.CDLL, path: Path) -> int:
+    """The C ABI version a loaded library reports; a library without the symbol is not ours."""
+    if not hasattr(lib, "dflash2_selector_abi_version"):
+        raise PluginLibraryError(f"{path}: not a DFlash2 plugin library (no dflash2_selector_abi_version); "
+                                 f"{BUILD_HINT}")
+    lib.dflash2_selector_abi_version.restype = ctypes.c_int32
+    return int(lib.dflash2_selector_abi_version())
+
+
 def search_dirs() -> list[Path]:
     dirs = []
     env = os.environ.get(ENV_VAR)
     if env:
         p = Path(env)
         dirs.append(p.parent if p.is_file() or p.suffix == ".so" else p)
-    dirs.append(Path(__file__).resolve().parents[1] / "build" / "plugins")
+    dirs.append(BUILD_DIR)
     dirs.append(Path(__file__).resolve().parent / "lib")
     return dirs
 
@@ -80,8 +92,7 @@ def _load(path: Path) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise PluginLibraryError(f"{path} failed to load: {e}; rebuild it: {BUILD_HINT}") from e
-    lib.dflash2_selector_abi_version.restype = ctypes.c_int32
-    found = lib.dflash2_selector_abi_version()
+    found = abi_version(lib, path)
     if found != ABI_VERSION:
         raise PluginLibraryError(f"{path}: C ABI version expected {ABI_VERSION}, found {found}; {BUILD_HINT}")
     for fn in ("dflash2_select_path_cpu", "dflash2_check_select_args"):

@@ -81,6 +81,12 @@ class Generation:
     stop_reason: str  # "eos" | "length" | "stop"
 
 
+def gap_closed(selector: float, top1: float, oracle: float) -> float | None:
+    """Share of the top-1 -> oracle acceptance gap a selector closes (None when there is no gap)."""
+    gap = oracle - top1
+    return (selector - top1) / gap if gap > 0 else None
+
+
 def accepted_prefix(drafts: Sequence[int], preds: Sequence[int]) -> int:
     acc = 0
     while acc < len(drafts) and drafts[acc] == preds[acc]:

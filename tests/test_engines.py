@@ -23,6 +23,7 @@ from dflash2.engines import plan as ep
 from dflash2.engines import profiles as pr
 from dflash2.engines import trtexec
 from dflash2.errors import Dflash2Error
+from dflash2.folders import OutputError
 from dflash2.runtime import cuda as rcuda
 from dflash2.runtime import trt as rtrt
 from dflash2.runtime.api import Runtime, pick_backend
@@ -243,7 +244,7 @@ def test_precision_default_is_export_dtype(export_dir, tmp_path, fake_plugin):
 
 def test_existing_output_needs_force(export_dir, tmp_path, fake_plugin):
     (tmp_path / "eng").mkdir()
-    with pytest.raises(em.OutputError, match="exists; pass --force"):
+    with pytest.raises(OutputError, match="exists; pass --force"):
         ep.plan_build(export_dir, tmp_path / "eng", plugin=fake_plugin)
     assert ep.plan_build(export_dir, tmp_path / "eng", plugin=fake_plugin, force=True).force
 

@@ -7,10 +7,10 @@ import torch
 
 from dflash2 import tiny
 from dflash2.config import load_drafter_config
-from dflash2.reference.load import load_pair
-from dflash2.train.data import generate_corpus, load_corpus, make_prompts
 from dflash2.reference.backend import TorchBackend
+from dflash2.reference.load import load_pair
 from dflash2.speculative import generate
+from dflash2.train.data import generate_corpus, load_corpus, make_prompts
 from dflash2.train.trainer import STATE, TrainConfig, accepted_lengths, offline_acceptance, train
 
 

@@ -9,14 +9,15 @@ registry before parsing. `plan.py` explains why precision comes from the export 
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
 
+from dflash2 import manifest as mf
 from dflash2.engines import manifest as em
 from dflash2.engines.plan import PRECISIONS, BuildPlan, EngineJob, PrecisionError
 from dflash2.errors import Dflash2Error
+from dflash2.folders import copy_present, replace_folder, temp_folder, write_atomic
 from dflash2.progress import Progress
 from dflash2.runtime.trt import load_plugin, make_logger, require_tensorrt
 
@@ -79,13 +80,6 @@ def add_profiles(trt, builder, config, network, job: EngineJob) -> None:
             raise BuildError(f"{job.onnx}: TensorRT rejected optimization profile {p.name} {p.to_dict()['shapes']}")
 
 
-def _write_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(memoryview(data))
-    os.replace(tmp, path)
-
-
 def build(plan: BuildPlan, quiet: bool = False) -> dict:
     """Build every engine of the plan; returns the engine-folder manifest (also written to plan.out)."""
     trt = require_tensorrt()
@@ -97,7 +91,7 @@ def build(plan: BuildPlan, quiet: bool = False) -> dict:
     progress = Progress(2 * len(plan.jobs) + 1, quiet)
     cache_bytes = plan.timing_cache.read_bytes() if plan.timing_cache and plan.timing_cache.is_file() else b""
     cache, built = None, {}
-    tmp = em.temp_folder(plan.out)
+    tmp = temp_folder(plan.out)
     try:
         for job in plan.jobs:
             t0 = time.perf_counter()
@@ -116,15 +110,15 @@ def build(plan: BuildPlan, quiet: bool = False) -> dict:
                 data = builder.build_serialized_network(network, config)
                 if data is None:
                     raise BuildError(f"{job.onnx}: TensorRT failed to build {job.engine}:\n  {logger.tail()}")
-                _write_atomic(tmp / job.engine, data)
+                write_atomic(tmp / job.engine, data)
             built[job.graph] = {"seconds": round(time.perf_counter() - t0, 3)}
         with progress.step("timing cache, tokenizer, manifest"):
             if plan.timing_cache is not None and cache is not None:
                 plan.timing_cache.parent.mkdir(parents=True, exist_ok=True)
-                _write_atomic(plan.timing_cache, cache.serialize())
-            em.copy_tokenizer(plan.export_dir, plan.export, tmp)
-            manifest = em.write(tmp, em.build_manifest(plan, built, trt.__version__))
-        em.replace_folder(tmp, plan.out)
+                write_atomic(plan.timing_cache, cache.serialize())
+            _copy_tokenizer(plan, tmp)
+            manifest = mf.write(tmp, em.build_manifest(plan, built, trt.__version__))
+        replace_folder(tmp, plan.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     manifest["build_seconds"] = progress.elapsed
@@ -141,5 +135,10 @@ def adopt(plan: BuildPlan) -> dict:
         version = require_tensorrt().__version__
     except Dflash2Error:
         version = "unknown (built outside dflash2-build)"
-    em.copy_tokenizer(plan.export_dir, plan.export, plan.out)
-    return em.write(plan.out, em.build_manifest(plan, {}, version))
+    _copy_tokenizer(plan, plan.out)
+    return mf.write(plan.out, em.build_manifest(plan, {}, version))
+
+
+def _copy_tokenizer(plan: BuildPlan, folder: Path) -> None:
+    """The tokenizer travels with the engines so `dflash2-run ENGINE_DIR --prompt` works on its own."""
+    copy_present(plan.export_dir, plan.export.get("tokenizer", {}).get("files", []), folder)

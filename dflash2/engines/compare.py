@@ -22,9 +22,9 @@ import numpy as np
 from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
 
-# Same (atol, rtol) per export dtype as the validation right after export (dflash2.export.validate),
-# repeated here because the engines stage must not import torch.
-from dflash2.numerics import TOLERANCES  # noqa: E402
+# Same (atol, rtol) per export dtype as the validation right after export (dflash2.export.validate).
+from dflash2.numerics import TOLERANCES
+
 REFERENCE = "pytorch"
 
 
@@ -121,7 +121,7 @@ def _summarize(graph: str, accuracy, reference, report: Report) -> None:
                                    f"feed(s) {bad} of {len(per_iter)} out of tolerance" if bad else ""))
 
 
-def compare_graph(export_dir: Path, graph: str, g: dict, runners: list, atol: float, rtol: float,
+def compare_graph(export_dir: Path, graph: str, runners: list, atol: float, rtol: float,
                   report: Report) -> None:
     from polygraphy import comparator as pc
     from polygraphy.comparator import Comparator, RunResults
@@ -205,5 +205,5 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
             else:
                 report.notes.append(f"{graph}: no engine in {engines_dir}")
         if runners:
-            compare_graph(export_dir, graph, g, runners, atol, rtol, report)
+            compare_graph(export_dir, graph, runners, atol, rtol, report)
     return report

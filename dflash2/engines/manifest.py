@@ -14,14 +14,10 @@ The folder is written into a temporary sibling and renamed into place, like the 
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from pathlib import Path
 
 from dflash2 import manifest as mf
-from dflash2.folders import OutputError, check_output, replace_folder, temp_folder  # noqa: F401
 from dflash2.ops import contract as C
 
 COPIED = ("block_size", "num_drafts", "drafter_version", "vocab_size", "eos_token_ids", "mask_token_id",
@@ -64,24 +60,6 @@ def build_manifest(plan, engines: dict[str, dict], tensorrt_version: str) -> dic
     }
 
 
-def copy_tokenizer(export_dir: Path, export: dict, folder: Path) -> list[str]:
-    """The tokenizer travels with the engines so `dflash2-run ENGINE_DIR --prompt` works on its own."""
-    names = [f for f in export.get("tokenizer", {}).get("files", []) if (export_dir / f).is_file()]
-    for f in names:
-        shutil.copy2(export_dir / f, folder / f)
-    return names
-
-
-def write(folder: Path, manifest: dict) -> dict:
-    """Checksum every file of the folder into manifest["files"], then write manifest.json atomically."""
-    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != mf.NAME and not p.name.startswith("."))
-    manifest["files"] = mf.file_table(folder, names)
-    tmp = folder / f".{mf.NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, folder / mf.NAME)
-    return manifest
-
-
 def read(folder: str | Path) -> dict:
     """Load an engine folder's manifest and check the fields the runtime and compare rely on."""
     folder = Path(folder)
@@ -95,10 +73,3 @@ def read(folder: str | Path) -> dict:
     if problems:
         raise mf.ManifestError(f"{folder / mf.NAME}: not a complete engine manifest:\n  " + "\n  ".join(problems))
     return m
-
-
-def engine_path(folder: str | Path, manifest: dict, graph: str) -> Path:
-    if graph not in manifest["engines"]:
-        raise mf.ManifestError(f"{Path(folder) / mf.NAME}: engines: expected {graph!r}, found "
-                               f"{sorted(manifest['engines'])}")
-    return Path(folder) / manifest["engines"][graph]["file"]

@@ -17,8 +17,8 @@ from pathlib import Path
 from dflash2 import manifest as mf
 from dflash2 import plugins
 from dflash2.engines import profiles as pr
-from dflash2.engines.manifest import check_output
 from dflash2.errors import Dflash2Error
+from dflash2.folders import check_output
 from dflash2.ops import contract as C
 
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -98,11 +98,7 @@ def library_abi(path: Path) -> int:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise plugins.PluginLibraryError(f"{path} failed to load: {e}; {plugins.BUILD_HINT}") from e
-    if not hasattr(lib, "dflash2_selector_abi_version"):
-        raise plugins.PluginLibraryError(f"{path}: not a DFlash2 plugin library (no dflash2_selector_abi_version); "
-                                         f"{plugins.BUILD_HINT}")
-    lib.dflash2_selector_abi_version.restype = ctypes.c_int32
-    return int(lib.dflash2_selector_abi_version())
+    return plugins.abi_version(lib, path)
 
 
 def resolve_plugin(export: dict, plugin: str | Path | None, required: bool) -> tuple[Path | None, bool]:
@@ -121,7 +117,7 @@ def resolve_plugin(export: dict, plugin: str | Path | None, required: bool) -> t
         except plugins.PluginLibraryError:
             if required:
                 raise
-            return Path(plugins.__file__).resolve().parents[1] / "build" / "plugins" / plugins.PLUGIN_LIB, False
+            return plugins.BUILD_DIR / plugins.PLUGIN_LIB, False
     if required and (abi := library_abi(path)) != plugins.ABI_VERSION:
         raise PluginVersionError(f"{path}: plugin library ABI version expected {plugins.ABI_VERSION}, found {abi} "
                                  f"(built from another checkout?); rebuild it with `bash plugins/build.sh`")

@@ -34,9 +34,6 @@ class DimRange:
         if not 0 <= self.min <= self.opt <= self.max:
             raise ProfileError(f"dim range expected 0 <= min <= opt <= max, found ({self.min}, {self.opt}, {self.max})")
 
-    def contains(self, v: int) -> bool:
-        return self.min <= v <= self.max
-
 
 @dataclass(frozen=True)
 class Profile:

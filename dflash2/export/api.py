@@ -6,7 +6,6 @@ validation, so a failure leaves nothing behind and an existing folder is replace
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -16,10 +15,10 @@ import torch
 from dflash2 import __version__
 from dflash2 import manifest as mf
 from dflash2.config import check_pair, load_drafter_config, load_target_config
-from dflash2.folders import OutputError, check_output, replace_folder, temp_folder
 from dflash2.export import trace as tr
 from dflash2.export.graphs import graph_specs
 from dflash2.export.validate import raise_if_failed, validate_graph
+from dflash2.folders import OutputError, check_output, copy_present, replace_folder, temp_folder
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
 from dflash2.reference.load import load_pair
@@ -63,17 +62,11 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     tmp = temp_folder(out)
     try:
         manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress)
+        raise_if_failed([f for v in manifest["validation"].values() for f in v["failures"]])
         manifest["sources"] = {"drafter": str(Path(drafter_dir).absolute()), "target": str(Path(target_dir).absolute())}
         with progress.step("tokenizer, manifest"):
-            copied = [f for f in TOKENIZER_FILES if (Path(target_dir) / f).is_file()]
-            for f in copied:
-                shutil.copy2(Path(target_dir) / f, tmp / f)
-            manifest["tokenizer"] = {"files": copied}
-            data_files = sorted(p.name for p in tmp.iterdir())
-            manifest["files"] = mf.file_table(tmp, data_files)
-            (tmp / mf.NAME).write_text(json.dumps(manifest, indent=2))
-        raise_if_failed(manifest.pop("_failures"))
-        (tmp / mf.NAME).write_text(json.dumps(manifest, indent=2))
+            manifest["tokenizer"] = {"files": copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp)}
+            mf.write(tmp, manifest)
         replace_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -82,7 +75,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
 
 
 def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress) -> dict:
-    graphs, failures, validation = {}, [], {}
+    graphs, validation = {}, {}
     for spec in graph_specs(target, drafter, fuse_context, emit_logits):
         with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
             t0 = time.perf_counter()
@@ -90,7 +83,6 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fu
             files = tr.write_graph(model, tmp, spec, dc.num_drafts)
         with progress.step(f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime"):
             f, report = validate_graph(spec, tmp / files["portable"], dtype, save_dir=tmp)
-        failures += f
         validation[spec.name] = {"ok": not f, "failures": f, **report}
         graphs[spec.name] = {"flavours": files, "data": f"{spec.name}.onnx.data",
                              "seconds": time.perf_counter() - t0, **tr.io_spec(tmp / files["portable"])}
@@ -111,5 +103,5 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fu
                       "output_multiplier": dc.output_multiplier, "logit_softcap": dc.logit_softcap}
                      if dc.version == 2 else None),
         "target_config": tc.to_dict(), "drafter_config": dc.to_dict(),
-        "graphs": graphs, "validation": validation, "_failures": failures,
+        "graphs": graphs, "validation": validation,
     }

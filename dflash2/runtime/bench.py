@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflash2.runtime.api import Runtime
 from dflash2.runtime.policies import POLICIES, PolicySession
-from dflash2.speculative import Stats, generate
+from dflash2.speculative import Stats, gap_closed, generate
 
 
 class TimedEngine:
@@ -120,8 +120,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     }
     result["select_ms_standalone"] = selector_ms(rt)
     if {"top1", "oracle", "selector"} <= set(acc):
-        gap = acc["oracle"] - acc["top1"]
-        result["selector_gap_closed"] = (acc["selector"] - acc["top1"]) / gap if gap > 0 else None
+        result["selector_gap_closed"] = gap_closed(acc["selector"], acc["top1"], acc["oracle"])
     return result
 
 

@@ -37,7 +37,7 @@ class PolicySession(SpecSession):
         drafts = super().draft(anchor)
         if self.policy == "selector":
             return drafts
-        cand = self.cand_ids.host  # [S, K]
+        cand = self.cand_ids.pull(self.cand_ids.capacity)  # [S, K]; only measurement reads the lattice
         if self.policy == "top1":
             return cand[:, 0]
         start = self.pos - self.prompt_len + 1  # index in truth of the token after the anchor

@@ -6,7 +6,7 @@ Buffer plan (T = max_seq_len, rows of the sequence-major KV layout from the mani
     ctx_kv   [T, Ld, 2, kv, hd]  drafter context KV; same rule with ctx_pos
     context  [T, C]              target's context rows; the drafter reads rows [0, pending)
     ids/next [T] int32           token staging in / target argmax out
-    anchor [1], draft [S], cand [S, K] int32
+    anchor [1], draft [S], cand [S, K] int32 (cand stays on the device unless a policy reads it)
 Rollback after a rejection moves `pos`; rows past it are overwritten by the next step.
 The verify pass wrote its context rows at [0, S+1); committing acc+1 of them needs no copy.
 """
@@ -88,8 +88,6 @@ class SpecSession:
         self.drafter.run({"context": self.context.rows(0, n), "past_ctx_kv": self.ctx_kv.rows(0, p),
                           "anchor": self.anchor.whole()}, outputs)
         self.ctx_pos, self.pending = p + n, 0
-        if self.has_lattice:
-            self.cand_ids.pull(self.cand_ids.capacity)
         return self.draft_ids.pull(self.block_size - 1)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:

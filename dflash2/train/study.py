@@ -12,6 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
+from dflash2.speculative import gap_closed
+
 
 def load_run(folder: Path) -> dict:
     t = json.loads((folder / "training.json").read_text())
@@ -31,8 +33,8 @@ def table(runs: list[dict]) -> str:
     sep = "|" + "---|" * (7 + S)
     rows = []
     for r in runs:
-        gap = r["oracle"] - r["top1"]
-        closed = f"{100 * (r['selector'] - r['top1']) / gap:.0f}%" if gap > 0 else "-"
+        share = gap_closed(r["selector"], r["top1"], r["oracle"])
+        closed = f"{100 * share:.0f}%" if share is not None else "-"
         pos = " | ".join(f"{x:.2f}" for x in r["position_acceptance"]["selector"])
         rows.append(f"| {r['layers']} | {r['steps']} | {r['mb']:.1f} | {r['selector']:.2f} | {r['top1']:.2f} | "
                     f"{r['oracle']:.2f} | {closed} | {pos} |")

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from dflash2.config import load_drafter_config, load_target_config
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.load import load_target
+from dflash2.speculative import Stats
 
 
 @dataclass
@@ -90,7 +91,7 @@ def init_drafter(target, cfg_dict: dict, folder: Path, init_from: str = "last") 
     return d
 
 
-def sample_anchors(rec: dict, S: int, n: int, rng: random.Random) -> list[int]:
+def sample_anchors(rec: dict, n: int, rng: random.Random) -> list[int]:
     """Anchor positions inside the answer (as at inference, slot 0 holds a target-generated token);
     the block sees context rows < a and its labels are the following generated tokens."""
     lo, hi = rec["prompt_len"], len(rec["ids"]) - 2  # at least one label after the anchor
@@ -169,14 +170,15 @@ def offline_acceptance(d: Drafter, records: list[dict], anchors_per_seq: int = 1
     taus = {"selector": [], "top1": [], "oracle": []}
     S = d.config.num_drafts
     for rec in records:
-        anchors = sample_anchors(rec, S, anchors_per_seq, rng)
+        anchors = sample_anchors(rec, anchors_per_seq, rng)
         if anchors:
             for name, acc in accepted_lengths(d, rec, anchors).items():
                 taus[name] += acc
     if not taus["top1"]:
         return {"blocks": 0}
-    out = {k: 1 + sum(v) / len(v) for k, v in taus.items()}
-    out["position_acceptance"] = {k: [sum(a > j for a in v) / len(v) for j in range(S)] for k, v in taus.items()}
+    stats = {k: Stats(S + 1, accepted=v) for k, v in taus.items()}
+    out = {k: s.acceptance_length for k, s in stats.items()}
+    out["position_acceptance"] = {k: s.position_acceptance() for k, s in stats.items()}
     return out | {"blocks": len(taus["top1"])}
 
 
@@ -267,7 +269,7 @@ def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: T
             negatives = torch.randint(0, V, (c.negatives,))
             vocab = torch.unique(torch.cat([corpus_vocab, negatives, torch.tensor([c.mask_token_id])]))
         for rec in rng.sample(records, min(c.seqs_per_step, len(records))):
-            anchors = sample_anchors(rec, c.block_size - 1, c.anchors_per_seq, rng)
+            anchors = sample_anchors(rec, c.anchors_per_seq, rng)
             if not anchors:
                 continue
             hidden, labels, anchor_ids = block_forward(d, rec, anchors)
