@@ -103,6 +103,15 @@ def test_lossless_against_transformers_generate(pairs, family, version):
     assert spec.ids == ref and len(ref) == 64
 
 
+def test_backend_reused_for_a_second_prompt(pairs):
+    """prefill starts both caches over: a reused backend gives what a fresh one gives."""
+    target, drafter = load_pair(*pairs[("llama", 2)])
+    first, second = [202, 220, 25, 137, 266, 253], [212, 160, 249, 188, 303, 116]
+    b = TorchBackend(target, drafter, 256)
+    generate(b, first, 24)
+    assert generate(b, second, 24).ids == generate(TorchBackend(target, drafter, 256), second, 24).ids
+
+
 class OracleDrafts(TorchBackend):
     """Real target and drafter, but drafts replaced by the known greedy continuation with planned
     mistakes: exercises partial / full acceptance and KV rollback through the real target."""

@@ -23,7 +23,6 @@ class TorchBackend:
         self.pos = self.ctx_pos = 0
         self.pending: torch.Tensor | None = None  # context rows not yet in the drafter's cache  # [n, H]
         self.verified: torch.Tensor | None = None  # context rows of the last verify  # [S+1, H]
-        self.last_draft: dict[str, torch.Tensor] = {}
 
     def reset(self) -> None:
         self.pos = self.ctx_pos = 0
@@ -40,6 +39,7 @@ class TorchBackend:
         return logits.float().argmax(-1), ctx  # [n], [n, H]
 
     def prefill(self, ids: Sequence[int]) -> int:
+        self.reset()  # a new prompt: both caches start empty (as SpecSession.prefill)
         preds, self.pending = self._run_target(ids)
         self.pos += len(ids)
         return int(preds[-1])
@@ -50,8 +50,7 @@ class TorchBackend:
         hidden, new = self.drafter(self.pending, self.ctx_kv[: self.ctx_pos], torch.tensor([anchor]))
         self.ctx_kv[self.ctx_pos: self.ctx_pos + n] = new
         self.ctx_pos += n
-        self.last_draft = self.drafter.propose(hidden, torch.tensor([anchor]))
-        return self.last_draft["draft_ids"].tolist()
+        return self.drafter.propose(hidden, torch.tensor([anchor]))["draft_ids"].tolist()
 
     def verify(self, tokens: Sequence[int]) -> list[int]:
         preds, self.verified = self._run_target(tokens)  # KV rows written at pos.., pointer not moved yet
