@@ -24,6 +24,7 @@ from dflash2.engines import profiles as pr
 from dflash2.engines import trtexec
 from dflash2.errors import Dflash2Error
 from dflash2.folders import OutputError
+from dflash2.numerics import ID_MISMATCH_SHARE
 from dflash2.runtime import cuda as rcuda
 from dflash2.runtime import trt as rtrt
 from dflash2.runtime.api import Runtime, pick_backend
@@ -375,6 +376,26 @@ def test_compare_fails_on_tampered_reference(export_dir, tmp_path, capsys):
     good = next(ln for ln in out.splitlines() if ln.startswith("drafter") and "draft_ids" in ln)
     assert good.rstrip().endswith("PASS")
     assert "FAILED: 8/9 comparisons" in out
+
+
+@pytest.mark.parametrize("dtype, verdict", [("float32", "FAIL"), ("float16", "PASS")])
+def test_compare_counts_differing_ids_like_the_export_validation(export_dir, tmp_path, capsys, dtype, verdict):
+    """One candidate id swapped: fp32 allows none, fp16 allows up to 5% (near-equal candidates may swap)."""
+    from polygraphy.comparator import RunResults
+
+    copy = tmp_path / "export"
+    shutil.copytree(export_dir, copy)
+    m = json.loads((copy / mf.NAME).read_text())
+    m["dtype"] = dtype  # the rule follows the export dtype; the graphs themselves stay fp32
+    (copy / mf.NAME).write_text(json.dumps(m))
+    ref = RunResults.load(str(copy / "drafter.reference.json"))
+    cand = ref["pytorch"][0]["cand_ids"]
+    cand.flat[0] = cand.flat[1]  # [1, S, K]: another candidate's id
+    ref.save(str(copy / "drafter.reference.json"))
+    compare_cli.main([str(copy)])
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("drafter") and "cand_ids" in ln)
+    total = 2 * cand.size
+    assert f"  {verdict}  1/{total} ids differ (allowed {ID_MISMATCH_SHARE[dtype]:.0%})" in line
 
 
 def test_compare_missing_reference_file(export_dir, tmp_path, capsys):

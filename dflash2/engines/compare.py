@@ -23,7 +23,7 @@ from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
 
 # Same (atol, rtol) per export dtype as the validation right after export (dflash2.export.validate).
-from dflash2.numerics import TOLERANCES
+from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES
 
 REFERENCE = "pytorch"
 
@@ -105,9 +105,16 @@ def _max(results: list, attr: str) -> float | None:
     return max(vals, default=0.0 if any(getattr(c, attr, None) is not None for c in results) else None)
 
 
+def _id_outputs(reference) -> set[str]:
+    if not reference:
+        return set()
+    return {n for n, v in reference[0].items() if np.issubdtype(np.asarray(v).dtype, np.integer)}
+
+
 def _summarize(graph: str, accuracy, reference, report: Report) -> None:
-    """Per runner pair and output: max abs/rel over the iterations, pass only if every iteration did."""
-    expected = list(reference[0].keys()) if reference else []
+    """Float outputs: max abs/rel per runner pair over the iterations, pass only if every iteration did."""
+    ids = _id_outputs(reference)
+    expected = [n for n in (reference[0].keys() if reference else []) if n not in ids]
     results = accuracy if hasattr(accuracy, "items") else accuracy[0]  # AccuracyResults (>= 0.50) or AccuracyResult
     for (r0, r1), iterations in results.items():
         for name in expected:
@@ -121,8 +128,25 @@ def _summarize(graph: str, accuracy, reference, report: Report) -> None:
                                    f"feed(s) {bad} of {len(per_iter)} out of tolerance" if bad else ""))
 
 
+def _summarize_ids(graph: str, ran, reference, share: float, report: Report) -> None:
+    """Id outputs: the share of entries that differ, allowed up to `share` (the export validation's rule:
+    in fp16/bf16 near-equal candidates may swap)."""
+    for name in sorted(_id_outputs(reference)):
+        for runner, iters in ran.items():
+            got = [np.asarray(it[name]) for it in iters if name in it.keys()]
+            want = [np.asarray(ref[name]) for ref in reference]
+            if len(got) < len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
+                report.rows.append(Row(graph, f"{REFERENCE} vs {runner}", name, None, None, False,
+                                       "output missing or of another shape"))
+                continue
+            bad, total = sum(int((g != w).sum()) for g, w in zip(got, want)), sum(w.size for w in want)
+            ok = bad <= share * total  # an id's numeric distance means nothing: no max abs/rel
+            report.rows.append(Row(graph, f"{REFERENCE} vs {runner}", name, None, None, ok,
+                                   "" if ok and not bad else f"{bad}/{total} ids differ (allowed {share:.0%})"))
+
+
 def compare_graph(export_dir: Path, graph: str, runners: list, atol: float, rtol: float,
-                  report: Report) -> None:
+                  report: Report, id_share: float = 0.0) -> None:
     from polygraphy import comparator as pc
     from polygraphy.comparator import Comparator, RunResults
     from polygraphy.exception import PolygraphyException
@@ -152,6 +176,7 @@ def compare_graph(export_dir: Path, graph: str, runners: list, atol: float, rtol
         accuracy = Comparator.compare_accuracy(results, comparisons=[(0, i) for i in range(1, len(runners) + 1)],
                                                compare_func=_simple(pc, atol, rtol))
     _summarize(graph, accuracy, ref_iters, report)
+    _summarize_ids(graph, ran, ref_iters, id_share, report)
 
 
 def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol: float | None = None,
@@ -163,7 +188,8 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
     dtype = export["dtype"]
     d_atol, d_rtol = TOLERANCES.get(dtype, TOLERANCES["float32"])
     atol, rtol = (d_atol if atol is None else atol), (d_rtol if rtol is None else rtol)
-    report = Report(notes=[f"tolerances: atol {atol}, rtol {rtol} (export dtype {dtype})"])
+    report = Report(notes=[f"tolerances: atol {atol}, rtol {rtol}, ids differing <= "
+                           f"{ID_MISMATCH_SHARE.get(dtype, 0.0):.0%} (export dtype {dtype})"])
     unknown = sorted(set(graphs or []) - set(export["graphs"]))
     if unknown:
         raise Dflash2Error(f"--graph: expected names from {sorted(export['graphs'])}, found {unknown}")
@@ -205,5 +231,5 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
             else:
                 report.notes.append(f"{graph}: no engine in {engines_dir}")
         if runners:
-            compare_graph(export_dir, graph, runners, atol, rtol, report)
+            compare_graph(export_dir, graph, runners, atol, rtol, report, ID_MISMATCH_SHARE.get(dtype, 0.0))
     return report
