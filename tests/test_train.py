@@ -7,6 +7,7 @@ import torch
 
 from dflash2 import tiny
 from dflash2.config import load_drafter_config
+from dflash2.errors import Dflash2Error
 from dflash2.reference.backend import TorchBackend
 from dflash2.reference.load import load_pair
 from dflash2.speculative import generate
@@ -47,6 +48,22 @@ def trained(tmp_path_factory, corpus):
     logs = []
     r = train(target_dir, out, records[:20], c, eval_records=records[20:], log_fn=logs.append)
     return out, r, logs
+
+
+def test_corpus_resume_refuses_other_taps_and_partial_corpora(tmp_path, corpus):
+    """Shards resume by index, so a folder started with other taps or prompts must not be extended."""
+    target_dir, _ = corpus
+    out = tmp_path / "c"
+    generate_corpus(target_dir, make_prompts(4), out, [1, 2], max_new_tokens=4, batch_size=4, shard_size=2,
+                    log=lambda m: None)
+    with pytest.raises(Dflash2Error, match=r"corpus.json: this corpus was generated with other tap_ids"):
+        generate_corpus(target_dir, make_prompts(4), out, [0, 2], max_new_tokens=4, log=lambda m: None)
+    with pytest.raises(Dflash2Error, match=r"corpus.json: tap_ids expected \[0, 2\] \(--taps\), found \[1, 2\]"):
+        load_corpus(out, [0, 2])
+    meta = json.loads((out / "corpus.json").read_text())
+    (out / "corpus.json").write_text(json.dumps(meta | {"complete": False}))  # as if interrupted
+    with pytest.raises(Dflash2Error, match="expected a complete corpus, found a partial one"):
+        load_corpus(out)
 
 
 def test_train_writes_a_dflash2_checkpoint_and_learns(trained, corpus):

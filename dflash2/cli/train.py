@@ -7,7 +7,6 @@ with the taps of every position. The output folder is a DFlash2 checkpoint for d
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dflash2.config import default_target_layer_ids, load_target_config
-    from dflash2.train.data import generate_corpus, load_corpus, make_prompts
+    from dflash2.train.data import corpus_complete, generate_corpus, load_corpus, make_prompts
     from dflash2.runtime.bench import default_prompts
     from dflash2.train.trainer import TrainConfig, train
 
@@ -55,17 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         tc = load_target_config(a.target)
         taps = a.taps or default_target_layer_ids(tc.num_layers, 3)
         corpora = a.corpus or [a.out.parent / "corpus"]
-        for corpus in corpora:
-            meta = corpus / "corpus.json"
-            if meta.is_file() and tuple(json.loads(meta.read_text())["tap_ids"]) != tuple(taps):
-                raise Dflash2Error(f"{meta}: tap_ids {json.loads(meta.read_text())['tap_ids']} != --taps {list(taps)}")
-        if not (corpora[0] / "corpus.json").is_file():
+        if not corpus_complete(corpora[0]):
             bench = set(default_prompts())  # never train on the benchmark's prompts
             generate_corpus(a.target, make_prompts(a.prompts, a.seed, exclude=bench), corpora[0], list(taps),
                             a.max_new_tokens)
         # shards are ordered by prompt length: shuffle; hold out from the LAST corpus only, so a run
         # warm-started on earlier corpora is evaluated on records it never saw
-        loaded = [load_corpus(corpus) for corpus in corpora]
+        loaded = [load_corpus(corpus, list(taps)) for corpus in corpora]
         for recs in loaded:
             random.Random(a.seed).shuffle(recs)
         n_eval = max(1, int(len(loaded[-1]) * a.holdout))

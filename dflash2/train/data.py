@@ -16,6 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash2.errors import Dflash2Error
+
+META = "corpus.json"
+
 TOPICS = (
     "photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning", "volcanoes",
     "the immune system", "climate change", "the printing press", "electric cars", "the Roman Empire", "gravity",
@@ -112,6 +116,9 @@ def generate_corpus(target_dir: str | Path, prompts: list[str], out_dir: str | P
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    meta = {"target": str(target_dir), "tap_ids": list(tap_ids), "prompts": list(prompts),
+            "max_new_tokens": max_new_tokens}
+    _start_or_resume(out, meta)  # shards are resumed by index: only valid for the same prompts and taps
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
     cls = Qwen3ForCausalLM if cfg["architectures"][0].startswith("Qwen3") else LlamaForCausalLM
     model = cls.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -130,9 +137,26 @@ def generate_corpus(target_dir: str | Path, prompts: list[str], out_dir: str | P
             records += _generate_batch(model, batch, tap_ids, max_new_tokens, eos, cfg.get("pad_token_id") or 0)
             log(f"corpus: {b0 + len(batch)}/{len(ids)} prompts")
         _save_shard(out / f"shard-{s0 // shard_size:04d}.safetensors", records)
-    (out / "corpus.json").write_text(json.dumps({"target": str(target_dir), "tap_ids": tap_ids, "prompts": prompts,
-                                                 "max_new_tokens": max_new_tokens}, indent=1))
+    (out / META).write_text(json.dumps(meta | {"complete": True}, indent=1))
     return out
+
+
+def _start_or_resume(out: Path, meta: dict) -> None:
+    path = out / META
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = [k for k in ("tap_ids", "prompts", "max_new_tokens") if old.get(k) != meta[k]]
+        if diff:
+            raise Dflash2Error(f"{path}: this corpus was generated with other {', '.join(diff)} "
+                               f"(tap_ids {old.get('tap_ids')} vs {meta['tap_ids']}, {len(old.get('prompts', []))} vs "
+                               f"{len(meta['prompts'])} prompts); use another folder or delete it")
+        return
+    path.write_text(json.dumps(meta | {"complete": False}, indent=1))
+
+
+def corpus_complete(folder: str | Path) -> bool:
+    path = Path(folder) / META
+    return path.is_file() and json.loads(path.read_text()).get("complete", True)
 
 
 def _generate_batch(model, batch: list[list[int]], tap_ids, max_new, eos, pad) -> list[dict]:
@@ -185,7 +209,15 @@ def _save_shard(path: Path, records: list[dict]) -> None:
     tmp.rename(path)
 
 
-def load_corpus(folder: str | Path) -> list[dict]:
+def load_corpus(folder: str | Path, tap_ids: list[int] | None = None) -> list[dict]:
+    """The records of a complete corpus; with `tap_ids`, checks they are the taps it was made with."""
+    path = Path(folder) / META
+    if not corpus_complete(folder):
+        raise Dflash2Error(f"{path}: expected a complete corpus, found "
+                           f"{'a partial one (rerun its generation to finish it)' if path.is_file() else 'none'}")
+    made_with = json.loads(path.read_text())["tap_ids"]
+    if tap_ids is not None and list(made_with) != list(tap_ids):
+        raise Dflash2Error(f"{path}: tap_ids expected {list(tap_ids)} (--taps), found {made_with}")
     records = []
     for shard in sorted(Path(folder).glob("shard-*.safetensors")):
         t = load_file(str(shard))
