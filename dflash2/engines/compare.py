@@ -21,6 +21,7 @@ import numpy as np
 
 from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
+from dflash2.onnxrt import open_session
 
 # Same (atol, rtol) per export dtype as the validation right after export (dflash2.export.validate).
 from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES
@@ -67,15 +68,9 @@ def _quiet_polygraphy() -> None:
 def onnxrt_runner(path: Path):
     """OnnxrtRunner with our own session factory: Polygraphy's SessionFromOnnx would go through its
     ONNX loader, which is not needed here; ORT resolves external data and inlines local functions."""
-    import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
-    def session():
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-    return OnnxrtRunner(session, name="onnxrt")
+    return OnnxrtRunner(lambda: open_session(path), name="onnxrt")
 
 
 def trt_runner(engine_path: Path, plugin: Path | None):

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import torch
 
 from dflash2.errors import ValidationError
+from dflash2.onnxrt import open_session
 from dflash2.export.graphs import GraphSpec
 from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES
 
@@ -32,10 +33,8 @@ def reference_outputs(spec: GraphSpec, feeds: list[dict[str, torch.Tensor]]) -> 
     return out
 
 
-def session(path: Path) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+def session(path: Path):
+    return open_session(path)
 
 
 def compare(graph: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray], dtype: str,

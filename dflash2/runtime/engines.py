@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from dflash2.errors import Dflash2Error
+from dflash2.onnxrt import open_session
 from dflash2.runtime.memory import HostBuffer, View
 
 
@@ -37,21 +38,8 @@ class Backend(Protocol):
 class OrtEngine:
     def __init__(self, name: str, path: Path, providers: list[str], threads: int | None = None,
                  spin: bool = True):
-        import onnxruntime as ort
-        from onnxruntime.capi import onnxruntime_pybind11_state as state
-
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         self.name = name
-        try:
-            self.session = ort.InferenceSession(str(path), opts, providers=providers)
-        except (state.Fail, state.InvalidGraph, state.InvalidProtobuf, state.NoSuchFile, state.NotImplemented,
-                state.InvalidArgument) as e:
-            raise Dflash2Error(f"{path}: ONNX Runtime could not load the graph: {e}") from e
+        self.session = open_session(path, providers, threads, spin)
         self.binding = self.session.io_binding()
         self.output_names = {o.name for o in self.session.get_outputs()}
 

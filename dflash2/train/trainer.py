@@ -135,9 +135,8 @@ def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: 
     sel = d.candidate_selector
     with torch.no_grad():
         unary, cand = logits.detach().float().topk(K, dim=-1)  # [nb, S, K] (shortlist positions)
-    prev = torch.cat([anchor_ids[:, None], labels[:, :-1].clamp(min=0)], 1)  # [nb, S]
-    if to_vocab is not None:  # codebooks are indexed by vocabulary id
-        prev = torch.cat([anchor_ids[:, None], to_vocab[labels[:, :-1].clamp(min=0)]], 1)
+    prev_labels = labels[:, :-1].clamp(min=0)  # [nb, S-1]: shortlist positions when `vocab` is given
+    prev = torch.cat([anchor_ids[:, None], prev_labels if to_vocab is None else to_vocab[prev_labels]], 1)  # [nb, S]
     gate = hidden.detach() @ sel.hidden_projection.weight.T  # [nb, S, R]
     cand_vocab = cand if to_vocab is None else to_vocab[cand]
     pair = torch.einsum("nsr,nskr->nsk", sel.predecessor_codebook[prev] * gate, sel.successor_codebook[cand_vocab])
@@ -148,7 +147,7 @@ def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: 
     sel_ce = F.cross_entropy((unary * m + pair).flatten(0, 1), target.flatten(),
                              reduction="none").view_as(labels)
     sel_loss = (sel_ce * present).sum() / present.sum().clamp(min=1)
-    return draft_loss, sel_loss, logits.detach(), cand, unary, gate.detach()
+    return draft_loss, sel_loss
 
 
 @torch.no_grad()
@@ -273,7 +272,7 @@ def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: T
             if not anchors:
                 continue
             hidden, labels, anchor_ids = block_forward(d, rec, anchors)
-            dl, sl, *_ = losses(d, hidden, labels, anchor_ids, c.gamma, K, vocab, log_mult.exp())
+            dl, sl = losses(d, hidden, labels, anchor_ids, c.gamma, K, vocab, log_mult.exp())
             ((dl + c.selector_weight * sl) / c.seqs_per_step).backward()
             dl_sum, sl_sum = dl_sum + dl.item(), sl_sum + sl.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
