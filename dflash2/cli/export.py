@@ -20,17 +20,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logits", action="store_true", help="target.onnx also emits fp32 logits [n, V]")
     p.add_argument("--no-fuse-context", action="store_true",
                    help="target emits raw taps; the drafter applies fc + hidden_norm itself")
+    p.add_argument("--full-vocab", action="store_true",
+                   help="ignore the drafter's draft_vocab.json: its LM head covers the whole vocabulary")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     from dflash2.export.api import export  # heavy imports after argument parsing
 
     try:
-        m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, a.logits, not a.no_fuse_context, a.quiet)
+        m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, a.logits, not a.no_fuse_context, a.quiet,
+                   a.full_vocab)
     except Dflash2Error as e:
         print(f"dflash2-export: error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {a.out} in {m['export_seconds']:.1f} s (dtype {m['dtype']}, block size {m['block_size']})")
+    vocab = f", draft vocabulary {m['draft_vocab']['size']} ids" if m["draft_vocab"] else ""
+    print(f"exported {a.out} in {m['export_seconds']:.1f} s (dtype {m['dtype']}, block size {m['block_size']}{vocab})")
     print_files(m["files"])
     return 0
 

@@ -38,11 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed-multiplier", action="store_true",
                    help="keep output_multiplier at 1 instead of learning it from the selector loss")
     p.add_argument("--holdout", type=float, default=0.1, help="share of the (last) corpus kept for evaluation")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="also write draft_vocab.json: the N token ids the target emits most in the training "
+                        "answers (the exported drafter's LM head then covers only those)")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     import torch
 
+    from dflash2 import draft_vocab
     from dflash2.config import default_target_layer_ids, load_target_config
     from dflash2.train.data import corpus_complete, generate_corpus, load_corpus, make_prompts
     from dflash2.runtime.bench import default_prompts
@@ -71,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                           init_from=a.init_from or TrainConfig.init_from,
                           learn_multiplier=not a.fixed_multiplier)
         r = train(a.target, a.out, records[:-n_eval], cfg, eval_records=records[-n_eval:])
+        if a.draft_vocab:
+            answers = [rec["ids"][rec["prompt_len"]:].tolist() for rec in records[:-n_eval]]
+            ids = draft_vocab.from_sequences(answers, a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
+            print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, f'dflash2-train corpus {corpora}')} "
+                  f"({len(ids)} ids)")
     except Dflash2Error as e:
         print(f"dflash2-train: error: {e}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ def build_manifest(plan, engines: dict[str, dict], tensorrt_version: str) -> dic
         "tensorrt_version": tensorrt_version, "precision": plan.precision, "dtype": plan.dtype,
         "max_seq_len": plan.max_seq_len, "export_max_seq_len": e["max_seq_len"], "max_prefill": plan.max_prefill,
         **{k: e[k] for k in COPIED},
+        "draft_vocab": e.get("draft_vocab"),  # optional: exports before it existed have none
         "plugin": plugin_entry(plan.plugin),
         "build": {"workspace_mb": plan.workspace_mb,
                   "timing_cache": str(plan.timing_cache) if plan.timing_cache else None},

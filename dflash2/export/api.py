@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dflash2 import __version__
+from dflash2 import __version__, draft_vocab
 from dflash2 import manifest as mf
 from dflash2.config import check_pair, load_drafter_config, load_target_config
 from dflash2.export import trace as tr
@@ -45,8 +45,9 @@ def tool_versions() -> dict[str, str]:
 
 def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
            max_seq_len: int = 2048, force: bool = False, emit_logits: bool = False, fuse_context: bool = True,
-           quiet: bool = False) -> dict:
-    """Returns the manifest. Raises CheckpointError / TensorSetError / ValidationError / OutputError."""
+           quiet: bool = False, full_vocab: bool = False) -> dict:
+    """Returns the manifest. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
+    full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary)."""
     if dtype not in DTYPES:
         raise OutputError(f"--dtype: expected one of {list(DTYPES)}, found {dtype!r}")
     out = Path(out_dir).absolute()
@@ -58,12 +59,13 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     specs_count = 3 if dc.version == 2 else 2
     progress = Progress(1 + 2 * specs_count + 1, quiet)
     with progress.step("loading and checking the checkpoints"):
-        target, drafter = load_pair(drafter_dir, target_dir, DTYPES[dtype])
+        target, drafter = load_pair(drafter_dir, target_dir, DTYPES[dtype], use_draft_vocab=not full_vocab)
     tmp = temp_folder(out)
     try:
         manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress)
         raise_if_failed([f for v in manifest["validation"].values() for f in v["failures"]])
         manifest["sources"] = {"drafter": str(Path(drafter_dir).absolute()), "target": str(Path(target_dir).absolute())}
+        manifest["draft_vocab"] = _draft_vocab_entry(drafter, drafter_dir)
         with progress.step("tokenizer, manifest"):
             manifest["tokenizer"] = {"files": copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp)}
             mf.write(tmp, manifest)
@@ -72,6 +74,13 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
         shutil.rmtree(tmp, ignore_errors=True)
     manifest["export_seconds"] = progress.elapsed
     return manifest
+
+
+def _draft_vocab_entry(drafter, drafter_dir) -> dict | None:
+    if drafter.draft_ids is None:
+        return None
+    return {"size": int(drafter.draft_ids.numel()), "file": str(draft_vocab.path_in(drafter_dir).absolute()),
+            "why": "the drafter's LM head covers only these ids; the target still verifies over all"}
 
 
 def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress) -> dict:

@@ -104,6 +104,9 @@ class Drafter(nn.Module):
         self.tied = head_weight is embed_weight or head_weight.data_ptr() == embed_weight.data_ptr()
         self.register_buffer("untied_head", None if self.tied else head_weight, persistent=False)
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
+        # optional draft vocabulary (dflash2.draft_vocab): ids [N] and their LM-head rows [N, H]
+        self.register_buffer("draft_ids", None, persistent=False)
+        self.register_buffer("draft_head", None, persistent=False)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -158,18 +161,35 @@ class Drafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., V] raw LM-head logits
         return hidden @ self.head_weight.T
 
+    def set_draft_vocab(self, ids: list[int] | None) -> None:
+        """Restrict proposals to `ids` (ascending token ids) or lift the restriction (None)."""
+        if ids is None:
+            self.draft_ids = self.draft_head = None
+            return
+        self.draft_ids = torch.tensor(ids, dtype=torch.long)  # [N]
+        self.draft_head = self.head_weight[self.draft_ids].clone()  # [N, H]: the graph stores only these rows
+
+    def draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[.., H] -> logits over the draft vocabulary [.., N] and its ids [N] (or [.., V], None)."""
+        if self.draft_ids is None:
+            return self.logits(hidden), None
+        return hidden @ self.draft_head.T, self.draft_ids
+
     def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> dict[str, torch.Tensor]:
         """hidden [S, H] -> draft_ids [S] int32 (+ the selector's lattice for v2)."""
         if self.config.version == 1:
-            return {"draft_ids": _scaled(self.logits(hidden).float(), self.config).argmax(-1).int()}
+            logits, ids = self.draft_logits(hidden)  # [S, N]
+            best = _scaled(logits.float(), self.config).argmax(-1)  # [S]
+            return {"draft_ids": (best if ids is None else ids[best]).int()}
         return {k: v[0] for k, v in self.propose_batch(hidden[None], anchor.reshape(1)).items()}
 
     def propose_batch(self, hidden: torch.Tensor, anchor: torch.Tensor) -> dict[str, torch.Tensor]:
         """DFlash2: hidden [nb, S, H], anchor [nb] -> selector outputs [nb, S(, K)]."""
         c, sel = self.config, self.candidate_selector
-        return select_candidates(self.logits(hidden).float(), hidden, anchor, sel.hidden_projection.weight,
+        logits, ids = self.draft_logits(hidden)
+        return select_candidates(logits.float(), hidden, anchor, sel.hidden_projection.weight,
                                  sel.predecessor_codebook, sel.successor_codebook, c.selector_top_k,
-                                 c.output_multiplier, c.logit_softcap)
+                                 c.output_multiplier, c.logit_softcap, id_map=ids)
 
 
 def _scaled(logits: torch.Tensor, c: DrafterConfig) -> torch.Tensor:

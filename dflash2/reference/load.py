@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from dflash2 import checkpoint as ckpt
+from dflash2 import draft_vocab
 from dflash2.config import (DrafterConfig, TargetConfig, check_pair, load_drafter_config,
                             load_target_config)
 from dflash2.reference.drafter import Drafter
@@ -26,22 +27,26 @@ def load_target(folder: str | Path, tap_ids: tuple[int, ...] = (), dtype: torch.
 
 
 def load_drafter(folder: str | Path, target: Target, dtype: torch.dtype = torch.float32,
-                 config: DrafterConfig | None = None) -> Drafter:
+                 config: DrafterConfig | None = None, use_draft_vocab: bool = True) -> Drafter:
+    """With `use_draft_vocab`, the folder's draft_vocab.json (if any) restricts what it proposes."""
     c = config or load_drafter_config(folder)
     expected = ckpt.drafter_tensor_shapes(c, target.config.hidden_size)
     ckpt.check_tensors(folder, expected)
+    ids = draft_vocab.read(folder, c.vocab_size, c.selector_top_k if c.version == 2 else 1) if use_draft_vocab else None
     tensors = ckpt.load_tensors(folder, set(expected))
     model = Drafter(c, target.embed_tokens.weight.detach(), target.head_weight.detach(), target.config.hidden_size)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    model.set_draft_vocab(ids)
+    return model
 
 
-def load_pair(drafter_dir: str | Path, target_dir: str | Path,
-              dtype: torch.dtype = torch.float32) -> tuple[Target, Drafter]:
+def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32,
+              use_draft_vocab: bool = True) -> tuple[Target, Drafter]:
     """Validate both configs and their agreement before any weight loads."""
     dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
     ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
     ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
     target = load_target(target_dir, dc.target_layer_ids, dtype, tc)
-    return target, load_drafter(drafter_dir, target, dtype, dc)
+    return target, load_drafter(drafter_dir, target, dtype, dc, use_draft_vocab)

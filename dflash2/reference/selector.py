@@ -83,7 +83,7 @@ def check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebo
 
 
 def select_candidates(
-    logits: torch.Tensor,  # [B, S, V] LM-head logits of draft rows 1..S
+    logits: torch.Tensor,  # [B, S, V] (or [B, S, N] over a draft vocabulary) LM-head logits of rows 1..S
     hidden: torch.Tensor,  # [B, S, H] final-normed drafter hidden states of the same rows
     anchor: torch.Tensor,  # [B] int
     hidden_projection: torch.Tensor,  # [R, H]
@@ -92,9 +92,12 @@ def select_candidates(
     top_k: int,
     output_multiplier: float = 1.0,
     logit_softcap: float = 0.0,
+    id_map: torch.Tensor | None = None,  # [N] ascending token ids of the logits' last axis, None = identity
 ) -> dict[str, torch.Tensor]:
     """Top-K (stable: equal logits keep the lower token id first, as ONNX TopK) + gate + op."""
     cand_logits, cand_ids = topk_lowest_index(logits.float(), top_k)  # [B, S, K]
+    if id_map is not None:  # ascending ids: the lowest-index tie rule still means the lowest token id
+        cand_ids = id_map[cand_ids]
     gate = hidden.to(hidden_projection.dtype) @ hidden_projection.T  # [B, S, R]
     draft, index, rows = select_path(
         cand_logits, cand_ids.int(), gate.to(pred_codebook.dtype), anchor.int(), pred_codebook,

@@ -109,6 +109,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     result = {
         "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "block_size": rt.manifest["block_size"], "dtype": rt.manifest["dtype"], "lossless": lossless,
+        "draft_vocab_size": (rt.manifest.get("draft_vocab") or {}).get("size", rt.manifest["vocab_size"]),
         "autoregressive_tokens_per_second": ar_tps, "speculative_tokens_per_second": spec_tps,
         "speedup": spec_tps / ar_tps if ar_tps else 0.0,
         "acceptance_length": acc, "position_acceptance": {p: _merge(v).position_acceptance()
@@ -126,6 +127,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
 
 def table(r: dict) -> str:
     rows = [("backend / dtype", f"{r['backend']} / {r['dtype']}"), ("prompts", r["prompts"]),
+            ("draft vocabulary (ids)", r.get("draft_vocab_size", "-")),
             ("lossless (spec == AR ids)", r["lossless"]),
             ("autoregressive tok/s", f"{r['autoregressive_tokens_per_second']:.1f}"),
             ("speculative tok/s", f"{r['speculative_tokens_per_second']:.1f}"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash2.config import load_target_config
 from dflash2.errors import Dflash2Error
 
 META = "corpus.json"
@@ -119,11 +120,11 @@ def generate_corpus(target_dir: str | Path, prompts: list[str], out_dir: str | P
     meta = {"target": str(target_dir), "tap_ids": list(tap_ids), "prompts": list(prompts),
             "max_new_tokens": max_new_tokens}
     _start_or_resume(out, meta)  # shards are resumed by index: only valid for the same prompts and taps
-    cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    cls = Qwen3ForCausalLM if cfg["architectures"][0].startswith("Qwen3") else LlamaForCausalLM
+    tc = load_target_config(target_dir)  # checked: architecture, EOS ids, shapes
+    cls = Qwen3ForCausalLM if tc.family == "qwen3" else LlamaForCausalLM
     model = cls.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
-    eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
+    pad = json.loads((Path(target_dir) / "config.json").read_text()).get("pad_token_id") or 0
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
     ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch: less padding
@@ -134,7 +135,7 @@ def generate_corpus(target_dir: str | Path, prompts: list[str], out_dir: str | P
         records = []
         for b0 in range(s0, min(s0 + shard_size, len(order)), batch_size):
             batch = [ids[i] for i in order[b0: b0 + batch_size]]
-            records += _generate_batch(model, batch, tap_ids, max_new_tokens, eos, cfg.get("pad_token_id") or 0)
+            records += _generate_batch(model, batch, tap_ids, max_new_tokens, list(tc.eos_token_ids), pad)
             log(f"corpus: {b0 + len(batch)}/{len(ids)} prompts")
         _save_shard(out / f"shard-{s0 // shard_size:04d}.safetensors", records)
     (out / META).write_text(json.dumps(meta | {"complete": True}, indent=1))
@@ -209,12 +210,30 @@ def _save_shard(path: Path, records: list[dict]) -> None:
     tmp.rename(path)
 
 
-def load_corpus(folder: str | Path, tap_ids: list[int] | None = None) -> list[dict]:
-    """The records of a complete corpus; with `tap_ids`, checks they are the taps it was made with."""
+def corpus_answers(folder: str | Path) -> list[list[int]]:
+    """The answers (target-generated ids after each prompt) of a complete corpus, without its taps."""
+    from safetensors import safe_open
+
+    _check_complete(folder)
+    answers = []
+    for shard in sorted(Path(folder).glob("shard-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for j in range(len({k.split(".")[0] for k in f.keys()})):
+                answers.append(f.get_tensor(f"{j}.ids")[int(f.get_tensor(f"{j}.prompt_len")[0]):].tolist())
+    return answers
+
+
+def _check_complete(folder: str | Path) -> None:
     path = Path(folder) / META
     if not corpus_complete(folder):
         raise Dflash2Error(f"{path}: expected a complete corpus, found "
                            f"{'a partial one (rerun its generation to finish it)' if path.is_file() else 'none'}")
+
+
+def load_corpus(folder: str | Path, tap_ids: list[int] | None = None) -> list[dict]:
+    """The records of a complete corpus; with `tap_ids`, checks they are the taps it was made with."""
+    path = Path(folder) / META
+    _check_complete(folder)
     made_with = json.loads(path.read_text())["tap_ids"]
     if tap_ids is not None and list(made_with) != list(tap_ids):
         raise Dflash2Error(f"{path}: tap_ids expected {list(tap_ids)} (--taps), found {made_with}")

@@ -1,0 +1,45 @@
+"""dflash2-draft-vocab: write a drafter's draft_vocab.json from a corpus of the target's answers.
+
+The N ids the target emits most often (ties: lower id) plus its EOS ids. dflash2-export then
+gives the drafter an LM head over those N rows only; verification still covers the whole
+vocabulary, so output is unchanged (lossless) and only the draft gets cheaper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dflash2.errors import Dflash2Error
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash2-draft-vocab", description=__doc__)
+    p.add_argument("--drafter", required=True, type=Path, help="drafter folder to write draft_vocab.json into")
+    p.add_argument("--target", required=True, type=Path, help="target folder (vocabulary size, EOS ids)")
+    p.add_argument("--corpus", required=True, type=Path, nargs="+", help="corpus folder(s) from dflash2-train")
+    p.add_argument("--size", required=True, type=int, help="number of ids to keep")
+    a = p.parse_args(argv)
+    from dflash2 import draft_vocab
+    from dflash2.config import load_drafter_config, load_target_config
+    from dflash2.train.data import corpus_answers
+
+    try:
+        tc, dc = load_target_config(a.target), load_drafter_config(a.drafter)
+        answers = [ans for c in a.corpus for ans in corpus_answers(c)]
+        ids = draft_vocab.from_sequences(answers, a.size, tc.vocab_size, tc.eos_token_ids)
+        draft_vocab.check_ids(ids, dc.vocab_size, dc.selector_top_k if dc.version == 2 else 1, str(a.drafter))
+        path = draft_vocab.write(a.drafter, ids, tc.vocab_size, f"dflash2-draft-vocab --size {a.size} over "
+                                 f"{len(answers)} answers of {[c.name for c in a.corpus]}")
+    except Dflash2Error as e:
+        print(f"dflash2-draft-vocab: error: {e}", file=sys.stderr)
+        return 2
+    kept = set(ids)
+    covered = sum(t in kept for ans in answers for t in ans) / max(1, sum(map(len, answers)))
+    print(f"wrote {path}: {len(ids)} ids covering {covered:.1%} of {sum(map(len, answers))} answer tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
