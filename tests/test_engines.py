@@ -1,7 +1,6 @@
-"""The TensorRT path without TensorRT: profile planning, trtexec lines, the engine-folder manifest,
-every error that needs no TensorRT, dflash2-compare on ONNX Runtime, backend selection, and the
-build + runtime code driven through a fake TensorRT/CUDA (tests/fake_trt.py). Tests that need the
-real TensorRT or a GPU skip with the reason."""
+"""The TensorRT build stage without TensorRT: profile planning, trtexec lines, every build error
+that needs no TensorRT, the engine-folder manifest and backend selection. Fixtures (the shared
+tiny export, the fake TensorRT, stand-in plugin and engines) live in conftest.py."""
 
 from __future__ import annotations
 
@@ -10,13 +9,11 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dflash2 import manifest as mf
-from dflash2 import plugins, tiny
+from dflash2 import plugins
 from dflash2.cli import build as build_cli
-from dflash2.cli import compare as compare_cli
 from dflash2.engines import build as eb
 from dflash2.engines import manifest as em
 from dflash2.engines import plan as ep
@@ -24,57 +21,12 @@ from dflash2.engines import profiles as pr
 from dflash2.engines import trtexec
 from dflash2.errors import Dflash2Error
 from dflash2.folders import OutputError
-from dflash2.numerics import ID_MISMATCH_SHARE
-from dflash2.runtime import cuda as rcuda
 from dflash2.runtime import trt as rtrt
 from dflash2.runtime.api import Runtime, pick_backend
 
-T = 64  # export capacity of the shared tiny export
-PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 300, 8]
+from tests.exports import PROMPT, T
+
 HAS_TRT = rtrt._trt is not None
-
-
-@pytest.fixture(scope="session")
-def export_dir(tmp_path_factory) -> Path:
-    """One tiny Qwen3 + DFlash2 export for the whole session (~10 s)."""
-    from dflash2.export.api import export
-
-    root = tmp_path_factory.mktemp("engines")
-    drafter, target = tiny.make_pair(root / "pair", family="qwen3", version=2)
-    export(drafter, target, root / "export", max_seq_len=T, quiet=True)
-    return root / "export"
-
-
-@pytest.fixture
-def fake_plugin(tmp_path, monkeypatch) -> Path:
-    """A stand-in plugin file whose ABI check passes (the real library may not be built here)."""
-    lib = tmp_path / "lib" / plugins.PLUGIN_LIB
-    lib.parent.mkdir()
-    lib.write_bytes(b"not really a shared library")
-    monkeypatch.setattr(ep, "library_abi", lambda path: plugins.ABI_VERSION)
-    return lib
-
-
-def _load_fake_trt():
-    """tests/fake_trt.py as a module (the tests folder is not a package)."""
-    import importlib.util
-
-    if "fake_trt" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fake_trt", Path(__file__).with_name("fake_trt.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fake_trt"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fake_trt"]
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    fake_trt = _load_fake_trt()
-    fake_trt.reset()
-    monkeypatch.setattr(rtrt, "_trt", fake_trt)
-    monkeypatch.setattr(rtrt, "_LOADED", {})
-    monkeypatch.setattr(rcuda, "_CUDART", fake_trt.CUDART)
-    return fake_trt
 
 
 def _export_manifest(export_dir: Path) -> dict:
@@ -268,19 +220,6 @@ def test_device_without_bf16(fake):
 
 # ------------------------------------------------------------------------------------------- manifest
 
-@pytest.fixture
-def adopted(export_dir, tmp_path, fake_plugin) -> Path:
-    """An engine folder from --manifest-only over stand-in engine files (what trtexec would write)."""
-    out = tmp_path / "engines"
-    out.mkdir()
-    for g in ("target", "drafter", "selector"):
-        (out / f"{g}.engine").write_bytes(f"stand-in {g} engine".encode())
-    rc = build_cli.main([str(export_dir), "--out", str(out), "--manifest-only", "--max-seq-len", "48",
-                         "--max-prefill", "16", "--plugin", str(fake_plugin)])
-    assert rc == 0
-    return out
-
-
 def test_engine_manifest_roundtrip(adopted, export_dir, fake_plugin):
     m = em.read(adopted)
     mf.verify_files(adopted, m)
@@ -346,222 +285,3 @@ def test_tensorrt_backend_missing_says_so(adopted, export_dir):
         rtrt.TrtBackend(adopted, em.read(adopted))
     with pytest.raises(Dflash2Error, match="TensorRT is not installed"):  # said before the folder kind
         Runtime(export_dir, backend="tensorrt")
-
-
-# ------------------------------------------------------------------------------------------- compare
-
-def test_compare_onnxruntime_passes(export_dir, capsys):
-    assert compare_cli.main([str(export_dir)]) == 0
-    out = capsys.readouterr().out
-    for graph, output in [("target", "next_ids"), ("target", "new_kv"), ("drafter", "cand_ids"),
-                          ("selector", "path_scores")]:
-        line = next(ln for ln in out.splitlines() if ln.startswith(graph) and f" {output} " in ln)
-        assert "pytorch vs onnxrt" in line and line.rstrip().endswith("PASS")
-    assert "PASSED: 9/9 comparisons" in out
-
-
-def test_compare_fails_on_tampered_reference(export_dir, tmp_path, capsys):
-    from polygraphy.comparator import RunResults
-
-    copy = tmp_path / "export"
-    shutil.copytree(export_dir, copy)
-    ref = RunResults.load(str(copy / "drafter.reference.json"))
-    it = ref["pytorch"][1]
-    it["new_ctx_kv"] = it["new_ctx_kv"] + 0.5
-    ref.save(str(copy / "drafter.reference.json"))
-    assert compare_cli.main([str(copy)]) == 1
-    out = capsys.readouterr().out
-    bad = next(ln for ln in out.splitlines() if ln.startswith("drafter") and "new_ctx_kv" in ln)
-    assert "FAIL" in bad and "feed(s) [1] of 2 out of tolerance" in bad and "0.5" in bad
-    good = next(ln for ln in out.splitlines() if ln.startswith("drafter") and "draft_ids" in ln)
-    assert good.rstrip().endswith("PASS")
-    assert "FAILED: 8/9 comparisons" in out
-
-
-@pytest.mark.parametrize("dtype, verdict", [("float32", "FAIL"), ("float16", "PASS")])
-def test_compare_counts_differing_ids_like_the_export_validation(export_dir, tmp_path, capsys, dtype, verdict):
-    """One candidate id swapped: fp32 allows none, fp16 allows up to 5% (near-equal candidates may swap)."""
-    from polygraphy.comparator import RunResults
-
-    copy = tmp_path / "export"
-    shutil.copytree(export_dir, copy)
-    m = json.loads((copy / mf.NAME).read_text())
-    m["dtype"] = dtype  # the rule follows the export dtype; the graphs themselves stay fp32
-    (copy / mf.NAME).write_text(json.dumps(m))
-    ref = RunResults.load(str(copy / "drafter.reference.json"))
-    cand = ref["pytorch"][0]["cand_ids"]
-    cand.flat[0] = cand.flat[1]  # [1, S, K]: another candidate's id
-    ref.save(str(copy / "drafter.reference.json"))
-    compare_cli.main([str(copy)])
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("drafter") and "cand_ids" in ln)
-    total = 2 * cand.size
-    assert f"  {verdict}  1/{total} ids differ (allowed {ID_MISMATCH_SHARE[dtype]:.0%})" in line
-
-
-def test_compare_missing_reference_file(export_dir, tmp_path, capsys):
-    copy = tmp_path / "export"
-    shutil.copytree(export_dir, copy)
-    (copy / "target.reference.json").unlink()
-    assert compare_cli.main([str(copy)]) == 2
-    assert "target.reference.json: expected the Polygraphy file" in capsys.readouterr().err
-
-
-def test_compare_engines_without_tensorrt_skips_clearly(export_dir, adopted, capsys):
-    if HAS_TRT:
-        pytest.skip("tensorrt is installed: the skip path cannot be provoked")
-    assert compare_cli.main([str(export_dir), "--engines", str(adopted), "--graph", "selector"]) == 0
-    out = capsys.readouterr().out
-    assert "TensorRT comparisons skipped: TensorRT is not installed" in out
-    assert "PASSED: 3/3 comparisons" in out
-
-
-# ------------------------------------------------------------------------------------------- fake TensorRT
-
-@pytest.fixture
-def fake_engines(export_dir, tmp_path, fake_plugin, fake) -> Path:
-    """dflash2-build's real code over the fake TensorRT: engines are JSON naming ONNX + profiles."""
-    plan = ep.plan_build(export_dir, tmp_path / "fake-engines", max_seq_len=48, max_prefill=16, plugin=fake_plugin,
-                         timing_cache=tmp_path / "cache" / "timing.cache", workspace_mb=256)
-    eb.build(plan, quiet=True)
-    return tmp_path / "fake-engines"
-
-
-def test_fake_build_writes_engines_profiles_cache(fake_engines, fake, fake_plugin, tmp_path):
-    m = em.read(fake_engines)
-    mf.verify_files(fake_engines, m)
-    assert m["tensorrt_version"] == fake.__version__ and m["build"]["workspace_mb"] == 256
-    assert fake.REGISTRY.libraries == [str(fake_plugin.resolve())]  # loaded before parsing
-    target = json.loads((fake_engines / "target.engine").read_bytes())
-    assert target["onnx"].endswith("target.onnx")
-    assert target["profiles"][1]["input_ids"] == [[1], [8], [8]]  # decode profile reached the builder
-    assert json.loads((fake_engines / "drafter.engine").read_bytes())["onnx"].endswith("drafter.trt.onnx")
-    assert (tmp_path / "cache" / "timing.cache").read_bytes() == b"fake timing cache"
-
-
-def test_fake_build_parse_error_names_node(export_dir, tmp_path, fake_plugin, fake):
-    fake.OnnxParser.fail_with = "Unsupported operator DFlash2Selector: no plugin creator"
-    plan = ep.plan_build(export_dir, tmp_path / "eng", plugin=fake_plugin)
-    with pytest.raises(eb.OnnxParseError) as e:
-        eb.build(plan, quiet=True)
-    msg = str(e.value)
-    assert "target.onnx: TensorRT's ONNX parser reported 1 error(s)" in msg
-    assert "node /layers.0/attn/MatMul (MatMul): Unsupported operator DFlash2Selector" in msg
-    assert not (tmp_path / "eng").exists()  # nothing half-written
-
-
-@pytest.mark.parametrize("speculative", [True, False])
-def test_fake_tensorrt_runtime_matches_onnxruntime(fake_engines, export_dir, fake, speculative):
-    want = Runtime(export_dir).generate(PROMPT, 24, speculative=speculative).ids
-    rt = Runtime(fake_engines)
-    assert rt.backend_name == "tensorrt"
-    assert rt.session.kv.whole().device == "cuda"
-    before = rt.session.buffers()
-    assert rt.generate(PROMPT, 24, speculative=speculative).ids == want
-    assert rt.session.buffers() == before  # allocated once
-    target = rt.session.backend.engine("target")
-    used = {i for i, ctx in target.contexts.items() if ctx.calls["set_input_shape"]}
-    assert used == ({0, 1})  # prefill (11 rows) on profile 0, decode / verify on profile 1
-
-
-def test_fake_tensorrt_binding_checks_and_spare_output(fake_engines, fake):
-    s = Runtime(fake_engines).session
-    s.ids.host[:3] = [5, 6, 7]
-    s.ids.push(3)
-    eng = s.backend.engine("target")
-    feeds = {"input_ids": s.ids.rows(0, 3), "past_kv": s.kv.rows(0, 0)}
-    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "context": s.context.rows(0, 3), "new_kv": s.kv.rows(0, 3)})
-    want = s.next_ids.pull(3).tolist()
-    s.next_ids.host[:] = 0
-    s.next_ids.push(3)
-    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "new_kv": s.kv.rows(0, 3)})  # context unbound
-    assert s.next_ids.pull(3).tolist() == want
-    assert set(eng.spare) == {"context"} and eng.spare["context"].nbytes == 16 * 64 * 4  # max n 16 x width x fp32
-    with pytest.raises(rtrt.EngineError, match=r"output next_ids expected shape \[3\].*bound \[2\]"):
-        eng.run(feeds, {"next_ids": s.next_ids.rows(0, 2), "new_kv": s.kv.rows(0, 3)})
-    with pytest.raises(rtrt.EngineError, match=r"missing \['past_kv'\]"):
-        eng.run({"input_ids": s.ids.rows(0, 3)}, {})
-
-
-def test_fake_tensorrt_prompt_beyond_max_prefill(fake_engines, fake):
-    rt = Runtime(fake_engines)
-    with pytest.raises(rtrt.EngineError, match="fit no optimization profile.*--max-prefill"):
-        rt.generate(list(range(3, 23)), 4)  # 20 tokens > max_prefill 16
-
-
-def test_fake_tensorrt_cuda_graphs(fake_engines, export_dir, fake):
-    want = Runtime(export_dir).generate(PROMPT, 12).ids
-    rt = Runtime(fake_engines)
-    rt.session.backend = backend = rtrt.TrtBackend(fake_engines, rt.manifest, cuda_graphs=True)
-    from dflash2.runtime.session import SpecSession
-
-    rt.session = SpecSession(rt.manifest, backend)
-    runs = [rt.generate(PROMPT, 12).ids for _ in range(3)]
-    assert runs == [want] * 3
-    # run 1 warms every key up, run 2 captures them, run 3 only launches graphs
-    assert backend.graphs.captures > 0 and backend.graphs.launches >= 2 * backend.graphs.captures
-
-
-def test_fake_tensorrt_corrupt_engine(fake_engines, fake):
-    (fake_engines / "drafter.engine").write_bytes(b"\x00garbage")
-    with pytest.raises(rtrt.EngineError, match="could not deserialize.*rebuild with dflash2-build"):
-        rtrt.TrtBackend(fake_engines, em.read(fake_engines))
-
-
-def test_graph_cache_policy(fake):
-    ran = []
-    cache = rcuda.GraphCache(rcuda.Stream(), limit=1)
-    enqueue = lambda: fake.CUDART.capture.append(lambda: ran.append("graph")) if fake.CUDART.capture is not None \
-        else ran.append("direct")  # noqa: E731
-    cache.launch("a", enqueue)  # warm-up: direct
-    cache.launch("a", enqueue)  # captured, then launched
-    cache.launch("a", enqueue)  # launched
-    cache.launch("b", enqueue)
-    cache.launch("b", enqueue)  # captures b, evicts a (limit 1)
-    assert ran == ["direct", "graph", "graph", "direct", "graph"]
-    assert list(cache.graphs) == ["b"] and cache.captures == 2
-
-
-def test_device_buffer_push_pull_rows(fake):
-    stream = rcuda.Stream()
-    buf = rcuda.DeviceBuffer((6, 3), np.int32, stream, pinned=True)
-    buf.host[:2] = [[1, 2, 3], [4, 5, 6]]
-    buf.push(2)
-    buf.host[:] = 0
-    assert buf.pull(2).tolist() == [[1, 2, 3], [4, 5, 6]]
-    v = buf.rows(2, 5)
-    assert (v.ptr - buf.ptr, v.shape, v.device) == (2 * 12, (3, 3), "cuda")
-    with pytest.raises(IndexError):
-        buf.rows(4, 7)
-    dev = rcuda.DeviceBuffer((4,), np.float32, stream)
-    assert dev._host is None and dev.pull(4).tolist() == [0.0] * 4  # zeroed; mirror made on demand
-
-
-def test_cuda_python_missing_names_package(monkeypatch):
-    monkeypatch.setattr(rcuda, "_CUDART", None)
-    monkeypatch.setitem(sys.modules, "cuda", None)
-    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    with pytest.raises(rcuda.CudaMissingError, match="pip install"):
-        rcuda.cudart()
-
-
-# ------------------------------------------------------------------------------------------- real TensorRT
-
-def test_real_tensorrt_build_compare_run(export_dir, tmp_path):
-    """On a machine with TensorRT + a GPU + the built plugin: build, compare, lossless run."""
-    pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install tensorrt-cu12); "
-                                           "scripts/gpu_check.sh runs this path on a GPU machine")
-    try:
-        n, why = plugins.cuda_device_count()
-    except plugins.PluginLibraryError as e:
-        pytest.skip(f"plugin library not built: {e}")
-    if n == 0:
-        pytest.skip(f"no CUDA device: {why}")
-    from dflash2.engines.compare import compare
-
-    out = tmp_path / "engines"
-    assert build_cli.main([str(export_dir), "--out", str(out), "--max-prefill", "32", "--quiet"]) == 0
-    report = compare(export_dir, out)
-    assert report.passed, report.table()
-    assert any("tensorrt" in r.pair for r in report.rows)
-    want = Runtime(export_dir).generate(PROMPT, 24).ids
-    assert Runtime(out).generate(PROMPT, 24).ids == want

@@ -1,0 +1,165 @@
+"""The TensorRT build + runtime code driven through a fake TensorRT/CUDA (tests/fake_trt.py), and
+the real TensorRT path, which skips with the reason when TensorRT or a GPU is absent."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from dflash2 import manifest as mf
+from dflash2 import plugins
+from dflash2.cli import build as build_cli
+from dflash2.engines import build as eb
+from dflash2.engines import manifest as em
+from dflash2.engines import plan as ep
+from dflash2.runtime import cuda as rcuda
+from dflash2.runtime import trt as rtrt
+from dflash2.runtime.api import Runtime
+
+from tests.exports import PROMPT
+
+
+# ------------------------------------------------------------------------------------------- fake TensorRT
+
+def test_fake_build_writes_engines_profiles_cache(fake_engines, fake, fake_plugin, tmp_path):
+    m = em.read(fake_engines)
+    mf.verify_files(fake_engines, m)
+    assert m["tensorrt_version"] == fake.__version__ and m["build"]["workspace_mb"] == 256
+    assert fake.REGISTRY.libraries == [str(fake_plugin.resolve())]  # loaded before parsing
+    target = json.loads((fake_engines / "target.engine").read_bytes())
+    assert target["onnx"].endswith("target.onnx")
+    assert target["profiles"][1]["input_ids"] == [[1], [8], [8]]  # decode profile reached the builder
+    assert json.loads((fake_engines / "drafter.engine").read_bytes())["onnx"].endswith("drafter.trt.onnx")
+    assert (tmp_path / "cache" / "timing.cache").read_bytes() == b"fake timing cache"
+
+
+def test_fake_build_parse_error_names_node(export_dir, tmp_path, fake_plugin, fake):
+    fake.OnnxParser.fail_with = "Unsupported operator DFlash2Selector: no plugin creator"
+    plan = ep.plan_build(export_dir, tmp_path / "eng", plugin=fake_plugin)
+    with pytest.raises(eb.OnnxParseError) as e:
+        eb.build(plan, quiet=True)
+    msg = str(e.value)
+    assert "target.onnx: TensorRT's ONNX parser reported 1 error(s)" in msg
+    assert "node /layers.0/attn/MatMul (MatMul): Unsupported operator DFlash2Selector" in msg
+    assert not (tmp_path / "eng").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_fake_tensorrt_runtime_matches_onnxruntime(fake_engines, export_dir, fake, speculative):
+    want = Runtime(export_dir).generate(PROMPT, 24, speculative=speculative).ids
+    rt = Runtime(fake_engines)
+    assert rt.backend_name == "tensorrt"
+    assert rt.session.kv.whole().device == "cuda"
+    before = rt.session.buffers()
+    assert rt.generate(PROMPT, 24, speculative=speculative).ids == want
+    assert rt.session.buffers() == before  # allocated once
+    target = rt.session.backend.engine("target")
+    used = {i for i, ctx in target.contexts.items() if ctx.calls["set_input_shape"]}
+    assert used == ({0, 1})  # prefill (11 rows) on profile 0, decode / verify on profile 1
+
+
+def test_fake_tensorrt_binding_checks_and_spare_output(fake_engines, fake):
+    s = Runtime(fake_engines).session
+    s.ids.host[:3] = [5, 6, 7]
+    s.ids.push(3)
+    eng = s.backend.engine("target")
+    feeds = {"input_ids": s.ids.rows(0, 3), "past_kv": s.kv.rows(0, 0)}
+    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "context": s.context.rows(0, 3), "new_kv": s.kv.rows(0, 3)})
+    want = s.next_ids.pull(3).tolist()
+    s.next_ids.host[:] = 0
+    s.next_ids.push(3)
+    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "new_kv": s.kv.rows(0, 3)})  # context unbound
+    assert s.next_ids.pull(3).tolist() == want
+    assert set(eng.spare) == {"context"} and eng.spare["context"].nbytes == 16 * 64 * 4  # max n 16 x width x fp32
+    with pytest.raises(rtrt.EngineError, match=r"output next_ids expected shape \[3\].*bound \[2\]"):
+        eng.run(feeds, {"next_ids": s.next_ids.rows(0, 2), "new_kv": s.kv.rows(0, 3)})
+    with pytest.raises(rtrt.EngineError, match=r"missing \['past_kv'\]"):
+        eng.run({"input_ids": s.ids.rows(0, 3)}, {})
+
+
+def test_fake_tensorrt_prompt_beyond_max_prefill(fake_engines, fake):
+    rt = Runtime(fake_engines)
+    with pytest.raises(rtrt.EngineError, match="fit no optimization profile.*--max-prefill"):
+        rt.generate(list(range(3, 23)), 4)  # 20 tokens > max_prefill 16
+
+
+def test_fake_tensorrt_cuda_graphs(fake_engines, export_dir, fake):
+    want = Runtime(export_dir).generate(PROMPT, 12).ids
+    rt = Runtime(fake_engines)
+    rt.session.backend = backend = rtrt.TrtBackend(fake_engines, rt.manifest, cuda_graphs=True)
+    from dflash2.runtime.session import SpecSession
+
+    rt.session = SpecSession(rt.manifest, backend)
+    runs = [rt.generate(PROMPT, 12).ids for _ in range(3)]
+    assert runs == [want] * 3
+    # run 1 warms every key up, run 2 captures them, run 3 only launches graphs
+    assert backend.graphs.captures > 0 and backend.graphs.launches >= 2 * backend.graphs.captures
+
+
+def test_fake_tensorrt_corrupt_engine(fake_engines, fake):
+    (fake_engines / "drafter.engine").write_bytes(b"\x00garbage")
+    with pytest.raises(rtrt.EngineError, match="could not deserialize.*rebuild with dflash2-build"):
+        rtrt.TrtBackend(fake_engines, em.read(fake_engines))
+
+
+def test_graph_cache_policy(fake):
+    ran = []
+    cache = rcuda.GraphCache(rcuda.Stream(), limit=1)
+    enqueue = lambda: fake.CUDART.capture.append(lambda: ran.append("graph")) if fake.CUDART.capture is not None \
+        else ran.append("direct")  # noqa: E731
+    cache.launch("a", enqueue)  # warm-up: direct
+    cache.launch("a", enqueue)  # captured, then launched
+    cache.launch("a", enqueue)  # launched
+    cache.launch("b", enqueue)
+    cache.launch("b", enqueue)  # captures b, evicts a (limit 1)
+    assert ran == ["direct", "graph", "graph", "direct", "graph"]
+    assert list(cache.graphs) == ["b"] and cache.captures == 2
+
+
+def test_device_buffer_push_pull_rows(fake):
+    stream = rcuda.Stream()
+    buf = rcuda.DeviceBuffer((6, 3), np.int32, stream, pinned=True)
+    buf.host[:2] = [[1, 2, 3], [4, 5, 6]]
+    buf.push(2)
+    buf.host[:] = 0
+    assert buf.pull(2).tolist() == [[1, 2, 3], [4, 5, 6]]
+    v = buf.rows(2, 5)
+    assert (v.ptr - buf.ptr, v.shape, v.device) == (2 * 12, (3, 3), "cuda")
+    with pytest.raises(IndexError):
+        buf.rows(4, 7)
+    dev = rcuda.DeviceBuffer((4,), np.float32, stream)
+    assert dev._host is None and dev.pull(4).tolist() == [0.0] * 4  # zeroed; mirror made on demand
+
+
+def test_cuda_python_missing_names_package(monkeypatch):
+    monkeypatch.setattr(rcuda, "_CUDART", None)
+    monkeypatch.setitem(sys.modules, "cuda", None)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(rcuda.CudaMissingError, match="pip install"):
+        rcuda.cudart()
+
+
+# ------------------------------------------------------------------------------------------- real TensorRT
+
+def test_real_tensorrt_build_compare_run(export_dir, tmp_path):
+    """On a machine with TensorRT + a GPU + the built plugin: build, compare, lossless run."""
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install tensorrt-cu12); "
+                                           "scripts/gpu_check.sh runs this path on a GPU machine")
+    try:
+        n, why = plugins.cuda_device_count()
+    except plugins.PluginLibraryError as e:
+        pytest.skip(f"plugin library not built: {e}")
+    if n == 0:
+        pytest.skip(f"no CUDA device: {why}")
+    from dflash2.engines.compare import compare
+
+    out = tmp_path / "engines"
+    assert build_cli.main([str(export_dir), "--out", str(out), "--max-prefill", "32", "--quiet"]) == 0
+    report = compare(export_dir, out)
+    assert report.passed, report.table()
+    assert any("tensorrt" in r.pair for r in report.rows)
+    want = Runtime(export_dir).generate(PROMPT, 24).ids
+    assert Runtime(out).generate(PROMPT, 24).ids == want
