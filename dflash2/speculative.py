@@ -87,6 +87,15 @@ def gap_closed(selector: float, top1: float, oracle: float) -> float | None:
     return (selector - top1) / gap if gap > 0 else None
 
 
+def check_draft_len(draft_len: int | None, block_size: int) -> int:
+    S = block_size - 1
+    if draft_len is None:
+        return S
+    if not 1 <= draft_len <= S:
+        raise ValueError(f"draft length expected 1..{S} (the drafter's block size - 1), found {draft_len}")
+    return draft_len
+
+
 def accepted_prefix(drafts: Sequence[int], preds: Sequence[int]) -> int:
     acc = 0
     while acc < len(drafts) and drafts[acc] == preds[acc]:
@@ -104,10 +113,14 @@ def _take(new: list[int], out: list[int], max_new: int, eos: frozenset[int]) -> 
 
 
 def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
-             speculative: bool = True, on_tokens: Callable[[list[int]], bool] | None = None) -> Generation:
-    """Greedy generation; `on_tokens(new)` streams each accepted run and may return True to stop."""
+             speculative: bool = True, on_tokens: Callable[[list[int]], bool] | None = None,
+             draft_len: int | None = None) -> Generation:
+    """Greedy generation; `on_tokens(new)` streams each accepted run and may return True to stop.
+    draft_len: drafts verified per round (default all S = block_size - 1): the block is drafted
+    whole, only its first draft_len drafts go to the target (cheaper verify where it is compute-bound)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens expected >= 1, found {max_new_tokens}")
+    k = check_draft_len(draft_len, backend.block_size)
     stats, eos, clock = Stats(backend.block_size, len(prompt)), frozenset(eos_ids), time.perf_counter
     out: list[int] = []
     t0 = clock()
@@ -122,7 +135,7 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
             break
         if speculative:
             t1 = clock()
-            drafts = [int(d) for d in backend.draft(t)]  # [S]
+            drafts = [int(d) for d in backend.draft(t)][:k]  # [k <= S]
             t2 = clock()
             preds = [int(p) for p in backend.verify([t, *drafts])]  # [S+1]
             stats.times["draft"] += t2 - t1

@@ -88,6 +88,19 @@ def test_stop_callback():
     assert g.stop_reason == "stop" and seen == [[TRUTH[0]], TRUTH[1:6]]
 
 
+def test_draft_len_verifies_only_the_first_k_drafts():
+    b = Scripted(TRUTH, [4] * 20)
+    sent = []
+    verify = b.verify
+    b.verify = lambda tokens: sent.append(len(tokens)) or verify(tokens)
+    g = generate(b, [1], max_new_tokens=13, draft_len=2)
+    assert g.ids == TRUTH[:13]
+    assert set(sent) == {3} and g.stats.accepted == [2] * 4 and b.commits == [3] * 4  # anchor + 2 drafts
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=r"draft length expected 1\.\.4 .* found " + str(bad)):
+            generate(Scripted(TRUTH, [4] * 20), [1], 8, draft_len=bad)
+
+
 HF = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 

@@ -123,6 +123,7 @@ def test_5000_tokens_without_memory_growth(exports):
     (["--prompt-ids", "1,2", "--max-new-tokens", "7000"], "exceeds max_seq_len 6000"),
     (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "--max-new-tokens: expected >= 1"),
     (["--prompt-ids", "1,2", "--backend", "tensorrt"], "TensorRT"),
+    (["--prompt-ids", "1,2", "--draft-len", "8"], "draft length expected 1..7"),
 ])
 def test_bad_input_messages(capsys, exports, args, message):
     assert run_cli.main([str(exports[("llama", 1)]), *args]) == 2
@@ -165,13 +166,28 @@ def test_text_chat_stream_and_stop_strings(capsys, exports):
         assert g2.stop_reason == "stop" and stop in rt.text.decode(g2.ids) and len(g2.ids) <= 7
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_shorter_draft_len_is_lossless_through_onnxruntime(capsys, exports, k):
+    folder = exports[("qwen3", 2)]
+    ids = ",".join(map(str, PROMPT))
+    base = run_json(capsys, folder, "--prompt-ids", ids, "--max-new-tokens", 40, "--no-spec")
+    spec = run_json(capsys, folder, "--prompt-ids", ids, "--max-new-tokens", 40, "--draft-len", k)
+    assert spec["ids"] == base["ids"] and max(spec["accepted_per_round"]) <= k
+    assert all(e <= k + 1 for e in spec["emitted_per_round"])
+
+
 def test_bench_reports(tmp_path, exports):
     from dflash2.cli import bench as bench_cli
 
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    code = bench_cli.main([str(exports[("llama", 2)]), "--max-new-tokens", "16", "--json", str(out), "--plot", str(png)])
+    code = bench_cli.main([str(exports[("llama", 2)]), "--max-new-tokens", "16", "--json", str(out), "--plot", str(png),
+                           "--sweep-draft-len", "2,7"])
     r = json.loads(out.read_text())
     assert code == 0 and r["lossless"] and png.stat().st_size > 1000
     assert {"autoregressive_tokens_per_second", "speculative_tokens_per_second", "speedup", "host_overhead_share",
             "position_acceptance", "selector_gap_closed"} <= set(r)
     assert set(r["acceptance_length"]) == {"selector", "top1", "oracle"}
+    vocab = json.loads((exports[("llama", 2)] / "manifest.json").read_text())["vocab_size"]
+    assert r["draft_len"] == 7 and r["draft_vocab_size"] == vocab  # defaults: every draft, no draft vocabulary
+    sweep = {w["draft_len"]: w for w in r["draft_len_sweep"]}
+    assert set(sweep) == {2, 7} and sweep[7]["speedup"] == r["speedup"] and sweep[2]["acceptance_length"] <= 3

@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="interleaved AR/spec runs per prompt")
     p.add_argument("--policies", type=lambda v: tuple(v.split(",")),
                    help="draft paths to measure, from selector,top1,oracle (default: all the drafter supports)")
+    p.add_argument("--draft-len", type=int, metavar="K", help="drafts verified per round (default all)")
+    p.add_argument("--sweep-draft-len", type=lambda v: tuple(int(x) for x in v.split(",")), default=(),
+                   metavar="K,K,...", help="also time these draft lengths (selector path) in the same run")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of acceptance per draft position")
     a = p.parse_args(argv)
@@ -26,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         r = b.bench(a.folder, b.load_prompts(a.prompts), a.max_new_tokens, chat=not a.raw, policies=a.policies,
-                    repeats=a.repeats)
+                    repeats=a.repeats, draft_len=a.draft_len, sweep=a.sweep_draft_len)
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench: error: {e}", file=sys.stderr)
         return 2

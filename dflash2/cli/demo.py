@@ -27,7 +27,8 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool) -> None:
     """Export unless OUT already holds an export of exactly these checkpoints."""
     from dflash2 import manifest as mf
 
-    stamp = {"drafter": mf.sha256(drafter / "model.safetensors"), "target": str(target)}
+    files = ("model.safetensors", "config.json", "draft_vocab.json")
+    stamp = {"drafter": {f: mf.sha256(drafter / f) for f in files if (drafter / f).is_file()}, "target": str(target)}
     if (out / "demo.json").is_file() and json.loads((out / "demo.json").read_text()) == stamp:
         return
     from dflash2.export.api import export
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("out/smollm2-135m-dflash2"), help="export folder")
     p.add_argument("--drafter", type=Path, default=None, help="default: the drafter shipped in the package")
+    p.add_argument("--draft-len", type=int, metavar="K",
+                   help="drafts verified per round (default all 7; 2 is fastest on a 2-core CPU, docs/smollm2.md)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     from dflash2.cli.run import stats_table
@@ -56,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         rt = Runtime(a.out)
         ids = rt.prompt_ids(text=a.prompt, chat=True)
         print(f"\n>>> {a.prompt}\n")
-        spec = rt.generate(ids, a.max_new_tokens, on_text=lambda t: print(t, end="", flush=True))
+        spec = rt.generate(ids, a.max_new_tokens, on_text=lambda t: print(t, end="", flush=True),
+                           draft_len=a.draft_len)
         base = rt.generate(ids, a.max_new_tokens, speculative=False)
-    except Dflash2Error as e:
+    except (Dflash2Error, ValueError) as e:
         print(f"dflash2-demo: error: {e}", file=sys.stderr)
         return 2
     s, b = spec.stats.to_dict(), base.stats.to_dict()

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding (baseline)")
+    p.add_argument("--draft-len", type=int, metavar="K",
+                   help="drafts verified per round, 1..block_size-1 (default all; fewer pays off where the "
+                        "verify is compute-bound and late positions are rarely accepted, e.g. on a CPU)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], help="override the automatic choice")
     p.add_argument("--json", action="store_true", help="print ids and stats as one JSON object")
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         rt = Runtime(a.folder, backend=a.backend)
         ids = rt.prompt_ids(text=a.prompt, ids=a.prompt_ids, chat=a.chat, system=a.system)
         stream = None if a.json or a.prompt is None else (lambda t: print(t, end="", flush=True))
-        gen = rt.generate(ids, a.max_new_tokens, speculative=not a.no_spec, stop=a.stop, on_text=stream)
+        gen = rt.generate(ids, a.max_new_tokens, speculative=not a.no_spec, stop=a.stop, on_text=stream,
+                          draft_len=a.draft_len)
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-run: error: {e}", file=sys.stderr)
         return 2

@@ -89,7 +89,8 @@ class Runtime:
         return list(ids)
 
     def generate(self, ids: Sequence[int], max_new_tokens: int = 128, speculative: bool = True,
-                 stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None) -> Generation:
+                 stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
+                 draft_len: int | None = None) -> Generation:
         self.session.check_capacity(len(ids), max_new_tokens)
         stream = Stream(self.text) if on_text else None
         out: list[int] = []
@@ -100,7 +101,7 @@ class Runtime:
                 on_text(stream.push(new))
             return bool(stop) and any(s in self.text.decode(out[-(len(new) + 32):]) for s in stop)
 
-        gen = generate(self.session, ids, max_new_tokens, self.eos_ids, speculative, on_tokens)
+        gen = generate(self.session, ids, max_new_tokens, self.eos_ids, speculative, on_tokens, draft_len)
         if gen.stop_reason == "stop":
             gen.ids = _trim_at_stop(gen.ids, stop, self.text)
         if stream is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflash2.runtime.api import Runtime
 from dflash2.runtime.policies import POLICIES, PolicySession
-from dflash2.speculative import Stats, gap_closed, generate
+from dflash2.speculative import Stats, check_draft_len, gap_closed, generate
 
 
 class TimedEngine:
@@ -74,8 +74,14 @@ def _merge(all_stats: list[Stats]) -> Stats:
 
 
 def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, chat: bool = True,
-          policies: tuple[str, ...] | None = None, repeats: int = 1) -> dict:
+          policies: tuple[str, ...] | None = None, repeats: int = 1, draft_len: int | None = None,
+          sweep: tuple[int, ...] = ()) -> dict:
+    """sweep: more draft lengths timed with the selector's path in the same interleaved loop, so
+    their speedups compare (this machine's speed drifts between runs, not within one)."""
     rt = Runtime(folder)
+    draft_len = check_draft_len(draft_len, rt.manifest["block_size"])
+    sweep = tuple(k for k in dict.fromkeys(check_draft_len(k, rt.manifest["block_size"]) for k in sweep)
+                  if k != draft_len)
     v2 = rt.manifest["drafter_version"] == 2
     policies = policies or (POLICIES if v2 else ("selector",))
     if "selector" not in policies:
@@ -85,6 +91,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
         s.target, s.drafter = TimedEngine(s.target), TimedEngine(s.drafter)
     main = sessions["selector"]
     ar, spec, per_policy, lossless = [], [], {p: [] for p in policies}, True
+    swept: dict[int, list[Stats]] = {k: [] for k in sweep}
     engine_s = host_s = 0.0
     for prompt in prompts:
         ids = rt.prompt_ids(text=prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
@@ -95,7 +102,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
             for p, s in sessions.items():
                 s.set_truth(len(ids), base.ids)
                 e0 = s.target.seconds + s.drafter.seconds
-                g = generate(s, ids, max_new_tokens, rt.eos_ids)
+                g = generate(s, ids, max_new_tokens, rt.eos_ids, draft_len=draft_len)
                 lossless &= g.ids == base.ids
                 per_policy[p].append(g.stats)
                 if p == "selector":
@@ -103,12 +110,17 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
                     e = s.target.seconds + s.drafter.seconds - e0
                     engine_s += e
                     host_s += g.stats.times["total"] - e
+            for k in sweep:
+                g = generate(main, ids, max_new_tokens, rt.eos_ids, draft_len=k)
+                lossless &= g.ids == base.ids
+                swept[k].append(g.stats)
     A, S = _merge(ar), _merge(spec)
     ar_tps, spec_tps = A.tokens_per_second, S.tokens_per_second
     acc = {p: _merge(v).acceptance_length for p, v in per_policy.items()}
     result = {
         "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "block_size": rt.manifest["block_size"], "dtype": rt.manifest["dtype"], "lossless": lossless,
+        "draft_len": draft_len,
         "draft_vocab_size": (rt.manifest.get("draft_vocab") or {}).get("size", rt.manifest["vocab_size"]),
         "autoregressive_tokens_per_second": ar_tps, "speculative_tokens_per_second": spec_tps,
         "speedup": spec_tps / ar_tps if ar_tps else 0.0,
@@ -122,12 +134,22 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     result["select_ms_standalone"] = selector_ms(rt)
     if {"top1", "oracle", "selector"} <= set(acc):
         result["selector_gap_closed"] = gap_closed(acc["selector"], acc["top1"], acc["oracle"])
+    if sweep:
+        rows = {draft_len: S, **{k: _merge(v) for k, v in swept.items()}}
+        result["draft_len_sweep"] = [_sweep_row(k, rows[k], ar_tps) for k in sorted(rows)]
     return result
+
+
+def _sweep_row(k: int, s: Stats, ar_tps: float) -> dict:
+    return {"draft_len": k, "acceptance_length": s.acceptance_length, "tokens_per_second": s.tokens_per_second,
+            "speedup": s.tokens_per_second / ar_tps if ar_tps else 0.0,
+            "round_ms": 1e3 * (s.times["draft"] + s.times["verify"]) / max(s.rounds, 1)}
 
 
 def table(r: dict) -> str:
     rows = [("backend / dtype", f"{r['backend']} / {r['dtype']}"), ("prompts", r["prompts"]),
             ("draft vocabulary (ids)", r.get("draft_vocab_size", "-")),
+            ("drafts verified per round", r.get("draft_len", "-")),
             ("lossless (spec == AR ids)", r["lossless"]),
             ("autoregressive tok/s", f"{r['autoregressive_tokens_per_second']:.1f}"),
             ("speculative tok/s", f"{r['speculative_tokens_per_second']:.1f}"),
@@ -143,7 +165,12 @@ def table(r: dict) -> str:
     rows.append(("spec seconds: draft/verify/host", f"{s['draft']:.2f} / {s['verify']:.2f} / {s['host']:.2f}"))
     out = "\n".join(f"{k:<34}{v!s:>18}" for k, v in rows)
     pos = "\n".join(f"  {p:<9}" + " ".join(f"{x:.2f}" for x in v) for p, v in r["position_acceptance"].items())
-    return out + "\nacceptance per draft position:\n" + pos
+    out += "\nacceptance per draft position:\n" + pos
+    if r.get("draft_len_sweep"):
+        out += "\ndraft length sweep (selector path, same run):\n    K    tau  round ms    tok/s  speedup\n"
+        out += "\n".join(f"  {w['draft_len']:>3} {w['acceptance_length']:>6.2f} {w['round_ms']:>9.2f} "
+                         f"{w['tokens_per_second']:>8.1f} {w['speedup']:>7.2f}x" for w in r["draft_len_sweep"])
+    return out
 
 
 def plot(r: dict, path: str | Path) -> None:
