@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from dflash2 import tiny
-from dflash2.config import load_drafter_config
+from dflash2 import draft_vocab, tiny
+from dflash2.config import load_drafter_config, load_target_config
 from dflash2.errors import Dflash2Error
 from dflash2.reference.backend import TorchBackend
 from dflash2.reference.load import load_pair
@@ -116,11 +116,33 @@ def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus):
     code = train_cli.main(["--target", str(target_dir), "--out", str(tmp_path / "d"), "--corpus", str(tmp_path / "c"),
                            "--prompts", "12", "--max-new-tokens", "16", "--taps", "1,2", "--steps", "4",
                            "--block-size", "5", "--top-k", "4", "--rank", "8", "--seqs-per-step", "2",
-                           "--anchors", "3", "--mask-token-id", "3", "--threads", "1"])
+                           "--anchors", "3", "--mask-token-id", "3", "--threads", "1", "--draft-vocab", "20"])
     assert code == 0
     assert len(load_corpus(tmp_path / "c")) == 12
     assert load_drafter_config(tmp_path / "d").block_size == 5
+    ids = draft_vocab.read(tmp_path / "d", load_target_config(target_dir).vocab_size, 4)
+    assert 4 <= len(ids) <= 20 + len(load_target_config(target_dir).eos_token_ids)
     # a corpus tapped at other layers is refused, naming both
     code = train_cli.main(["--target", str(target_dir), "--out", str(tmp_path / "d2"), "--corpus",
                            str(tmp_path / "c"), "--taps", "0,2", "--steps", "1"])
     assert code == 2
+
+
+def test_draft_vocab_cli_counts_the_corpus_answers(tmp_path, corpus, capsys):
+    from dflash2.cli import draft_vocab as dv_cli
+
+    target_dir, records = corpus
+    drafter = tiny.make_drafter(tmp_path / "d", target_dir, top_k=4)
+    folder = target_dir.parent / "corpus"  # the fixture's corpus folder
+    args = ["--drafter", str(drafter), "--target", str(target_dir), "--corpus", str(folder)]
+    assert dv_cli.main(args + ["--size", "16"]) == 0
+    assert "covering" in capsys.readouterr().out
+    tc = load_target_config(target_dir)
+    ids = draft_vocab.read(drafter, tc.vocab_size, 4)
+    counts = torch.bincount(torch.cat([r["ids"][r["prompt_len"]:] for r in records]), minlength=tc.vocab_size)
+    top = set(torch.argsort(-counts, stable=True)[:16].tolist())  # ties: lower id first, as the CLI
+    assert set(ids) == (top & set(torch.nonzero(counts).flatten().tolist())) | set(tc.eos_token_ids)
+    assert dv_cli.main(args[:-2] + ["--corpus", str(tmp_path / "missing"), "--size", "16"]) == 2
+    assert "expected a complete corpus" in capsys.readouterr().err
+    assert dv_cli.main(args + ["--size", "2"]) == 2  # fewer ids than the selector's top-K
+    assert "at least top_k = 4 ids" in capsys.readouterr().err
