@@ -79,7 +79,8 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
 def _draft_vocab_entry(drafter, drafter_dir) -> dict | None:
     if drafter.draft_ids is None:
         return None
-    return {"size": int(drafter.draft_ids.numel()), "file": str(draft_vocab.path_in(drafter_dir).absolute()),
+    path = draft_vocab.path_in(drafter_dir).absolute()
+    return {"size": int(drafter.draft_ids.numel()), "file": str(path), "sha256": mf.sha256(path),
             "why": "the drafter's LM head covers only these ids; the target still verifies over all"}
 
 
