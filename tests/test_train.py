@@ -12,7 +12,7 @@ from dflash2.reference.backend import TorchBackend
 from dflash2.reference.load import load_pair
 from dflash2.speculative import generate
 from dflash2.train.data import generate_corpus, load_corpus, make_prompts
-from dflash2.train.trainer import STATE, TrainConfig, accepted_lengths, offline_acceptance, train
+from dflash2.train.trainer import STATE, Teacher, TrainConfig, accepted_lengths, offline_acceptance, train
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,25 @@ def test_corpus_is_the_targets_greedy_answer_with_its_taps(corpus):
     assert torch.equal(logits.argmax(-1)[p - 1:-1], r["ids"][p:])  # the answer IS the target's greedy output
     assert r["taps"].shape[0] == len(r["ids"]) - 1
     assert (taps[:-1] - r["taps"].float()).abs().max() < 1e-2  # fp16 storage
+
+
+def test_teacher_soft_labels_are_the_targets_logits(corpus):
+    """The layers after the last tap, run on the stored last-tap rows, give the target's own logits."""
+    from dflash2.reference.load import load_target
+
+    target_dir, records = corpus
+    t = load_target(target_dir, ())
+    r = records[5]
+    with torch.no_grad():
+        full, _, _ = t(r["ids"], torch.zeros(0, *t.kv_row_shape()))  # [n, V]
+    teacher = Teacher(t, (2, 1))  # tap order as listed: the last tap (2) is the first slice here
+    r = {**r, "taps": torch.cat([r["taps"][:, 64:], r["taps"][:, :64]], 1)}  # stored as (1, 2): reorder
+    rows = torch.arange(r["taps"].shape[0])[None, :]
+    soft = teacher.logits(r, rows, None)[0]  # [T, V]
+    assert (soft - full[: soft.shape[0]]).abs().max() < 2e-2  # fp16 taps
+    assert torch.equal(soft.argmax(-1)[r["prompt_len"] - 1:], r["ids"][r["prompt_len"]:].long())
+    vocab = torch.tensor([0, 5, 9, 40])
+    assert torch.allclose(teacher.logits(r, rows, vocab)[0], soft[:, vocab], atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +135,8 @@ def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus):
     code = train_cli.main(["--target", str(target_dir), "--out", str(tmp_path / "d"), "--corpus", str(tmp_path / "c"),
                            "--prompts", "12", "--max-new-tokens", "16", "--taps", "1,2", "--steps", "4",
                            "--block-size", "5", "--top-k", "4", "--rank", "8", "--seqs-per-step", "2",
-                           "--anchors", "3", "--mask-token-id", "3", "--threads", "1", "--draft-vocab", "20"])
+                           "--anchors", "3", "--mask-token-id", "3", "--threads", "1", "--draft-vocab", "20",
+                           "--kd-weight", "0.5"])
     assert code == 0
     assert len(load_corpus(tmp_path / "c")) == 12
     assert load_drafter_config(tmp_path / "d").block_size == 5

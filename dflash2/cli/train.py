@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="target layers copied into the drafter at initialisation (default last; first measured worse)")
     p.add_argument("--fixed-multiplier", action="store_true",
                    help="keep output_multiplier at 1 instead of learning it from the selector loss")
+    p.add_argument("--kd-weight", type=float, default=0.0,
+                   help="add this weight x KL(target || drafter) on draft rows: soft labels from the target's "
+                        "layers after the last tap (default 0: hard labels only)")
     p.add_argument("--holdout", type=float, default=0.1, help="share of the (last) corpus kept for evaluation")
     p.add_argument("--draft-vocab", type=int, metavar="N",
                    help="also write draft_vocab.json: the N token ids the target emits most in the training "
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                           lr=a.lr, seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors,
                           mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed,
                           init_from=a.init_from or TrainConfig.init_from,
-                          learn_multiplier=not a.fixed_multiplier)
+                          learn_multiplier=not a.fixed_multiplier, kd_weight=a.kd_weight)
         r = train(a.target, a.out, records[:-n_eval], cfg, eval_records=records[-n_eval:])
         if a.draft_vocab:
             answers = [rec["ids"][rec["prompt_len"]:].tolist() for rec in records[:-n_eval]]

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash2.config import load_drafter_config, load_target_config
 from dflash2.reference.drafter import Drafter
+from dflash2.reference.layers import rope_cos_sin
 from dflash2.reference.load import load_target
 from dflash2.speculative import Stats
 
@@ -50,6 +51,7 @@ class TrainConfig:
     learn_multiplier: bool = True  # learn output_multiplier (unary vs pair balance) from the selector loss
     shortlist: bool = True  # softmax over corpus tokens + random negatives instead of the whole vocab
     negatives: int = 2048
+    kd_weight: float = 0.0  # + kd_weight * KL(target || drafter) on draft rows (soft labels, see Teacher)
 
 
 def drafter_config_dict(target_dir: str | Path, c: TrainConfig) -> dict:
@@ -91,6 +93,33 @@ def init_drafter(target, cfg_dict: dict, folder: Path, init_from: str = "last") 
     return d
 
 
+class Teacher:
+    """The target's layers after the last tap, run over a record's last-tap rows: its final hidden
+    states, hence its next-token distribution (soft labels), for 2 of SmolLM2's 30 layers. Corpus
+    taps are fp16, so these logits are close to, not bit-equal with, the target's."""
+
+    def __init__(self, target, tap_ids: tuple[int, ...]):
+        last = max(tap_ids)
+        self.column = list(tap_ids).index(last)  # which H-wide slice of the taps is the last tap
+        self.layers = target.layers[last + 1:]
+        self.norm, self.head, self.inv_freq = target.norm, target.head_weight, target.inv_freq
+        self.kv_shape = (0, target.config.num_kv_heads, target.config.head_dim)
+
+    @torch.no_grad()
+    def logits(self, rec: dict, positions: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        """positions [nb, S] (rows whose next token is a label) -> logits [nb, S, U or V] (fp32)."""
+        H = self.norm.weight.shape[0]
+        h = rec["taps"][:, self.column * H:(self.column + 1) * H].float()  # [T, H]
+        pos = torch.arange(h.shape[0])
+        cos, sin = rope_cos_sin(pos, self.inv_freq)
+        visible = pos[None, :] <= pos[:, None]  # [T, T] causal
+        empty = h.new_zeros(self.kv_shape)
+        for layer in self.layers:
+            h, _ = layer(h, empty, empty, cos, sin, visible)
+        head = self.head if vocab is None else self.head[vocab]
+        return self.norm(h)[positions.clamp(max=h.shape[0] - 1)] @ head.T
+
+
 def sample_anchors(rec: dict, n: int, rng: random.Random) -> list[int]:
     """Anchor positions inside the answer (as at inference, slot 0 holds a target-generated token);
     the block sees context rows < a and its labels are the following generated tokens."""
@@ -116,9 +145,10 @@ def block_forward(d: Drafter, rec: dict, anchors: list[int]):
 
 
 def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: torch.Tensor | None = None,
-           multiplier: torch.Tensor | float | None = None):
+           multiplier: torch.Tensor | float | None = None, teacher: torch.Tensor | None = None, kd_weight: float = 0.0):
     """vocab: ids the softmax runs over ([U], sorted, must hold every label), or None for all.
-    multiplier: the selector's unary scale (a learnable scalar while training), default the config's."""
+    multiplier: the selector's unary scale (a learnable scalar while training), default the config's.
+    teacher: the target's logits for the same rows and vocabulary [nb, S, U] (with kd_weight > 0)."""
     S = hidden.shape[1]
     if vocab is None:
         logits = d.logits(hidden)  # [nb, S, V]
@@ -130,6 +160,10 @@ def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: 
     w = torch.exp(-torch.arange(S, dtype=torch.float32) / gamma)  # position k+1 -> exp(-k/gamma)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none").view_as(labels)
     valid = labels >= 0
+    if teacher is not None and kd_weight > 0:  # soft labels: the target's whole next-token distribution
+        kl = F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(teacher, -1), log_target=True,
+                      reduction="none").sum(-1)  # [nb, S]
+        ce = ce + kd_weight * kl
     draft_loss = (ce * w * valid).sum() / (w * valid).sum().clamp(min=1)
     # selector: K-way CE over the drafter's own top-K, predecessor = the TRUE previous token
     sel = d.candidate_selector
@@ -244,7 +278,8 @@ def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: T
     rng = random.Random(c.seed)
     target = load_target(target_dir, ())
     d = init_drafter(target, drafter_config_dict(target_dir, c), out, c.init_from)
-    del target.layers  # only the embedding / LM head (buffers of the drafter) are needed from here
+    teacher = Teacher(target, c.tap_ids) if c.kd_weight > 0 else None  # keeps the layers after the last tap
+    del target.layers  # otherwise only the embedding / LM head (buffers of the drafter) are needed
     log_mult = torch.nn.Parameter(torch.zeros(()), requires_grad=c.learn_multiplier)
     d.register_parameter("train_log_multiplier", log_mult)  # saved in train_state, not in the checkpoint
     params = [p for p in d.parameters() if p.requires_grad]
@@ -272,7 +307,11 @@ def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: T
             if not anchors:
                 continue
             hidden, labels, anchor_ids = block_forward(d, rec, anchors)
-            dl, sl = losses(d, hidden, labels, anchor_ids, c.gamma, K, vocab, log_mult.exp())
+            soft = None
+            if teacher is not None:  # row k of the block at anchor a predicts token a+k: target position a+k-1
+                rows = torch.tensor(anchors)[:, None] + torch.arange(labels.shape[1])[None, :]  # [nb, S]
+                soft = teacher.logits(rec, rows, vocab)
+            dl, sl = losses(d, hidden, labels, anchor_ids, c.gamma, K, vocab, log_mult.exp(), soft, c.kd_weight)
             ((dl + c.selector_weight * sl) / c.seqs_per_step).backward()
             dl_sum, sl_sum = dl_sum + dl.item(), sl_sum + sl.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
