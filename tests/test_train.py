@@ -128,7 +128,7 @@ def test_resume_continues_from_the_saved_step(tmp_path, corpus):
     assert logs[0] == "resumed at step 10" and json.loads((tmp_path / "d" / STATE / "resume.json").read_text())["step"] == 15
 
 
-def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus):
+def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus, capsys):
     from dflash2.cli import train as train_cli
 
     target_dir, _ = corpus
@@ -136,8 +136,9 @@ def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus):
                            "--prompts", "12", "--max-new-tokens", "16", "--taps", "1,2", "--steps", "4",
                            "--block-size", "5", "--top-k", "4", "--rank", "8", "--seqs-per-step", "2",
                            "--anchors", "3", "--mask-token-id", "3", "--threads", "1", "--draft-vocab", "20",
-                           "--kd-weight", "0.5"])
+                           "--kd-weight", "0.5", "--train-records", "5"])
     assert code == 0
+    assert "training on 5 records, 1 held out" in capsys.readouterr().out
     assert len(load_corpus(tmp_path / "c")) == 12
     assert load_drafter_config(tmp_path / "d").block_size == 5
     ids = draft_vocab.read(tmp_path / "d", load_target_config(target_dir).vocab_size, 4)

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kd-weight", type=float, default=0.0,
                    help="add this weight x KL(target || drafter) on draft rows: soft labels from the target's "
                         "layers after the last tap (default 0: hard labels only)")
+    p.add_argument("--train-records", type=int, metavar="N",
+                   help="train on only the first N (shuffled) training records: data-scaling studies")
     p.add_argument("--holdout", type=float, default=0.1, help="share of the (last) corpus kept for evaluation")
     p.add_argument("--draft-vocab", type=int, metavar="N",
                    help="also write draft_vocab.json: the N token ids the target emits most in the training "
@@ -77,9 +79,14 @@ def main(argv: list[str] | None = None) -> int:
                           mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed,
                           init_from=a.init_from or TrainConfig.init_from,
                           learn_multiplier=not a.fixed_multiplier, kd_weight=a.kd_weight)
-        r = train(a.target, a.out, records[:-n_eval], cfg, eval_records=records[-n_eval:])
+        train_records = records[:-n_eval]
+        if a.train_records:  # one shuffle across corpora, then a prefix: smaller subsets nest in larger ones
+            random.Random(a.seed).shuffle(train_records)
+            train_records = train_records[: a.train_records]
+        print(f"training on {len(train_records)} records, {n_eval} held out", flush=True)
+        r = train(a.target, a.out, train_records, cfg, eval_records=records[-n_eval:])
         if a.draft_vocab:
-            answers = [rec["ids"][rec["prompt_len"]:].tolist() for rec in records[:-n_eval]]
+            answers = [rec["ids"][rec["prompt_len"]:].tolist() for rec in train_records]
             ids = draft_vocab.from_sequences(answers, a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
             print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, f'dflash2-train corpus {corpora}')} "
                   f"({len(ids)} ids)")
