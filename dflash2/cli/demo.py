@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         ensure_export(a.drafter or default_drafter(), target, a.out, a.quiet)
         rt = Runtime(a.out)
         ids = rt.prompt_ids(text=a.prompt, chat=True)
+        for spec_on in (True, False):  # warm-up: first runs of each graph shape allocate, keep them untimed
+            rt.generate(ids, 8, speculative=spec_on, draft_len=a.draft_len)
         print(f"\n>>> {a.prompt}\n")
         spec = rt.generate(ids, a.max_new_tokens, on_text=lambda t: print(t, end="", flush=True),
                            draft_len=a.draft_len)
