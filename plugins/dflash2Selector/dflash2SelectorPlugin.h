@@ -36,6 +36,9 @@ SelectorAttrs parseAttributes(nvinfer1::PluginFieldCollection const* fc);
 //! "" when the input shapes fit the contract and the attributes; unknown (-1) extents are skipped.
 std::string shapeProblem(nvinfer1::Dims const* dims, int32_t nbInputs, SelectorAttrs const& attrs);
 
+//! float32, float16 or bfloat16.
+bool isFloatType(nvinfer1::DataType t);
+
 //! "" when the input dtypes fit the contract.
 std::string typeProblem(nvinfer1::DataType const* types, int32_t nbInputs);
 
