@@ -31,6 +31,11 @@ def path_in(drafter_dir: str | Path) -> Path:
     return Path(drafter_dir) / FILE
 
 
+def min_size(c) -> int:
+    """A DrafterConfig's top-K needs at least K ids (1 for DFlash v1's top-1)."""
+    return c.selector_top_k if c.version == 2 else 1
+
+
 def read(drafter_dir: str | Path, vocab_size: int, top_k: int) -> list[int] | None:
     """The ids of `drafter_dir/draft_vocab.json`, checked against the vocabulary; None without a file."""
     path = path_in(drafter_dir)

@@ -135,9 +135,9 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
             break
         if speculative:
             t1 = clock()
-            drafts = [int(d) for d in backend.draft(t)][:k]  # [k <= S]
+            drafts = [int(d) for d in backend.draft(t)[:k]]  # [k <= S]
             t2 = clock()
-            preds = [int(p) for p in backend.verify([t, *drafts])]  # [S+1]
+            preds = [int(p) for p in backend.verify([t, *drafts])]  # [k+1]
             stats.times["draft"] += t2 - t1
             stats.times["verify"] += clock() - t2
             acc = accepted_prefix(drafts, preds)

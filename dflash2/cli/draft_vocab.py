@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         tc, dc = load_target_config(a.target), load_drafter_config(a.drafter)
         answers = [ans for c in a.corpus for ans in corpus_answers(c)]
         ids = draft_vocab.from_sequences(answers, a.size, tc.vocab_size, tc.eos_token_ids)
-        draft_vocab.check_ids(ids, dc.vocab_size, dc.selector_top_k if dc.version == 2 else 1, str(a.drafter))
+        draft_vocab.check_ids(ids, dc.vocab_size, draft_vocab.min_size(dc), str(a.drafter))
         path = draft_vocab.write(a.drafter, ids, tc.vocab_size, f"dflash2-draft-vocab --size {a.size} over "
                                  f"{len(answers)} answers of {[c.name for c in a.corpus]}")
     except Dflash2Error as e:

@@ -33,10 +33,6 @@ def reference_outputs(spec: GraphSpec, feeds: list[dict[str, torch.Tensor]]) -> 
     return out
 
 
-def session(path: Path):
-    return open_session(path)
-
-
 def compare(graph: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray], dtype: str,
             step: int) -> tuple[list[str], dict]:
     atol, rtol = TOLERANCES[dtype]
@@ -73,7 +69,7 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
     if dtype == "bfloat16" and "CUDAExecutionProvider" not in ort.get_available_providers():
         return [], {"skipped": "ONNX Runtime's CPU provider has no bfloat16 kernels; validate with "
                                "`dflash2-compare --engines` on a GPU"}
-    sess = session(path)
+    sess = open_session(path)
     failures, report = [], {}
     for step, (feed, ref) in enumerate(zip(np_feeds, refs)):
         got = dict(zip(spec.outputs, sess.run(spec.outputs, feed)))

@@ -32,7 +32,7 @@ def load_drafter(folder: str | Path, target: Target, dtype: torch.dtype = torch.
     c = config or load_drafter_config(folder)
     expected = ckpt.drafter_tensor_shapes(c, target.config.hidden_size)
     ckpt.check_tensors(folder, expected)
-    ids = draft_vocab.read(folder, c.vocab_size, c.selector_top_k if c.version == 2 else 1) if use_draft_vocab else None
+    ids = draft_vocab.read(folder, c.vocab_size, draft_vocab.min_size(c)) if use_draft_vocab else None
     tensors = ckpt.load_tensors(folder, set(expected))
     model = Drafter(c, target.embed_tokens.weight.detach(), target.head_weight.detach(), target.config.hidden_size)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)

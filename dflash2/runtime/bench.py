@@ -128,7 +128,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
                                                           for p, v in per_policy.items()},
         "speculative_seconds": S.to_dict()["seconds"], "autoregressive_seconds": A.to_dict()["seconds"],
         "host_overhead_share": host_s / (host_s + engine_s) if engine_s else 0.0,
-        "spec_step_ms": 1e3 * (S.times["draft"] + S.times["verify"]) / max(S.rounds, 1),
+        "spec_step_ms": _round_ms(S),
         "ar_step_ms": 1e3 * A.times["decode"] / max(A.new_tokens - len(ar), 1),
     }
     result["select_ms_standalone"] = selector_ms(rt)
@@ -143,7 +143,12 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
 def _sweep_row(k: int, s: Stats, ar_tps: float) -> dict:
     return {"draft_len": k, "acceptance_length": s.acceptance_length, "tokens_per_second": s.tokens_per_second,
             "speedup": s.tokens_per_second / ar_tps if ar_tps else 0.0,
-            "round_ms": 1e3 * (s.times["draft"] + s.times["verify"]) / max(s.rounds, 1)}
+            "round_ms": _round_ms(s)}
+
+
+def _round_ms(s: Stats) -> float:
+    """Draft + verify time per speculative round."""
+    return 1e3 * (s.times["draft"] + s.times["verify"]) / max(s.rounds, 1)
 
 
 def table(r: dict) -> str:
