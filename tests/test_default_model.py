@@ -32,7 +32,8 @@ def default_export(tmp_path_factory):
 
 @pytest.mark.slow
 def test_lossless_on_every_shipped_prompt(default_export):
-    from dflash2.runtime.bench import bench, default_prompts
+    from dflash2.prompts import default_prompts
+    from dflash2.runtime.bench import bench
 
     r = bench(default_export, default_prompts(), max_new_tokens=64)
     print("\n" + json.dumps({k: r[k] for k in ("acceptance_length", "speedup", "lossless")}))

@@ -13,7 +13,9 @@ from dflash2.errors import Dflash2Error
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-bench", description=__doc__)
     p.add_argument("folder", type=Path, help="export or engine folder")
-    p.add_argument("--prompts", type=Path, help="JSON list or one prompt per line (default: the shipped set)")
+    p.add_argument("--prompts", default="default",
+                   help="'default' (the shipped set), 'sharegpt:eval:N' (held-out ShareGPT conversations "
+                        ">= 15,000), or a file: JSON list or one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.add_argument("--repeats", type=int, default=1, help="interleaved AR/spec runs per prompt")
@@ -25,10 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of acceptance per draft position")
     a = p.parse_args(argv)
+    from dflash2.prompts import parse_spec
     from dflash2.runtime import bench as b
 
     try:
-        r = b.bench(a.folder, b.load_prompts(a.prompts), a.max_new_tokens, chat=not a.raw, policies=a.policies,
+        r = b.bench(a.folder, parse_spec(a.prompts, default_split="eval", log=print), a.max_new_tokens, chat=not a.raw, policies=a.policies,
                     repeats=a.repeats, draft_len=a.draft_len, sweep=a.sweep_draft_len)
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench: error: {e}", file=sys.stderr)

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2 import draft_vocab
     from dflash2.config import default_target_layer_ids, load_target_config
     from dflash2.train.data import corpus_complete, generate_corpus, load_corpus, make_prompts
-    from dflash2.runtime.bench import default_prompts
+    from dflash2.prompts import default_prompts
     from dflash2.train.trainer import TrainConfig, train
 
     if a.threads:

@@ -3,11 +3,10 @@ acceptance of alternative draft policies. Prints a table, returns a JSON-able di
 
 from __future__ import annotations
 
-import json
 import time
-from importlib import resources
 from pathlib import Path
 
+from dflash2.prompts import default_prompts, load_prompts  # noqa: F401 (re-exported for callers)
 from dflash2.runtime.api import Runtime
 from dflash2.runtime.policies import POLICIES, PolicySession
 from dflash2.speculative import Stats, check_draft_len, gap_closed, generate
@@ -23,17 +22,6 @@ class TimedEngine:
         t0 = time.perf_counter()
         self.engine.run(inputs, outputs)
         self.seconds += time.perf_counter() - t0
-
-
-def default_prompts() -> list[str]:
-    return json.loads(resources.files("dflash2.data").joinpath("bench_prompts.json").read_text())
-
-
-def load_prompts(path: str | Path | None) -> list[str]:
-    if path is None:
-        return default_prompts()
-    text = Path(path).read_text()
-    return json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln.strip()]
 
 
 def selector_ms(rt: Runtime, repeats: int = 200) -> float | None:
