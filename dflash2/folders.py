@@ -3,6 +3,7 @@ place. Shared by export and engine builds; no torch (the engine stage must not n
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -14,11 +15,68 @@ class OutputError(Dflash2Error):
     pass
 
 
-def check_output(out: Path, force: bool) -> None:
+MANIFEST = "manifest.json"  # dflash2.manifest.NAME (that module imports this one)
+OUR_FORMAT_PREFIX = "dflash2-"  # "dflash2-export", "dflash2-engines"
+
+
+Inputs = dict[str, "str | Path | None"] | list[tuple[str, "str | Path | None"]]
+
+
+def check_apart(out: str | Path, inputs: Inputs, out_flag: str = "--out") -> None:
+    """Refuse an output that is, contains or lies inside an input (paths resolved, symlinks followed).
+
+    Checked before anything is read or deleted: `--force` replaces the output folder, and writing
+    into an input would change the checkpoint the output's checksums were taken from.
+    inputs: flag -> path or (flag, path) pairs, None paths skipped: {"--model": drafter, "--target": target}."""
+    o = Path(out).expanduser().resolve()
+    for flag, path in inputs.items() if isinstance(inputs, dict) else inputs:
+        if path is None:
+            continue
+        i = Path(path).expanduser().resolve()
+        if o == i:
+            how = "is"
+        elif o in i.parents:
+            how = "contains"
+        elif i in o.parents:
+            how = "lies inside"
+        else:
+            continue
+        kind = "file" if i.is_file() else "folder"
+        raise OutputError(f"{out_flag} {out} {how} the {flag} {kind} {path}: an output must be apart from every "
+                          f"input (nothing was read or written); choose another {out_flag}")
+
+
+def check_train_folders(target: str | Path, out: str | Path, corpora: list[str | Path]) -> None:
+    """dflash2-train writes --out (the drafter) and the first --corpus (generated when empty): neither may
+    be, hold or lie inside --target, nor overlap each other (a corpus shard inside a checkpoint, or a
+    checkpoint inside a corpus, would be read back as the other)."""
+    check_apart(out, [("--target", target)] + [("--corpus", c) for c in corpora])
+    for c in corpora:
+        check_apart(c, {"--target": target}, out_flag="--corpus")
+
+
+def written_by_dflash2(folder: Path) -> bool:
+    """A folder --force may replace: it holds a manifest.json whose format is one of ours."""
+    try:
+        m = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(m, dict) and isinstance(m.get("format"), str) and m["format"].startswith(OUR_FORMAT_PREFIX)
+
+
+def check_output(out: Path, force: bool, inputs: Inputs | None = None) -> None:
+    """Every output-folder rule, before anything is read: apart from the inputs, creatable, and an
+    existing folder replaced only with --force and only when empty or written by dflash2."""
+    check_apart(out, inputs or {})
+    if out.is_symlink():
+        raise OutputError(f"{out}: output is a symbolic link; pass the folder itself (or another --out)")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: expected a folder, found a file")
     if out.exists() and not force:
         raise OutputError(f"{out}: output folder exists; pass --force to replace it")
+    if out.exists() and any(out.iterdir()) and not written_by_dflash2(out):
+        raise OutputError(f"{out}: --force replaces only a folder written by dflash2 (one with its {MANIFEST}); "
+                          f"this one has none, so it was left as it is; remove it yourself or choose another --out")
     probe = out.parent
     while not probe.exists():
         probe = probe.parent

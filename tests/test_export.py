@@ -168,8 +168,15 @@ def test_output_rules(tmp_path, pairs):
     with pytest.raises(OutputError, match="exists; pass --force"):
         export(*pairs[("llama", 1)], existing, quiet=True)
     assert (existing / "keep.txt").read_text() == "mine"
-    export(*pairs[("llama", 1)], existing, force=True, quiet=True)
-    assert (existing / "manifest.json").is_file() and not (existing / "keep.txt").exists()
+    with pytest.raises(OutputError, match="--force replaces only a folder written by dflash2"):
+        export(*pairs[("llama", 1)], existing, force=True, quiet=True)  # not ours: never deleted
+    assert (existing / "keep.txt").read_text() == "mine"
+    ours = tmp_path / "ours"  # an earlier export's folder (its manifest says so): --force replaces it
+    ours.mkdir()
+    (ours / "manifest.json").write_text(json.dumps({"format": "dflash2-export"}))
+    (ours / "stale.onnx").write_text("old")
+    export(*pairs[("llama", 1)], ours, force=True, quiet=True)
+    assert json.loads((ours / "manifest.json").read_text())["graphs"] and not (ours / "stale.onnx").exists()
     assert _no_leftovers(tmp_path)
 
 

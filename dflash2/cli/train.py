@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash2 import draft_vocab
     from dflash2.config import default_target_layer_ids, load_target_config
+    from dflash2.folders import check_train_folders
     from dflash2.train.data import corpus_complete, generate_corpus, load_corpus, make_prompts
     from dflash2.prompts import default_prompts
     from dflash2.train.trainer import TrainConfig, train
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
+        check_train_folders(a.target, a.out, a.corpus or [a.out.parent / "corpus"])  # before anything is read
         tc = load_target_config(a.target)
         taps = a.taps or default_target_layer_ids(tc.num_layers, 3)
         corpora = a.corpus or [a.out.parent / "corpus"]

@@ -18,7 +18,7 @@ from dflash2 import manifest as mf
 from dflash2 import plugins
 from dflash2.engines import profiles as pr
 from dflash2.errors import Dflash2Error
-from dflash2.folders import check_output
+from dflash2.folders import check_apart, check_output
 from dflash2.ops import contract as C
 
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -133,11 +133,13 @@ def plan_build(export_dir: str | Path, out: str | Path, precision: str | None = 
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, found {mode!r}")
     export_dir, out = Path(export_dir).absolute(), Path(out).absolute()
+    if mode == "build":  # before anything is read: --force must never reach an input
+        check_output(out, force, {"EXPORT_DIR": export_dir, "--plugin": plugin, "--timing-cache": timing_cache})
+    elif mode == "adopt":  # the engines are in --out already; it still must not be or hold the export
+        check_apart(out, {"EXPORT_DIR": export_dir})
     export = mf.load(export_dir, (mf.EXPORT_FORMAT,))
     if mode != "print":
         mf.verify_files(export_dir, export)
-    if mode == "build":
-        check_output(out, force)
     prec = resolve_precision(precision, export["dtype"], export_dir)
     T, P = pr.limits(export, max_seq_len, max_prefill)
     check_selector_contract(export, export_dir)

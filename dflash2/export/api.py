@@ -51,7 +51,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     if dtype not in DTYPES:
         raise OutputError(f"--dtype: expected one of {list(DTYPES)}, found {dtype!r}")
     out = Path(out_dir).absolute()
-    check_output(out, force)
+    check_output(out, force, {"--model": drafter_dir, "--target": target_dir})
     dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
     if max_seq_len < dc.block_size + 2:

@@ -1,0 +1,28 @@
+"""Helpers for the bad-input tests: snapshots that prove no input changed and nothing was left behind."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def snapshot(*roots: Path) -> dict[str, str]:
+    """Every entry under the roots -> sha256 (files), 'dir' or 'link -> target': any change shows."""
+    out = {}
+    for root in roots:
+        for p in sorted([root, *root.rglob("*")]):
+            if p.is_symlink():
+                out[str(p)] = f"link -> {p.readlink()}"
+            elif p.is_dir():
+                out[str(p)] = "dir"
+            else:
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def one_line_error(err: str, prog: str) -> str:
+    """The CLI's stderr must be exactly one line `PROG: error: ...` (no traceback)."""
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
