@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import sigterm_raises
 
 
 class OutputError(Dflash2Error):
@@ -89,8 +93,11 @@ def check_output(out: Path, force: bool, inputs: Inputs | None = None) -> None:
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write a temp sibling, then rename: readers never see a half-written file."""
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    finally:  # interrupted or failed (disk full): no half-written sibling stays behind
+        tmp.unlink(missing_ok=True)
 
 
 def copy_present(src: Path, names: list[str], dst: Path) -> list[str]:
@@ -101,12 +108,54 @@ def copy_present(src: Path, names: list[str], dst: Path) -> list[str]:
     return copied
 
 
-def temp_folder(out: Path) -> Path:
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """Remove the `.NAME.tmp-PID` / `.NAME.old-PID` siblings of `out` whose process is gone (killed by
+    SIGKILL or a power cut, so its own cleanup never ran). A stale `.old-` folder is a previous output
+    moved aside for --force; if `out` itself is missing it is put back instead of deleted."""
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)$")
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for p in sorted(out.parent.iterdir()):
+        m = pattern.match(p.name)
+        if not m or int(m[2]) == os.getpid() or pid_alive(int(m[2])):
+            continue
+        if m[1] == "old" and not out.exists() and p.is_dir():
+            p.rename(out)
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+@contextmanager
+def temp_folder(out: Path) -> Iterator[Path]:
+    """A fresh `.NAME.tmp-PID` sibling of `out`, removed on leaving the block however it is left:
+    error, Ctrl-C, or SIGTERM (turned into an exception while the folder exists). Stale siblings of
+    dead processes are removed first, so interrupted runs do not pile up."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
+    with sigterm_raises():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def replace_folder(tmp: Path, out: Path) -> None:
@@ -115,6 +164,10 @@ def replace_folder(tmp: Path, out: Path) -> None:
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        tmp.rename(out)
+    finally:  # interrupted between the renames: the previous folder goes back, never lost
+        if old is not None and out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        elif old is not None:
+            old.rename(out)

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import interruptible
 
 
+@interruptible("dflash2-bench")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-bench", description=__doc__)
     p.add_argument("folder", type=Path, help="export or engine folder")

@@ -12,8 +12,10 @@ from pathlib import Path
 
 from dflash2.cli import print_files
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import interruptible
 
 
+@interruptible("dflash2-build")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-build", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import interruptible
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -38,6 +39,7 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool) -> None:
     (out / "demo.json").write_text(json.dumps(stamp))
 
 
+@interruptible("dflash2-demo", "nothing half-written was left (a finished export stays for the next run)")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import interruptible
 
 
+@interruptible("dflash2-draft-vocab")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-draft-vocab", description=__doc__)
     p.add_argument("--drafter", required=True, type=Path, help="drafter folder to write draft_vocab.json into")

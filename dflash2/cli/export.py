@@ -8,8 +8,10 @@ from pathlib import Path
 
 from dflash2.cli import print_files
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import interruptible
 
 
+@interruptible("dflash2-export")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-export", description=__doc__)
     p.add_argument("--model", required=True, type=Path, help="drafter folder (DFlashDraftModel / DFlash2DraftModel)")

@@ -6,8 +6,10 @@ import argparse
 from pathlib import Path
 
 from dflash2 import tiny
+from dflash2.interrupts import interruptible
 
 
+@interruptible("dflash2-make-tiny", "OUT may hold a partial pair; rerun the command to rewrite it")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-make-tiny", description=__doc__)
     p.add_argument("--out", required=True, type=Path, help="folder; writes OUT/target and OUT/drafter")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import interruptible
 
 
 def parse_ids(s: str) -> list[int]:
@@ -33,6 +34,7 @@ def stats_table(stats: dict, backend: str) -> str:
     return "\n".join(f"{k:<24}{v:>12}" for k, v in rows)
 
 
+@interruptible("dflash2-run")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-run", description=__doc__)
     p.add_argument("folder", type=Path, help="export folder (dflash2-export) or engine folder (dflash2-build)")

@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import interruptible
 
 
+@interruptible("dflash2-train", "rerun the same command to resume from the last saved step")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-train", description=__doc__)
     p.add_argument("--target", required=True, type=Path, help="target folder (Llama / Qwen3, safetensors)")

@@ -9,7 +9,6 @@ registry before parsing. `plan.py` explains why precision comes from the export 
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -91,8 +90,7 @@ def build(plan: BuildPlan, quiet: bool = False) -> dict:
     progress = Progress(2 * len(plan.jobs) + 1, quiet)
     cache_bytes = plan.timing_cache.read_bytes() if plan.timing_cache and plan.timing_cache.is_file() else b""
     cache, built = None, {}
-    tmp = temp_folder(plan.out)
-    try:
+    with temp_folder(plan.out) as tmp:
         for job in plan.jobs:
             t0 = time.perf_counter()
             with progress.step(f"{job.engine}: parsing {job.onnx.name}"):
@@ -119,8 +117,6 @@ def build(plan: BuildPlan, quiet: bool = False) -> dict:
             _copy_tokenizer(plan, tmp)
             manifest = mf.write(tmp, em.build_manifest(plan, built, trt.__version__))
         replace_folder(tmp, plan.out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     manifest["build_seconds"] = progress.elapsed
     return manifest
 

@@ -6,7 +6,6 @@ validation, so a failure leaves nothing behind and an existing folder is replace
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -18,7 +17,13 @@ from dflash2.config import check_pair, load_drafter_config, load_target_config
 from dflash2.export import trace as tr
 from dflash2.export.graphs import graph_specs
 from dflash2.export.validate import raise_if_failed, validate_graph
-from dflash2.folders import OutputError, check_output, copy_present, replace_folder, temp_folder
+from dflash2.folders import (
+    OutputError,
+    check_output,
+    copy_present,
+    replace_folder,
+    temp_folder,
+)
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
 from dflash2.reference.load import load_pair
@@ -60,8 +65,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     progress = Progress(1 + 2 * specs_count + 1, quiet)
     with progress.step("loading and checking the checkpoints"):
         target, drafter = load_pair(drafter_dir, target_dir, DTYPES[dtype], use_draft_vocab=not full_vocab)
-    tmp = temp_folder(out)
-    try:
+    with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
         manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress)
         raise_if_failed([f for v in manifest["validation"].values() for f in v["failures"]])
         manifest["sources"] = {"drafter": str(Path(drafter_dir).absolute()), "target": str(Path(target_dir).absolute())}
@@ -70,8 +74,6 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
             manifest["tokenizer"] = {"files": copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp)}
             mf.write(tmp, manifest)
         replace_folder(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     manifest["export_seconds"] = progress.elapsed
     return manifest
 

