@@ -3,7 +3,7 @@
 #   1. builds build/plugins/ (plugins/build.sh; offline machines need third_party/tensorrt/include
 #      already there, e.g. carried from a machine where build.sh fetched it);
 #   2. kernel vs CPU twin on odd and production shapes + kernel microseconds per launch at
-#      S=7 K=16 R=256 V=151936, batch 1 and 8 (python -m dflash2.plugins gpu: needs numpy only);
+#      S=7 K=16 R=256 V=151936, batch 1 and 8 (python -m dflash2.cli.plugins gpu: needs numpy only);
 #   3. the pytest GPU tests (kernel vs twin vs PyTorch reference, timing, TensorRT engine when
 #      `import tensorrt` works) when pytest and torch are importable.
 # Usage: bash plugins/gpu_check.sh      (CUDA_ARCHS=90-real to build for one GPU only)
@@ -25,7 +25,7 @@ echo "== lifecycle driver"
 build/plugins/dflash2_plugin_lifecycle_test
 
 echo "== kernel vs CPU twin, kernel timing"
-"$PY" -m dflash2.plugins gpu
+"$PY" -m dflash2.cli.plugins gpu
 
 if "$PY" -c "import pytest, torch, hypothesis" 2>/dev/null; then
   echo "== pytest: GPU + TensorRT tests, CPU twin tests"

@@ -27,7 +27,7 @@ try:
     import tensorrt
 except ImportError as e:
     sys.exit(f"gpu_check: TensorRT Python is not installed ({e}): pip install tensorrt-cu12 (or JetPack)")
-from dflash2.runtime.cuda import compute_capability
+from dflash2.native.cudart import compute_capability
 print("tensorrt", tensorrt.__version__, "| device", compute_capability())
 EOF
 echo "work folder: $WORK"
@@ -40,7 +40,7 @@ if [[ "${SKIP_PLUGIN_BUILD:-0}" != "1" ]]; then
   fi
   bash plugins/build.sh
 fi
-"$PY" -m dflash2.plugins find
+"$PY" -m dflash2.cli.plugins find
 
 step "tiny pair, fp32 + fp16 exports"
 "$PY" -m dflash2.cli.make_tiny --out "$WORK/pair" --family qwen3 --drafter v2

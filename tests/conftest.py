@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash2 import plugins, tiny
+from dflash2.native import library
+from dflash2 import tiny
 from dflash2.cli import build as build_cli
 from dflash2.engines import build as eb
 from dflash2.engines import plan as ep
-from dflash2.runtime import cuda as rcuda
-from dflash2.runtime import trt as rtrt
+from dflash2.native import cudart as ncudart
+from dflash2.native import tensorrt as ntrt
 from tests.exports import T
 
 PAIRS = [("llama", 1), ("llama", 2), ("qwen3", 1), ("qwen3", 2)]
@@ -69,10 +70,10 @@ def export_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def fake_plugin(tmp_path, monkeypatch) -> Path:
     """A stand-in plugin file whose ABI check passes (the real library may not be built here)."""
-    lib = tmp_path / "lib" / plugins.PLUGIN_LIB
+    lib = tmp_path / "lib" / library.PLUGIN_LIB
     lib.parent.mkdir()
     lib.write_bytes(b"not really a shared library")
-    monkeypatch.setattr(ep, "library_abi", lambda path: plugins.ABI_VERSION)
+    monkeypatch.setattr(library, "library_abi", lambda path: library.ABI_VERSION)
     return lib
 
 
@@ -92,9 +93,9 @@ def _load_fake_trt():
 def fake(monkeypatch):
     fake_trt = _load_fake_trt()
     fake_trt.reset()
-    monkeypatch.setattr(rtrt, "_trt", fake_trt)
-    monkeypatch.setattr(rtrt, "_LOADED", {})
-    monkeypatch.setattr(rcuda, "_CUDART", fake_trt.CUDART)
+    monkeypatch.setattr(ntrt, "_trt", fake_trt)
+    monkeypatch.setattr(ntrt, "_LOADED", {})
+    monkeypatch.setattr(ncudart, "_CUDART", fake_trt.CUDART)
     return fake_trt
 
 

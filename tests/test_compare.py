@@ -11,10 +11,9 @@ import pytest
 from dflash2 import manifest as mf
 from dflash2.cli import compare as compare_cli
 from dflash2.numerics import ID_MISMATCH_SHARE
-from dflash2.runtime import trt as rtrt
+from dflash2.native import tensorrt as ntrt
 
-
-HAS_TRT = rtrt._trt is not None
+HAS_TRT = ntrt._trt is not None
 
 
 # ------------------------------------------------------------------------------------------- compare

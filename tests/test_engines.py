@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash2 import manifest as mf
-from dflash2 import plugins
+from dflash2.native import library
 from dflash2.cli import build as build_cli
 from dflash2.engines import build as eb
 from dflash2.engines import manifest as em
@@ -21,12 +21,13 @@ from dflash2.engines import profiles as pr
 from dflash2.engines import trtexec
 from dflash2.errors import Dflash2Error
 from dflash2.folders import OutputError
+from dflash2.native import tensorrt as ntrt
 from dflash2.runtime import trt as rtrt
 from dflash2.runtime.api import Runtime, pick_backend
 
 from tests.exports import PROMPT, T
 
-HAS_TRT = rtrt._trt is not None
+HAS_TRT = ntrt._trt is not None
 
 
 def _export_manifest(export_dir: Path) -> dict:
@@ -128,7 +129,7 @@ def test_print_trtexec_cli_needs_no_tensorrt(export_dir, tmp_path, capsys):
 def test_tensorrt_missing_says_what_to_install(export_dir, tmp_path, fake_plugin, capsys):
     if HAS_TRT:
         pytest.skip("tensorrt is installed: the missing-TensorRT message cannot be provoked")
-    with pytest.raises(rtrt.TensorRTMissingError, match="pip install tensorrt-cu12"):
+    with pytest.raises(ntrt.TensorRTMissingError, match="pip install tensorrt-cu12"):
         eb.build(ep.plan_build(export_dir, tmp_path / "eng", plugin=fake_plugin))
     assert build_cli.main([str(export_dir), "--out", str(tmp_path / "eng"), "--plugin", str(fake_plugin)]) == 2
     err = capsys.readouterr().err
@@ -144,17 +145,17 @@ def test_plugin_missing_explicit_path(export_dir, tmp_path, capsys):
 
 
 def test_plugin_missing_default_search(export_dir, tmp_path, monkeypatch):
-    monkeypatch.delenv(plugins.ENV_VAR, raising=False)
-    monkeypatch.setattr(plugins, "search_dirs", lambda: [tmp_path / "a", tmp_path / "b"])
-    with pytest.raises(plugins.PluginLibraryError, match="bash plugins/build.sh") as e:
+    monkeypatch.delenv(library.ENV_VAR, raising=False)
+    monkeypatch.setattr(library, "search_dirs", lambda: [tmp_path / "a", tmp_path / "b"])
+    with pytest.raises(library.PluginLibraryError, match="bash plugins/build.sh") as e:
         ep.plan_build(export_dir, tmp_path / "eng")
-    assert str(tmp_path / "a" / plugins.PLUGIN_LIB) in str(e.value)
+    assert str(tmp_path / "a" / library.PLUGIN_LIB) in str(e.value)
 
 
 def test_plugin_not_a_library(export_dir, tmp_path):
-    bad = tmp_path / plugins.PLUGIN_LIB
+    bad = tmp_path / library.PLUGIN_LIB
     bad.write_bytes(b"garbage")
-    with pytest.raises(plugins.PluginLibraryError, match="failed to load.*bash plugins/build.sh"):
+    with pytest.raises(library.PluginLibraryError, match="failed to load.*bash plugins/build.sh"):
         ep.plan_build(export_dir, tmp_path / "eng", plugin=bad)
 
 
@@ -166,9 +167,9 @@ def test_plugin_abi_version_mismatch(export_dir, tmp_path):
 
     src = tmp_path / "abi.c"
     src.write_text("int dflash2_selector_abi_version(void) { return 99; }\n")
-    lib = tmp_path / plugins.PLUGIN_LIB
+    lib = tmp_path / library.PLUGIN_LIB
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    with pytest.raises(ep.PluginVersionError, match=f"ABI version expected {plugins.ABI_VERSION}, found 99"):
+    with pytest.raises(ep.PluginVersionError, match=f"ABI version expected {library.ABI_VERSION}, found 99"):
         ep.plan_build(export_dir, tmp_path / "eng", plugin=lib)
 
 
@@ -281,7 +282,7 @@ def test_tensorrt_backend_missing_says_so(adopted, export_dir):
         pytest.skip("tensorrt is installed: the missing-TensorRT message cannot be provoked")
     with pytest.raises(Dflash2Error, match="TensorRT is not installed.*pip install tensorrt-cu12"):
         Runtime(adopted)
-    with pytest.raises(rtrt.TensorRTMissingError):
+    with pytest.raises(ntrt.TensorRTMissingError):
         rtrt.TrtBackend(adopted, em.read(adopted))
     with pytest.raises(Dflash2Error, match="TensorRT is not installed"):  # said before the folder kind
         Runtime(export_dir, backend="tensorrt")

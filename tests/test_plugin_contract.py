@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import dflash2.plugins as plugins
+from dflash2.native import library
 from dflash2.ops import contract as C
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,8 +31,8 @@ def skip_or_fail(msg: str) -> None:
 @pytest.fixture(scope="module")
 def plugin_lib() -> Path:
     try:
-        return plugins.find_library(plugins.PLUGIN_LIB)
-    except plugins.PluginLibraryError as e:
+        return library.find_library(library.PLUGIN_LIB)
+    except library.PluginLibraryError as e:
         skip_or_fail(str(e))
 
 

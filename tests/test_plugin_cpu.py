@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dflash2.plugins as plugins
+from dflash2.native import bench, library, selector
 import dflash2.reference.selector  # noqa: F401  registers torch.ops.dflash2.select_path
 from dflash2.ops import contract as C
 
@@ -45,7 +45,7 @@ def require(loader):
     """The loaded library, or skip (fail when DFLASH2_REQUIRE_PLUGINS=1) with the build hint."""
     try:
         return loader()
-    except plugins.PluginLibraryError as e:
+    except library.PluginLibraryError as e:
         if os.environ.get("DFLASH2_REQUIRE_PLUGINS") == "1":
             pytest.fail(f"DFLASH2_REQUIRE_PLUGINS=1 but {e}")
         pytest.skip(str(e))
@@ -53,7 +53,7 @@ def require(loader):
 
 @pytest.fixture(scope="module", autouse=True)
 def twin():
-    return require(plugins.load_cpu_twin)
+    return require(selector.load_cpu_twin)
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:
@@ -79,7 +79,7 @@ def assert_matches(got, want, exact_scores: bool = False) -> None:
 
 def case_inputs(case) -> tuple[dict, dict]:
     _, B, S, K, R, V, tl, tc, mult, cap = case
-    x = plugins.random_inputs(B, S, K, R, V, codebook_dtype=tc, logits_dtype=tl, seed=B * 1000 + S * 100 + K)
+    x = bench.random_inputs(B, S, K, R, V, codebook_dtype=tc, logits_dtype=tl, seed=B * 1000 + S * 100 + K)
     return x, {"top_k": K, "rank": R, "output_multiplier": mult, "logit_softcap": cap}
 
 
@@ -108,7 +108,7 @@ def test_hand_built_known_path():
     x = {"cand_logits": np.array([[[0, 0], [0, 0], [2.5, 0]]], np.float32),
          "cand_ids": np.array([[[1, 3], [2, 0], [1, 3]]], np.int32), "gate": np.ones((1, 3, 2), np.float32),
          "anchor": np.array([0], np.int32), "pred_codebook": P, "succ_codebook": Q}
-    got = plugins.select_path_cpu(**x, top_k=2, rank=2)
+    got = selector.select_path_cpu(**x, top_k=2, rank=2)
     np.testing.assert_array_equal(got[0], [[3, 2, 1]])
     np.testing.assert_array_equal(got[1], [[1, 0, 0]])
     np.testing.assert_array_equal(got[2], [[[0, 3], [0, 0], [3.5, 3]]])
@@ -119,7 +119,7 @@ def test_naive_float64_loop():
     x, attrs = case_inputs(("naive", 2, 5, 6, 40, 30, "float32", "float32", 1.3, 4.0))
     mult, cap = attrs["output_multiplier"], attrs["logit_softcap"]
     P, Q = x["pred_codebook"].astype(np.float64), x["succ_codebook"].astype(np.float64)
-    got = plugins.select_path_cpu(**x, **attrs)
+    got = selector.select_path_cpu(**x, **attrs)
     for b in range(2):
         prev_tok = x["anchor"][b]
         for s in range(5):
@@ -134,12 +134,12 @@ def test_naive_float64_loop():
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_reference(case):
     x, attrs = case_inputs(case)
-    assert_matches(plugins.select_path_cpu(**x, **attrs), reference(x, **attrs))
+    assert_matches(selector.select_path_cpu(**x, **attrs), reference(x, **attrs))
 
 
 def test_special_values_nan_inf_ties():
     x, attrs, want = special_inputs()
-    got = plugins.select_path_cpu(**x, **attrs)
+    got = selector.select_path_cpu(**x, **attrs)
     np.testing.assert_array_equal(got[0], want["draft_ids"])
     np.testing.assert_array_equal(got[1], want["path_index"])
     np.testing.assert_array_equal(got[2][0], want["path_scores"][0])
@@ -149,7 +149,7 @@ def test_special_values_nan_inf_ties():
 def test_empty_batch():
     x, attrs = case_inputs(("empty", 1, 3, 4, 8, 10, "float32", "float32", 1.0, 0.0))
     x = {k: (v if k.endswith("codebook") else v[:0]) for k, v in x.items()}
-    got = plugins.select_path_cpu(**x, **attrs)
+    got = selector.select_path_cpu(**x, **attrs)
     assert [g.shape for g in got] == [(0, 3), (0, 3), (0, 3, 4)]
 
 
@@ -186,7 +186,7 @@ def as_dtype(a: np.ndarray, name: str) -> np.ndarray:
 def test_property_exact_equality(case):
     """Dyadic values: every backend computes the same exact sums, so ties and specials must agree bit for bit."""
     x, attrs = case
-    assert_matches(plugins.select_path_cpu(**x, **attrs), reference(x, **attrs), exact_scores=True)
+    assert_matches(selector.select_path_cpu(**x, **attrs), reference(x, **attrs), exact_scores=True)
 
 
 BAD = [  # (change, substring both implementations must name)
@@ -208,7 +208,7 @@ def test_rejects_like_reference(bad):
     x, attrs = case_inputs(CASES[0])
     change(x, attrs)
     with pytest.raises(ValueError, match=needle) as ours:
-        plugins.select_path_cpu(**x, **attrs)
+        selector.select_path_cpu(**x, **attrs)
     with pytest.raises(ValueError, match=needle):
         reference(x, **attrs)
     assert C.OP_NAME in str(ours.value)
@@ -218,11 +218,11 @@ def test_rejects_out_of_range_ids():
     x, attrs = case_inputs(CASES[0])
     x["anchor"] = np.array([2000], np.int32)
     with pytest.raises(ValueError, match=r"anchor expected ids in \[0, 2000\)"):
-        plugins.select_path_cpu(**x, **attrs)
+        selector.select_path_cpu(**x, **attrs)
 
 
 def test_c_abi_validates_arguments(twin):
-    args = plugins._Args(B=1, S=1, K=65, R=8, V=4, output_multiplier=1.0)
+    args = selector._Args(B=1, S=1, K=65, R=8, V=4, output_multiplier=1.0)
     err = ctypes.create_string_buffer(256)
     assert twin.dflash2_select_path_cpu(ctypes.byref(args), err, len(err)) == 1
     assert err.value.decode() == "DFlash2Selector: K (top_k) expected 1..64, found 65"
@@ -234,9 +234,9 @@ def test_c_abi_validates_arguments(twin):
     assert "tensor cand_logits is NULL" in err.value.decode()
 
 
-@pytest.mark.parametrize("name", [plugins.CPU_LIB, plugins.PLUGIN_LIB])
+@pytest.mark.parametrize("name", [library.CPU_LIB, library.PLUGIN_LIB])
 def test_library_loads_without_cuda_or_tensorrt(name):
-    path = require(lambda: plugins.find_library(name))
+    path = require(lambda: library.find_library(name))
     code = ("import ctypes, sys; ctypes.CDLL(sys.argv[1]); maps = open('/proc/self/maps').read(); "
             "print([n for n in ('libcudart', 'libcuda.so', 'libnvinfer') if n in maps])")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
@@ -244,23 +244,23 @@ def test_library_loads_without_cuda_or_tensorrt(name):
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, dflash2.plugins; print('torch' in sys.modules)"
+    code = "import sys, dflash2.native.selector, dflash2.native.bench, dflash2.native.gpu_check; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_missing_library_says_how_to_build(monkeypatch, tmp_path):
-    monkeypatch.delenv(plugins.ENV_VAR, raising=False)
-    monkeypatch.setattr(plugins, "search_dirs", lambda: [tmp_path])
-    with pytest.raises(plugins.PluginLibraryError, match="bash plugins/build.sh"):
-        plugins.find_library(plugins.CPU_LIB)
+    monkeypatch.delenv(library.ENV_VAR, raising=False)
+    monkeypatch.setattr(library, "search_dirs", lambda: [tmp_path])
+    with pytest.raises(library.PluginLibraryError, match="bash plugins/build.sh"):
+        library.find_library(library.CPU_LIB)
 
 
 def test_env_var_wins(monkeypatch, tmp_path):
-    real = require(lambda: plugins.find_library(plugins.PLUGIN_LIB))
-    copy = tmp_path / plugins.PLUGIN_LIB
+    real = require(lambda: library.find_library(library.PLUGIN_LIB))
+    copy = tmp_path / library.PLUGIN_LIB
     shutil.copy(real, copy)
-    monkeypatch.setenv(plugins.ENV_VAR, str(copy))
-    assert plugins.find_library(plugins.PLUGIN_LIB) == copy
-    monkeypatch.setenv(plugins.ENV_VAR, str(tmp_path))
-    assert plugins.find_library(plugins.PLUGIN_LIB) == copy
+    monkeypatch.setenv(library.ENV_VAR, str(copy))
+    assert library.find_library(library.PLUGIN_LIB) == copy
+    monkeypatch.setenv(library.ENV_VAR, str(tmp_path))
+    assert library.find_library(library.PLUGIN_LIB) == copy

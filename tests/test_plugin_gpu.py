@@ -12,14 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import dflash2.plugins as plugins
+from dflash2.native import bench, library, selector
 from tests.test_plugin_cpu import CASES, assert_matches, case_inputs, reference, require, special_inputs
 
 
 @pytest.fixture(scope="module")
 def cuda():
-    require(plugins.load_plugin_library)
-    n, why = plugins.cuda_device_count()
+    require(selector.load_plugin_library)
+    n, why = selector.cuda_device_count()
     if n == 0:
         pytest.skip(f"no CUDA device: {why}")
 
@@ -27,8 +27,8 @@ def cuda():
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kernel_matches_cpu_twin(cuda, case):
     x, attrs = case_inputs(case)
-    cpu = plugins.select_path_cpu(**x, **attrs)
-    gpu = plugins.select_path_cuda(**x, **attrs)[:3]
+    cpu = selector.select_path_cpu(**x, **attrs)
+    gpu = selector.select_path_cuda(**x, **attrs)[:3]
     # Same per-element code and summation order, no FMA contraction: bit-identical unless softcap's tanhf differs.
     assert_matches(gpu, cpu, exact_scores=attrs["logit_softcap"] == 0.0)
     assert_matches(gpu, reference(x, **attrs))
@@ -36,7 +36,7 @@ def test_kernel_matches_cpu_twin(cuda, case):
 
 def test_kernel_special_values(cuda):
     x, attrs, want = special_inputs()
-    gpu = plugins.select_path_cuda(**x, **attrs)
+    gpu = selector.select_path_cuda(**x, **attrs)
     np.testing.assert_array_equal(gpu[0], want["draft_ids"])
     np.testing.assert_array_equal(gpu[1], want["path_index"])
     np.testing.assert_array_equal(gpu[2], want["path_scores"])
@@ -45,10 +45,10 @@ def test_kernel_special_values(cuda):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_kernel_timing_production(cuda, batch):
     S, K, R, V = 7, 16, 256, 151936
-    x = plugins.random_inputs(batch, S, K, R, V, codebook_dtype="bfloat16")
-    *out, us = plugins.select_path_cuda(**x, top_k=K, rank=R, timing_iters=200)
+    x = bench.random_inputs(batch, S, K, R, V, codebook_dtype="bfloat16")
+    *out, us = selector.select_path_cuda(**x, top_k=K, rank=R, timing_iters=200)
     print(f"\nDFlash2Selector kernel: B={batch} S={S} K={K} R={R} V={V} bf16: {us:.1f} us per launch")
-    assert_matches(out, plugins.select_path_cpu(**x, top_k=K, rank=R), exact_scores=True)
+    assert_matches(out, selector.select_path_cpu(**x, top_k=K, rank=R), exact_scores=True)
     assert 0 < us < 1000, f"kernel took {us:.1f} us per launch at production sizes (expected tens of us)"
 
 
@@ -58,10 +58,10 @@ def trt():
         import tensorrt
     except ImportError as e:
         pytest.skip(f"TensorRT is not installed (import tensorrt failed: {e})")
-    require(plugins.load_plugin_library)
-    if plugins.cuda_device_count()[0] == 0:
-        pytest.skip(f"no CUDA device: {plugins.cuda_device_count()[1]}")
-    tensorrt.get_plugin_registry().load_library(str(plugins.find_library(plugins.PLUGIN_LIB)))
+    require(selector.load_plugin_library)
+    if selector.cuda_device_count()[0] == 0:
+        pytest.skip(f"no CUDA device: {selector.cuda_device_count()[1]}")
+    tensorrt.get_plugin_registry().load_library(str(library.find_library(library.PLUGIN_LIB)))
     return tensorrt
 
 
@@ -82,4 +82,4 @@ def test_tensorrt_engine_matches_reference(trt, dtypes):
         out = runner.infer(feed_dict=x)
     got = [np.asarray(out[n]) for n in ("draft_ids", "path_index", "path_scores")]
     assert_matches(got, reference(x, **attrs))
-    assert_matches(got, plugins.select_path_cpu(**x, **attrs), exact_scores=True)
+    assert_matches(got, selector.select_path_cpu(**x, **attrs), exact_scores=True)

@@ -28,7 +28,7 @@ def run_json(capsys, *args):
 
 def test_runtime_imports_neither_torch_nor_transformers():
     code = ("import sys, dflash2.runtime.api, dflash2.runtime.session, dflash2.runtime.bench, "
-            "dflash2.runtime.policies, dflash2.cli.run, dflash2.cli.bench, dflash2.plugins; "
+            "dflash2.runtime.policies, dflash2.cli.run, dflash2.cli.bench, dflash2.native.selector, dflash2.native.tensorrt; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

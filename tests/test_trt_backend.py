@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from dflash2 import manifest as mf
-from dflash2 import plugins
+from dflash2.native import library, selector
 from dflash2.cli import build as build_cli
 from dflash2.engines import build as eb
 from dflash2.engines import manifest as em
 from dflash2.engines import plan as ep
+from dflash2.native import cudart as ncudart
 from dflash2.runtime import cuda as rcuda
 from dflash2.runtime import trt as rtrt
 from dflash2.runtime.api import Runtime
@@ -135,11 +136,11 @@ def test_device_buffer_push_pull_rows(fake):
 
 
 def test_cuda_python_missing_names_package(monkeypatch):
-    monkeypatch.setattr(rcuda, "_CUDART", None)
+    monkeypatch.setattr(ncudart, "_CUDART", None)
     monkeypatch.setitem(sys.modules, "cuda", None)
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    with pytest.raises(rcuda.CudaMissingError, match="pip install"):
-        rcuda.cudart()
+    with pytest.raises(ncudart.CudaMissingError, match="pip install"):
+        ncudart.cudart()
 
 
 # ------------------------------------------------------------------------------------------- real TensorRT
@@ -149,8 +150,8 @@ def test_real_tensorrt_build_compare_run(export_dir, tmp_path):
     pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install tensorrt-cu12); "
                                            "scripts/gpu_check.sh runs this path on a GPU machine")
     try:
-        n, why = plugins.cuda_device_count()
-    except plugins.PluginLibraryError as e:
+        n, why = selector.cuda_device_count()
+    except library.PluginLibraryError as e:
         pytest.skip(f"plugin library not built: {e}")
     if n == 0:
         pytest.skip(f"no CUDA device: {why}")

@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], help="must match the export dtype (default: it)")
     p.add_argument("--max-seq-len", type=int, help="KV capacity (default and maximum: the export's max_seq_len)")
     p.add_argument("--max-prefill", type=int, help="longest prompt in one prefill step (default: max_seq_len)")
-    p.add_argument("--plugin", type=Path, help="libdflash2_plugins.so (default: found like dflash2.plugins does)")
+    p.add_argument("--plugin", type=Path, help="libdflash2_plugins.so (default: $DFLASH2_PLUGIN_LIB, then "
+                                               "build/plugins/)")
     p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache file, loaded if present, then saved")
     p.add_argument("--workspace", type=int, metavar="MB", help="builder workspace limit in MiB")
     p.add_argument("--print-trtexec", action="store_true", help="print equivalent trtexec commands, build nothing")

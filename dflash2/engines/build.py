@@ -18,7 +18,7 @@ from dflash2.engines.plan import PRECISIONS, BuildPlan, EngineJob, PrecisionErro
 from dflash2.errors import Dflash2Error
 from dflash2.folders import copy_present, replace_folder, temp_folder, write_atomic
 from dflash2.progress import Progress
-from dflash2.runtime.trt import load_plugin, make_logger, require_tensorrt
+from dflash2.native.tensorrt import load_plugin, make_logger, require_tensorrt
 
 # Oldest GPU generation with native support of each precision (sm_53: fp16 arithmetic; sm_80:
 # Ampere, Orin included, for bf16). fp32 runs everywhere.
@@ -39,7 +39,7 @@ def check_device_precision(precision: str) -> None:
     """Reject a precision the GPU has no support for before a long build fails obscurely."""
     if precision not in MIN_SM:
         return
-    from dflash2.runtime.cuda import CudaMissingError, compute_capability
+    from dflash2.native.cudart import CudaMissingError, compute_capability
 
     try:
         cc, name = compute_capability()

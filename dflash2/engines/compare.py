@@ -78,7 +78,7 @@ def trt_runner(engine_path: Path, plugin: Path | None):
     from polygraphy.backend.common import BytesFromPath
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
-    from dflash2.runtime.trt import load_plugin, require_tensorrt
+    from dflash2.native.tensorrt import load_plugin, require_tensorrt
 
     trt = require_tensorrt()
     if plugin is not None:
@@ -191,19 +191,15 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
     engines, plugin, trt_skip = None, None, None
     if engines_dir is not None:
         from dflash2.engines.manifest import read
+        from dflash2.native.library import recorded_library
+        from dflash2.native.tensorrt import require_tensorrt
 
         engines = read(engines_dir)
         if Path(engines["export_dir"]).resolve() != export_dir.resolve():
             report.notes.append(f"note: {engines_dir} was built from {engines['export_dir']}, not {export_dir}")
         if engines.get("plugin"):  # the recorded library, else this machine's build
-            plugin = Path(engines["plugin"]["path"])
-            if not plugin.is_file():
-                from dflash2 import plugins
-
-                plugin = plugins.find_library(plugins.PLUGIN_LIB)
+            plugin = recorded_library(engines["plugin"]["path"], engines["plugin"]["sha256"])
         try:
-            from dflash2.runtime.trt import require_tensorrt
-
             require_tensorrt()
         except Dflash2Error as e:
             trt_skip = f"TensorRT comparisons skipped: {e}"

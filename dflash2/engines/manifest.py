@@ -30,7 +30,7 @@ ENGINE_FIELDS = ("file", "onnx", "inputs", "outputs", "profiles")
 def plugin_entry(path: Path | None) -> dict | None:
     if path is None:
         return None
-    from dflash2.plugins import ABI_VERSION
+    from dflash2.native.library import ABI_VERSION
 
     return {"path": str(path), "sha256": mf.sha256(path), "op": C.OP_NAME, "plugin_version": C.PLUGIN_VERSION,
             "plugin_namespace": C.PLUGIN_NAMESPACE, "contract_version": C.CONTRACT_VERSION, "abi_version": ABI_VERSION}

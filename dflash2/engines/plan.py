@@ -10,15 +10,15 @@ logits are what keep greedy decoding lossless.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash2 import manifest as mf
-from dflash2 import plugins
 from dflash2.engines import profiles as pr
 from dflash2.errors import Dflash2Error
 from dflash2.folders import check_apart, check_output
+from dflash2.native import library as native
+from dflash2.native.library import PluginVersionError
 from dflash2.ops import contract as C
 
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -28,10 +28,6 @@ MODES = ("build", "print", "adopt")
 
 
 class PrecisionError(Dflash2Error):
-    pass
-
-
-class PluginVersionError(Dflash2Error):
     pass
 
 
@@ -92,15 +88,6 @@ def check_selector_contract(export: dict, export_dir: Path) -> None:
                                  + "; ".join(bad) + "); re-export with this dflash2 or build the matching plugin")
 
 
-def library_abi(path: Path) -> int:
-    """The C ABI version libdflash2_plugins.so reports (loads with ctypes: no TensorRT or GPU needed)."""
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise plugins.PluginLibraryError(f"{path} failed to load: {e}; {plugins.BUILD_HINT}") from e
-    return plugins.abi_version(lib, path)
-
-
 def resolve_plugin(export: dict, plugin: str | Path | None, required: bool) -> tuple[Path | None, bool]:
     """(library path, found). Only exports with the DFlash2Selector node need the plugin library."""
     if not export.get("selector"):
@@ -109,18 +96,17 @@ def resolve_plugin(export: dict, plugin: str | Path | None, required: bool) -> t
         path = Path(plugin).absolute()
         if not path.is_file():
             if required:
-                raise plugins.PluginLibraryError(f"--plugin {path}: no such file; {plugins.BUILD_HINT}")
+                raise native.PluginLibraryError(f"--plugin {path}: no such file; {native.BUILD_HINT}")
             return path, False
     else:
         try:
-            path = plugins.find_library(plugins.PLUGIN_LIB).absolute()
-        except plugins.PluginLibraryError:
+            path = native.find_library(native.PLUGIN_LIB).absolute()
+        except native.PluginLibraryError:
             if required:
                 raise
-            return plugins.BUILD_DIR / plugins.PLUGIN_LIB, False
-    if required and (abi := library_abi(path)) != plugins.ABI_VERSION:
-        raise PluginVersionError(f"{path}: plugin library ABI version expected {plugins.ABI_VERSION}, found {abi} "
-                                 f"(built from another checkout?); rebuild it with `bash plugins/build.sh`")
+            return native.BUILD_DIR / native.PLUGIN_LIB, False
+    if required:
+        native.check_abi(path, native.library_abi(path))
     return path, True
 
 

@@ -9,100 +9,24 @@ preallocated buffer (the session computes them). Optional CUDA graphs per (graph
 addresses) after one warm-up run: `TrtBackend(..., cuda_graphs=True)` or DFLASH2_CUDA_GRAPHS=1.
 
 Importing this module never fails; constructing `TrtBackend` without TensorRT raises
-`TensorRTMissingError` saying what to install. No torch.
+`dflash2.native.tensorrt.TensorRTMissingError` saying what to install. No torch.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 from dflash2 import manifest as mf
-from dflash2 import plugins
-from dflash2.errors import Dflash2Error
-from dflash2.ops import contract as C
-from dflash2.runtime.cuda import DeviceBuffer, GraphCache, Stream, cudart
+from dflash2.native.cudart import cudart
+from dflash2.native.library import recorded_library
+from dflash2.native.tensorrt import EngineError, load_plugin, make_logger, require_tensorrt
+from dflash2.runtime.cuda import DeviceBuffer, GraphCache, Stream
 from dflash2.runtime.memory import View
 
-try:
-    import tensorrt as _trt
-    _IMPORT_ERROR: ImportError | None = None
-except ImportError as e:  # the normal case on machines without TensorRT
-    _trt, _IMPORT_ERROR = None, e
-
-INSTALL_HINT = ("install TensorRT 10.x for your CUDA version: `pip install tensorrt-cu12` (CUDA 12) or "
-                "`pip install tensorrt-cu13` (CUDA 13); on Jetson it comes with JetPack "
-                "(`sudo apt install nvidia-jetpack`, Python module python3-libnvinfer)")
 GRAPHS_ENV = "DFLASH2_CUDA_GRAPHS"
-
-
-class TensorRTMissingError(Dflash2Error):
-    pass
-
-
-class EngineError(Dflash2Error):
-    pass
-
-
-def require_tensorrt():
-    """The tensorrt module, or TensorRTMissingError with what to install."""
-    if _trt is None:
-        raise TensorRTMissingError(f"TensorRT is not installed (import tensorrt: {_IMPORT_ERROR}); {INSTALL_HINT}")
-    return _trt
-
-
-def make_logger(trt, echo: str = "ERROR"):
-    """A trt.ILogger that keeps the last messages (for error reports) and prints those at `echo` or worse."""
-
-    class Logger(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
-            self.messages: list[str] = []
-            self.echo = int(getattr(trt.ILogger.Severity, echo))
-
-        def log(self, severity, msg):
-            if int(severity) <= int(trt.ILogger.Severity.WARNING):
-                self.messages = self.messages[-49:] + [f"[{severity.name}] {msg}"]
-            if int(severity) <= self.echo:
-                print(f"TensorRT [{severity.name}] {msg}", file=sys.stderr, flush=True)
-
-        def tail(self, n: int = 8) -> str:
-            return "\n  ".join(self.messages[-n:]) or "(TensorRT logged nothing)"
-
-    return Logger()
-
-
-_LOADED: dict[str, object] = {}
-
-
-def load_plugin(trt, path: Path, logger=None) -> None:
-    """Load libdflash2_plugins.so into TensorRT's plugin registry (once) and check it provides the
-    DFlash2Selector creator this checkout's ONNX graphs name (op, version, namespace)."""
-    path = Path(path).resolve()
-    registry = trt.get_plugin_registry()
-    if str(path) not in _LOADED:
-        if not path.is_file():
-            raise plugins.PluginLibraryError(f"{path}: plugin library not found; {plugins.BUILD_HINT}")
-        handle = registry.load_library(str(path))
-        if handle is None:
-            tail = logger.tail() if logger is not None else ""
-            raise plugins.PluginLibraryError(f"{path}: TensorRT could not load the plugin library {tail}; "
-                                             f"{plugins.BUILD_HINT}")
-        _LOADED[str(path)] = handle
-    if not hasattr(registry, "get_creator"):
-        raise EngineError(f"TensorRT {trt.__version__}: IPluginRegistry.get_creator missing; TensorRT >= 10.0 "
-                          f"is needed for IPluginV3 plugins")
-    if registry.get_creator(C.OP_NAME, C.PLUGIN_VERSION, C.PLUGIN_NAMESPACE) is None:
-        found = sorted({str(getattr(c, "plugin_version", "?")) for c in getattr(registry, "all_creators", [])
-                        if getattr(c, "name", None) == C.OP_NAME})
-        raise plugins.PluginLibraryError(
-            f"{path}: plugin version mismatch: TensorRT's registry has no {C.OP_NAME} version "
-            f"{C.PLUGIN_VERSION!r} namespace {C.PLUGIN_NAMESPACE!r} (found versions: {found or 'none'}); "
-            f"rebuild the library from this checkout with `bash plugins/build.sh`")
 
 
 def max_shape(shape: list, profiles: list[dict]) -> tuple[int, ...]:
@@ -238,7 +162,7 @@ class TrtBackend:
                               f"format {manifest.get('format')!r}")
         self.logger = make_logger(trt)
         if manifest.get("plugin"):
-            load_plugin(trt, self._plugin_path(manifest["plugin"]), self.logger)
+            load_plugin(trt, recorded_library(manifest["plugin"]["path"], manifest["plugin"]["sha256"]), self.logger)
         self.runtime = trt.Runtime(self.logger)
         self.stream = Stream()
         if cuda_graphs is None:
@@ -250,15 +174,6 @@ class TrtBackend:
         for e in self.engines.values():
             e.use_memory(self.scratch.ptr, size)
         self.stream.sync()  # profiles were selected asynchronously
-
-    def _plugin_path(self, entry: dict) -> Path:
-        path = Path(entry["path"])
-        if not path.is_file():  # engine folder moved to another machine: use this machine's build
-            path = plugins.find_library(plugins.PLUGIN_LIB)
-        if mf.sha256(path) != entry.get("sha256"):
-            warnings.warn(f"{path} differs from the plugin library the engines were built with ({entry['path']}); "
-                          f"if deserialization fails, rebuild the engines with dflash2-build", RuntimeWarning)
-        return path
 
     def _load(self, trt, graph: str) -> TrtEngine:
         entry = self.manifest["engines"].get(graph)
