@@ -1,25 +1,61 @@
-"""The export / engine folder manifest: written by export and engines, read by the runtime.
+"""The folder contracts: `ExportManifest` (dflash2-export) and `EngineManifest` (dflash2-build).
 
-Plain JSON and hashlib: no torch, no onnx (the runtime imports this on edge boards).
+Every stage after export reads its input folder through ONE `load()`, which checks, and reports
+all at once as (file, field, expected, found):
+    the JSON is an object, `format` is one this reader asked for, `format_version` and
+    `contract_version` are not newer than this dflash2's ("made by a newer dflash2 (version X > Y)"),
+    `manifest_sha256` matches the canonical JSON of the rest (an edited field is detected),
+    every field is present with its type, no unknown field, the semantic rules of `check()`,
+    and (check_files=True) every listed file exists with its recorded size and sha256.
+ONE writer, `write()`, fills `files` (sha256 + size of every file) and `manifest_sha256`.
+Readers use attributes (`m.kv.rows.target`); nothing outside this module indexes a manifest by key.
+
+Plain JSON, hashlib and dataclasses: no torch, no onnx (the runtime imports this on edge boards).
+
+How to add a field (no redesign needed):
+  - a field or an optional section: add it to the dataclass with a default (`None` for a section,
+    e.g. `quantization: Quantization | None = None` with `@dataclass class Quantization: method: str;
+    bits: int; block_size: int | None = None; graphs: list[str] = field(default_factory=list)`).
+    Manifests written before it load with the default; an older dflash2 reading a newer file
+    names the field it does not know. Types allowed: int, float, str, bool, Any, list[X],
+    dict[str, X], X | None, and dataclasses of those.
+  - a field the engine folder must carry too: put it in `ModelFacts` (both manifests have it; the
+    engine manifest copies every ModelFacts field from its export).
+  - a new graph output (e.g. a drafter `confidence` output): nothing to change here; graphs list
+    their outputs as `IoSpec`s read from the ONNX file.
+  - a change that makes an older reader misread a file (a field changes meaning, a required field):
+    bump FORMAT_VERSION; older readers then refuse it as made by a newer dflash2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import types
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Union
 
 from dflash2.errors import Dflash2Error
 from dflash2.folders import write_atomic
+from dflash2.ops import contract as C
 
 EXPORT_FORMAT = "dflash2-export"
 ENGINE_FORMAT = "dflash2-engines"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: typed manifests sealed by manifest_sha256
 NAME = "manifest.json"
+DTYPES = ("float32", "float16", "bfloat16")  # graph dtypes an export may have
 
 
 class ManifestError(Dflash2Error):
-    pass
+    """Every problem of one manifest: `problems` lists them, the message shows them all."""
+
+    def __init__(self, path: Path | str, problems: list[str]):
+        self.path, self.problems = str(path), list(problems)
+        head = f"{path}: " + (problems[0] if len(problems) == 1 else f"{len(problems)} problems:")
+        super().__init__(head + ("" if len(problems) == 1 else "\n  " + "\n  ".join(problems)))
 
 
 def sha256(path: Path) -> str:
@@ -30,48 +66,391 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def file_table(folder: Path, names: list[str]) -> dict[str, dict]:
-    return {n: {"sha256": sha256(folder / n), "bytes": (folder / n).stat().st_size} for n in sorted(names)}
+# ------------------------------------------------------------------------------------------- records
+
+@dataclass
+class FileEntry:
+    sha256: str
+    bytes: int
 
 
-def write(folder: Path, manifest: dict) -> dict:
-    """Checksum every file of the folder into manifest["files"], then write manifest.json atomically."""
-    names = [p.name for p in folder.iterdir() if p.is_file() and p.name != NAME and not p.name.startswith(".")]
-    manifest["files"] = file_table(folder, names)
-    write_atomic(folder / NAME, json.dumps(manifest, indent=2))
+@dataclass
+class IoSpec:
+    name: str
+    dtype: str
+    shape: list[int | str]  # ints or symbolic dim names
+
+
+@dataclass
+class Context:
+    fused: bool
+    width: int  # columns of one context row
+    why: str = ""
+
+
+@dataclass
+class KvRows:
+    target: list[int]  # one sequence row: [L, 2, kv_heads, head_dim]
+    drafter: list[int]
+
+
+@dataclass
+class Kv:
+    layout: list[str]
+    rows: KvRows
+    dtype: str
+    binding: str = ""
+
+
+@dataclass
+class Selector:
+    op: str
+    domain: str
+    plugin_version: str
+    plugin_namespace: str
+    top_k: int
+    rank: int
+    output_multiplier: float
+    logit_softcap: float
+
+
+@dataclass
+class DraftVocab:
+    size: int
+    file: str
+    sha256: str
+    why: str = ""
+
+
+@dataclass
+class Tokenizer:
+    files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Flavours:
+    portable: str  # every ONNX runtime (the selector as a model-local function)
+    tensorrt: str | None = None  # a bare DFlash2Selector node for the TensorRT plugin
+
+
+@dataclass
+class Graph:
+    flavours: Flavours
+    data: str
+    inputs: list[IoSpec]
+    outputs: list[IoSpec]
+    seconds: float = 0.0
+
+
+@dataclass
+class Validation:
+    """ONNX Runtime vs PyTorch right after export, per graph."""
+
+    ok: bool
+    failures: list[str]
+    steps: dict[str, Any] = field(default_factory=dict)  # "step0" -> output -> max abs/rel or id mismatches
+    skipped: str | None = None  # why the graph was not run (e.g. bf16 with no provider for it)
+
+
+@dataclass
+class Sources:
+    drafter: str
+    target: str
+
+
+@dataclass
+class Plugin:
+    path: str
+    sha256: str
+    op: str
+    plugin_version: str
+    plugin_namespace: str
+    contract_version: int
+    abi_version: int
+
+
+@dataclass
+class BuildInfo:
+    workspace_mb: int | None = None
+    timing_cache: str | None = None
+
+
+@dataclass
+class ProfileRecord:
+    name: str
+    dims: dict[str, list[int]]  # symbolic dim -> [min, opt, max]
+    shapes: dict[str, dict[str, list[int]]]  # input -> {"min", "opt", "max"} shapes
+
+
+@dataclass
+class EngineEntry:
+    file: str
+    onnx: str
+    inputs: list[IoSpec]
+    outputs: list[IoSpec]
+    profiles: list[ProfileRecord]
+    seconds: float | None = None
+
+
+# ------------------------------------------------------------------------------------------- manifests
+
+@dataclass(kw_only=True)
+class ModelFacts:
+    """What the runtime needs about the model pair: in both manifests (engines copy it from the export)."""
+
+    dtype: str
+    max_seq_len: int
+    block_size: int
+    num_drafts: int
+    drafter_version: int
+    tap_ids: list[int]
+    mask_token_id: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    context: Context
+    kv: Kv
+    selector: Selector | None
+    draft_vocab: DraftVocab | None = None
+
+    def check(self) -> list[str]:
+        """Rules beyond field types; problems as 'field: expected X, found Y'."""
+        # A field that failed its type check is None here (already reported): each rule skips it.
+        problems = []
+        if self.dtype is not None and self.dtype not in DTYPES:
+            problems.append(f"dtype: expected one of {list(DTYPES)}, found {self.dtype!r}")
+        if self.drafter_version not in (1, 2, None):
+            problems.append(f"drafter_version: expected 1 or 2, found {self.drafter_version}")
+        elif self.drafter_version is not None and (self.selector is None) == (self.drafter_version == 2):
+            problems.append(f"selector: expected {'a record' if self.drafter_version == 2 else 'null'} for "
+                            f"drafter_version {self.drafter_version}, found {self.selector!r}")
+        if None not in (self.num_drafts, self.block_size) and self.num_drafts != self.block_size - 1:
+            problems.append(f"num_drafts: expected block_size - 1 = {self.block_size - 1}, found {self.num_drafts}")
+        return problems
+
+
+@dataclass(kw_only=True)
+class Sealed:
+    format: str
+    format_version: int = FORMAT_VERSION
+    contract_version: int = C.CONTRACT_VERSION
+    created: str
+    tokenizer: Tokenizer = field(default_factory=Tokenizer)
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    manifest_sha256: str = ""
+
+    def to_dict(self) -> dict:
+        return _plain(self)
+
+
+@dataclass(kw_only=True)
+class ExportManifest(ModelFacts, Sealed):
+    format: str = EXPORT_FORMAT
+    tools: dict[str, str]
+    target_config: dict[str, Any]
+    drafter_config: dict[str, Any]
+    graphs: dict[str, Graph]
+    validation: dict[str, Validation]
+    sources: Sources | None = None
+
+    def check(self) -> list[str]:
+        problems = super().check()
+        want = ("target", "drafter") + (("selector",) if self.drafter_version == 2 else ())
+        problems += [f"graphs.{g}: expected a graph, found none" for g in want if g not in (self.graphs or {})]
+        return problems
+
+
+@dataclass(kw_only=True)
+class EngineManifest(ModelFacts, Sealed):
+    format: str = ENGINE_FORMAT
+    export_dir: str  # absolute path of the export (ONNX Runtime on an engine folder runs that export)
+    export_manifest_sha256: str
+    tensorrt_version: str
+    precision: str
+    export_max_seq_len: int
+    max_prefill: int
+    plugin: Plugin | None
+    build: BuildInfo = field(default_factory=BuildInfo)
+    engines: dict[str, EngineEntry]
+
+    def check(self) -> list[str]:
+        problems = super().check()
+        problems += [f"engines.{g}: expected an engine (the runtime needs both target and drafter engines), "
+                     f"found none" for g in ("target", "drafter") if g not in (self.engines or {})]
+        return problems
+
+
+KINDS = {EXPORT_FORMAT: ExportManifest, ENGINE_FORMAT: EngineManifest}
+Manifest = Union[ExportManifest, EngineManifest]
+
+
+# ------------------------------------------------------------------------------------------- typed reading
+
+def _type_name(tp) -> str:
+    if dataclasses.is_dataclass(tp):
+        return f"an object ({tp.__name__})"
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"an object of {_type_name(typing.get_args(tp)[1])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false", type(None): "null",
+            Any: "anything"}.get(tp, str(tp))
+
+
+def _found(value) -> str:
+    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    text = json.dumps(value)
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _convert(tp, value, where: str, problems: list[str]):
+    """value (parsed JSON) as type `tp`; appends 'where: expected T, found V' on mismatch."""
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.append(f"{where or 'manifest'}: expected {_type_name(tp)}, found {_found(value)}")
+            return None
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            problems.append(f"{where or 'manifest'}: unknown field(s) {unknown} (expected only {sorted(fields)}; "
+                            f"made by a newer dflash2?)")
+        kw = {}
+        for name, f in fields.items():
+            key = f"{where}.{name}" if where else name
+            if name in value:
+                kw[name] = _convert(hints[name], value[name], key, problems)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                problems.append(f"{key}: expected {_type_name(hints[name])}, found nothing (missing)")
+                kw[name] = None  # reported; None lets the remaining checks run and report too
+        return tp(**kw)
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            trial: list[str] = []
+            out = _convert(arm, value, where, trial)
+            if not trial:
+                return out
+        problems.append(f"{where}: expected {_type_name(tp)}, found {_found(value)}")
+        return None
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{where}: expected {_type_name(tp)}, found {_found(value)}")
+            return None
+        (arg,) = typing.get_args(tp)
+        return [_convert(arg, v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{where}: expected {_type_name(tp)}, found {_found(value)}")
+            return None
+        arg = typing.get_args(tp)[1]
+        return {k: _convert(arg, v, f"{where}.{k}", problems) for k, v in value.items()}
+    ok = (value is None if tp is type(None) else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
+          isinstance(value, int) and not isinstance(value, bool) if tp is int else isinstance(value, tp))
+    if not ok:
+        problems.append(f"{where}: expected {_type_name(tp)}, found {_found(value)}")
+        return None
+    return float(value) if tp is float else value
+
+
+def _plain(value):
+    """A record as JSON-able data; optional fields left at their None default are omitted (readers
+    fill the default back in), so e.g. a graph without a TensorRT flavour has no `tensorrt` key."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (getattr(value, f.name) is None and f.default is None)}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def content_sha256(data: dict) -> str:
+    """sha256 of the canonical JSON of a manifest without its own `manifest_sha256` field."""
+    body = {k: v for k, v in data.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _newer(data: dict, key: str, ours: int) -> str | None:
+    found = data.get(key)
+    if isinstance(found, int) and not isinstance(found, bool) and found > ours:
+        return (f"{key}: made by a newer dflash2 (version {found} > {ours}); upgrade dflash2 to read this "
+                f"folder, or re-export with this one")
+    return None
+
+
+def file_problems(folder: Path, files: dict[str, FileEntry]) -> list[str]:
+    """Every listed file exists with its recorded size and sha256."""
+    problems = []
+    for name, meta in files.items():
+        p = folder / name
+        if not p.is_file():
+            problems.append(f"files.{name}: expected a file of {meta.bytes} bytes, found none (missing)")
+        elif p.stat().st_size != meta.bytes:
+            problems.append(f"files.{name}: expected {meta.bytes} bytes, found {p.stat().st_size}")
+        elif sha256(p) != meta.sha256:
+            problems.append(f"{name}: sha256 does not match the manifest (file changed after export)")
+    return problems
+
+
+def load(folder: str | Path, kinds: type | tuple[type, ...] = (ExportManifest, EngineManifest),
+         check_files: bool = True) -> Manifest:
+    """The typed manifest of an export or engine folder; ManifestError lists every problem at once."""
+    folder = Path(folder)
+    path = folder / NAME
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    formats = [k.__dataclass_fields__["format"].default for k in kinds]
+    if not folder.is_dir():
+        raise ManifestError(folder, ["expected an export or engine folder, found no such directory"])
+    if not path.is_file():
+        raise ManifestError(folder, [f"expected {NAME} (a folder written by dflash2-export or dflash2-build), "
+                                     f"found none"])
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise ManifestError(path, [f"expected valid JSON, found a parse error{where}"]) from None
+    if not isinstance(data, dict):
+        raise ManifestError(path, [f"expected a JSON object, found {_found(data)}"])
+    if data.get("format") not in formats:
+        raise ManifestError(path, [f"format: expected one of {formats}, found {data.get('format')!r}"])
+    newer = [p for p in (_newer(data, "format_version", FORMAT_VERSION),
+                         _newer(data, "contract_version", C.CONTRACT_VERSION)) if p]
+    if newer:
+        raise ManifestError(path, newer)
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ManifestError(path, [f"format_version: expected {FORMAT_VERSION}, found {data.get('format_version')!r} "
+                                   f"(made by an older dflash2: re-export / rebuild this folder)"])
+    problems = []
+    stored, actual = data.get("manifest_sha256"), content_sha256(data)
+    if stored != actual:
+        problems.append(f"manifest_sha256: expected {actual} (the sha256 of the manifest's content), found "
+                        f"{stored!r}: {NAME} was edited after it was written; re-export / rebuild the folder")
+    manifest = _convert(KINDS[data["format"]], data, "", problems)
+    problems += manifest.check()
+    if check_files:
+        problems += file_problems(folder, manifest.files or {})
+    if problems:
+        raise ManifestError(path, problems)
     return manifest
 
 
-def load(folder: str | Path, formats: tuple[str, ...] = (EXPORT_FORMAT, ENGINE_FORMAT)) -> dict:
-    folder = Path(folder)
-    path = folder / NAME
-    if not folder.is_dir():
-        raise ManifestError(f"{folder}: expected an export or engine folder, found no such directory")
-    if not path.is_file():
-        raise ManifestError(f"{folder}: expected {NAME} (a folder written by dflash2-export or dflash2-build), "
-                            f"found none")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{path}: expected valid JSON, found a parse error at line {e.lineno}") from None
-    if m.get("format") not in formats:
-        raise ManifestError(f"{path}: format: expected one of {list(formats)}, found {m.get('format')!r}")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(f"{path}: format_version: expected {FORMAT_VERSION}, found {m.get('format_version')!r}")
-    return m
+def file_table(folder: Path, names: list[str]) -> dict[str, FileEntry]:
+    return {n: FileEntry(sha256(folder / n), (folder / n).stat().st_size) for n in sorted(names)}
 
 
-def verify_files(folder: str | Path, manifest: dict) -> None:
-    """Every file the manifest lists exists with its recorded size and sha256; all problems at once."""
-    folder = Path(folder)
-    problems = []
-    for name, meta in manifest.get("files", {}).items():
-        p = folder / name
-        if not p.is_file():
-            problems.append(f"{name}: missing")
-        elif p.stat().st_size != meta["bytes"]:
-            problems.append(f"{name}: expected {meta['bytes']} bytes, found {p.stat().st_size}")
-        elif sha256(p) != meta["sha256"]:
-            problems.append(f"{name}: sha256 does not match the manifest (file changed after export)")
-    if problems:
-        raise ManifestError(f"{folder / NAME}: files do not match the manifest:\n  " + "\n  ".join(problems))
+def write(folder: Path, manifest: Manifest) -> Manifest:
+    """Checksum every file of the folder into manifest.files, seal, then write manifest.json atomically."""
+    names = [p.name for p in folder.iterdir() if p.is_file() and p.name != NAME and not p.name.startswith(".")]
+    manifest.files = file_table(folder, names)
+    data = manifest.to_dict()
+    manifest.manifest_sha256 = data["manifest_sha256"] = content_sha256(data)
+    write_atomic(folder / NAME, json.dumps(data, indent=2))
+    return manifest

@@ -16,3 +16,16 @@ def export_pair(root: Path, pairs: dict, family: str, version: int, **kw) -> Pat
         drafter, target = pairs[(family, version)]
         export(drafter, target, out, quiet=True, **kw)
     return out
+
+
+def edit_manifest(folder: Path, edit) -> None:
+    """Change a folder's manifest.json the way a newer or buggy writer would: edit(dict) in place, then
+    reseal it (a fresh manifest_sha256), so the reader's other checks are what the test sees."""
+    import json
+
+    from dflash2 import manifest as mf
+
+    data = json.loads((folder / mf.NAME).read_text())
+    edit(data)
+    data["manifest_sha256"] = mf.content_sha256(data)
+    (folder / mf.NAME).write_text(json.dumps(data))

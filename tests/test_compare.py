@@ -12,6 +12,7 @@ from dflash2 import manifest as mf
 from dflash2.cli import compare as compare_cli
 from dflash2.numerics import ID_MISMATCH_SHARE
 from dflash2.native import tensorrt as ntrt
+from tests.exports import edit_manifest
 
 HAS_TRT = ntrt._trt is not None
 
@@ -53,9 +54,7 @@ def test_compare_counts_differing_ids_like_the_export_validation(export_dir, tmp
 
     copy = tmp_path / "export"
     shutil.copytree(export_dir, copy)
-    m = json.loads((copy / mf.NAME).read_text())
-    m["dtype"] = dtype  # the rule follows the export dtype; the graphs themselves stay fp32
-    (copy / mf.NAME).write_text(json.dumps(m))
+    edit_manifest(copy, lambda m: m.update(dtype=dtype))  # the rule follows the export dtype; graphs stay fp32
     ref = RunResults.load(str(copy / "drafter.reference.json"))
     cand = ref["pytorch"][0]["cand_ids"]
     cand.flat[0] = cand.flat[1]  # [1, S, K]: another candidate's id

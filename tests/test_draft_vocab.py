@@ -112,7 +112,7 @@ def test_export_with_draft_vocab_is_lossless_on_ort_and_full_vocab_ignores_it(tm
     ids = dv.from_sequences([ar.ids, prompt, range(0, V, 3)], V // 2, V)
     dv.write(drafter_dir, ids, V, "test")
     m = export(drafter_dir, target_dir, tmp_path / "out", quiet=True)
-    assert m["draft_vocab"]["size"] == len(ids) and len(m["draft_vocab"]["sha256"]) == 64 and all(v["ok"] for v in m["validation"].values())
+    assert m.draft_vocab.size == len(ids) and len(m.draft_vocab.sha256) == 64 and all(v.ok for v in m.validation.values())
     rt = Runtime(tmp_path / "out")
     spec = generate(rt.session, prompt, 48)
     assert spec.ids == ar.ids  # lossless: the target still verifies over the whole vocabulary
@@ -120,7 +120,7 @@ def test_export_with_draft_vocab_is_lossless_on_ort_and_full_vocab_ignores_it(tm
     assert spec.ids == ref.ids and spec.stats.accepted == ref.stats.accepted
     if version == 2:
         m = export(drafter_dir, target_dir, tmp_path / "full", quiet=True, full_vocab=True)
-        assert m["draft_vocab"] is None
+        assert m.draft_vocab is None
 
 
 def _torch_backend(drafter_dir, target_dir):

@@ -25,13 +25,13 @@ from dflash2.native import tensorrt as ntrt
 from dflash2.runtime import trt as rtrt
 from dflash2.runtime.api import Runtime, pick_backend
 
-from tests.exports import PROMPT, T
+from tests.exports import PROMPT, T, edit_manifest
 
 HAS_TRT = ntrt._trt is not None
 
 
-def _export_manifest(export_dir: Path) -> dict:
-    return mf.load(export_dir, (mf.EXPORT_FORMAT,))
+def _export_manifest(export_dir: Path) -> mf.ExportManifest:
+    return mf.load(export_dir, mf.ExportManifest)
 
 
 # ------------------------------------------------------------------------------------------- profiles
@@ -81,7 +81,7 @@ def test_profile_limits_rejected(export_dir, kw, needle):
 
 def test_unknown_symbolic_dim_rejected():
     with pytest.raises(pr.ProfileError, match="symbolic dim\\(s\\) \\['seq'\\]"):
-        pr.input_shapes("target", [{"name": "x", "shape": ["seq", 4]}], {"n": pr.DimRange(1, 1, 1)})
+        pr.input_shapes("target", [mf.IoSpec("x", "float32", ["seq", 4])], {"n": pr.DimRange(1, 1, 1)})
 
 
 # ------------------------------------------------------------------------------------------- trtexec
@@ -176,9 +176,7 @@ def test_plugin_abi_version_mismatch(export_dir, tmp_path):
 def test_export_selector_version_mismatch(export_dir, tmp_path, fake_plugin):
     copy = tmp_path / "export"
     shutil.copytree(export_dir, copy)
-    m = json.loads((copy / mf.NAME).read_text())
-    m["selector"]["plugin_version"] = "2"
-    (copy / mf.NAME).write_text(json.dumps(m))
+    edit_manifest(copy, lambda m: m["selector"].update(plugin_version="2"))
     with pytest.raises(ep.PluginVersionError, match="plugin_version: export has '2', this dflash2 builds '1'"):
         ep.plan_build(copy, tmp_path / "eng", plugin=fake_plugin)
 
@@ -222,33 +220,34 @@ def test_device_without_bf16(fake):
 # ------------------------------------------------------------------------------------------- manifest
 
 def test_engine_manifest_roundtrip(adopted, export_dir, fake_plugin):
-    m = em.read(adopted)
-    mf.verify_files(adopted, m)
-    assert m["format"] == mf.ENGINE_FORMAT and m["format_version"] == 1
-    assert m["export_dir"] == str(export_dir.absolute())
-    assert (m["max_seq_len"], m["export_max_seq_len"], m["max_prefill"]) == (48, T, 16)
-    assert m["plugin"]["path"] == str(fake_plugin) and m["plugin"]["sha256"] == mf.sha256(fake_plugin)
-    assert m["plugin"]["op"] == "DFlash2Selector" and m["plugin"]["plugin_version"] == "1"
+    m = mf.load(adopted, mf.EngineManifest)  # files checked too
+    assert m.format == mf.ENGINE_FORMAT and m.format_version == mf.FORMAT_VERSION
+    assert m.export_dir == str(export_dir.absolute())
+    assert (m.max_seq_len, m.export_max_seq_len, m.max_prefill) == (48, T, 16)
+    assert m.plugin.path == str(fake_plugin) and m.plugin.sha256 == mf.sha256(fake_plugin)
+    assert m.plugin.op == "DFlash2Selector" and m.plugin.plugin_version == "1"
     e = _export_manifest(export_dir)
     for k in em.COPIED:
-        assert m[k] == e[k], k
-    assert set(m["engines"]) == {"target", "drafter", "selector"}
-    assert m["engines"]["drafter"]["onnx"] == "drafter.trt.onnx"
-    assert [p["name"] for p in m["engines"]["target"]["profiles"]] == ["prefill", "decode"]
-    assert m["engines"]["target"]["profiles"][0]["dims"]["past"] == [0, 0, 47]
-    assert {"tokenizer.json", "target.engine"} <= set(m["files"])
+        assert getattr(m, k) == getattr(e, k), k
+    assert set(m.engines) == {"target", "drafter", "selector"}
+    assert m.engines["drafter"].onnx == "drafter.trt.onnx"
+    assert [p.name for p in m.engines["target"].profiles] == ["prefill", "decode"]
+    assert m.engines["target"].profiles[0].dims["past"] == [0, 0, 47]
+    assert {"tokenizer.json", "target.engine"} <= set(m.files)
     assert (adopted / "tokenizer.json").is_file()
 
 
 def test_engine_manifest_reader_lists_every_problem(adopted):
-    m = json.loads((adopted / mf.NAME).read_text())
-    del m["block_size"], m["engines"]["drafter"], m["engines"]["target"]["profiles"]
-    (adopted / mf.NAME).write_text(json.dumps(m))
+    def edit(m):
+        del m["block_size"], m["engines"]["drafter"], m["engines"]["target"]["profiles"]
+
+    edit_manifest(adopted, edit)
     with pytest.raises(mf.ManifestError) as e:
-        em.read(adopted)
+        mf.load(adopted, mf.EngineManifest)
     msg = str(e.value)
-    assert "block_size: missing" in msg and "engines.drafter: missing" in msg
-    assert "engines.target.profiles: missing" in msg
+    assert "block_size: expected an integer, found nothing (missing)" in msg
+    assert "engines.drafter: expected an engine" in msg
+    assert "engines.target.profiles: expected a list of an object (ProfileRecord), found nothing (missing)" in msg
 
 
 def test_manifest_only_needs_engine_files(export_dir, tmp_path, fake_plugin, capsys):
@@ -262,11 +261,11 @@ def test_manifest_only_needs_engine_files(export_dir, tmp_path, fake_plugin, cap
 # ------------------------------------------------------------------------------------------- runtime selection
 
 def test_pick_backend(adopted, export_dir):
-    assert pick_backend(em.read(adopted), None) == "tensorrt"
+    assert pick_backend(mf.load(adopted), None) == "tensorrt"
     assert pick_backend(_export_manifest(export_dir), None) == "onnxruntime"
-    assert pick_backend(em.read(adopted), "onnxruntime") == "onnxruntime"
+    assert pick_backend(mf.load(adopted), "onnxruntime") == "onnxruntime"
     with pytest.raises(Dflash2Error, match="--backend: expected one of"):
-        pick_backend(em.read(adopted), "tvm")
+        pick_backend(mf.load(adopted), "tvm")
 
 
 def test_engine_folder_on_onnxruntime_matches_export(adopted, export_dir):
@@ -283,6 +282,6 @@ def test_tensorrt_backend_missing_says_so(adopted, export_dir):
     with pytest.raises(Dflash2Error, match="TensorRT is not installed.*pip install tensorrt-cu12"):
         Runtime(adopted)
     with pytest.raises(ntrt.TensorRTMissingError):
-        rtrt.TrtBackend(adopted, em.read(adopted))
+        rtrt.TrtBackend(adopted, mf.load(adopted, check_files=False))
     with pytest.raises(Dflash2Error, match="TensorRT is not installed"):  # said before the folder kind
         Runtime(export_dir, backend="tensorrt")

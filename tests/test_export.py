@@ -97,8 +97,8 @@ def test_tied_embedding_stored_once(tmp_path):
 def test_fp16_export_validates(tmp_path, pairs):
     out = tmp_path / "fp16"
     m = export(*pairs[("qwen3", 2)], out, dtype="float16", quiet=True)
-    assert all(v["ok"] for v in m["validation"].values())
-    assert m["graphs"]["target"]["inputs"][1]["dtype"] == "float16"
+    assert all(v.ok for v in m.validation.values())
+    assert m.graphs["target"].inputs[1].dtype == "float16"
     # selector scores and unary logits stay fp32 inside an fp16 graph
     model = onnx.load(str(out / "drafter.trt.onnx"), load_external_data=False)
     node = next(n for n in model.graph.node if n.op_type == C.OP_NAME)

@@ -13,7 +13,6 @@ from dflash2 import manifest as mf
 from dflash2.native import library, selector
 from dflash2.cli import build as build_cli
 from dflash2.engines import build as eb
-from dflash2.engines import manifest as em
 from dflash2.engines import plan as ep
 from dflash2.native import cudart as ncudart
 from dflash2.runtime import cuda as rcuda
@@ -26,9 +25,8 @@ from tests.exports import PROMPT
 # ------------------------------------------------------------------------------------------- fake TensorRT
 
 def test_fake_build_writes_engines_profiles_cache(fake_engines, fake, fake_plugin, tmp_path):
-    m = em.read(fake_engines)
-    mf.verify_files(fake_engines, m)
-    assert m["tensorrt_version"] == fake.__version__ and m["build"]["workspace_mb"] == 256
+    m = mf.load(fake_engines, mf.EngineManifest)  # files checked too
+    assert m.tensorrt_version == fake.__version__ and m.build.workspace_mb == 256
     assert fake.REGISTRY.libraries == [str(fake_plugin.resolve())]  # loaded before parsing
     target = json.loads((fake_engines / "target.engine").read_bytes())
     assert target["onnx"].endswith("target.onnx")
@@ -103,7 +101,7 @@ def test_fake_tensorrt_cuda_graphs(fake_engines, export_dir, fake):
 def test_fake_tensorrt_corrupt_engine(fake_engines, fake):
     (fake_engines / "drafter.engine").write_bytes(b"\x00garbage")
     with pytest.raises(rtrt.EngineError, match="could not deserialize.*rebuild with dflash2-build"):
-        rtrt.TrtBackend(fake_engines, em.read(fake_engines))
+        rtrt.TrtBackend(fake_engines, mf.load(fake_engines, check_files=False))
 
 
 def test_graph_cache_policy(fake):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from dflash2.cli import print_files
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2.engines.plan import plan_build
 
     mode = "print" if a.print_trtexec else "adopt" if a.manifest_only else "build"
+    t0 = time.perf_counter()
     try:
         plan = plan_build(a.export_dir, a.out, a.precision, a.max_seq_len, a.max_prefill, a.plugin, a.timing_cache,
                           a.workspace, a.force, mode=mode)
@@ -51,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except Dflash2Error as e:
         print(f"dflash2-build: error: {e}", file=sys.stderr)
         return 2
-    took = f" in {m['build_seconds']:.1f} s" if "build_seconds" in m else ""
-    print(f"engines in {a.out}{took} (TensorRT {m['tensorrt_version']}, precision {m['precision']}, "
-          f"max_seq_len {m['max_seq_len']}, max_prefill {m['max_prefill']})")
-    print_files(m["files"])
+    took = f" in {time.perf_counter() - t0:.1f} s" if mode == "build" else ""
+    print(f"engines in {a.out}{took} (TensorRT {m.tensorrt_version}, precision {m.precision}, "
+          f"max_seq_len {m.max_seq_len}, max_prefill {m.max_prefill})")
+    print_files(m.files)
     return 0
 
 

@@ -29,7 +29,8 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool) -> None:
     from dflash2 import manifest as mf
 
     files = ("model.safetensors", "config.json", "draft_vocab.json")
-    stamp = {"drafter": {f: mf.sha256(drafter / f) for f in files if (drafter / f).is_file()}, "target": str(target)}
+    stamp = {"drafter": {f: mf.sha256(drafter / f) for f in files if (drafter / f).is_file()}, "target": str(target),
+             "format_version": mf.FORMAT_VERSION}  # an export of an older format is redone
     if (out / "demo.json").is_file() and json.loads((out / "demo.json").read_text()) == stamp:
         return
     from dflash2.export.api import export

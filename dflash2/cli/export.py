@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from dflash2.cli import print_files
@@ -29,15 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from dflash2.export.api import export  # heavy imports after argument parsing
 
+    t0 = time.perf_counter()
     try:
         m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, a.logits, not a.no_fuse_context, a.quiet,
                    a.full_vocab)
     except Dflash2Error as e:
         print(f"dflash2-export: error: {e}", file=sys.stderr)
         return 2
-    vocab = f", draft vocabulary {m['draft_vocab']['size']} ids" if m["draft_vocab"] else ""
-    print(f"exported {a.out} in {m['export_seconds']:.1f} s (dtype {m['dtype']}, block size {m['block_size']}{vocab})")
-    print_files(m["files"])
+    vocab = f", draft vocabulary {m.draft_vocab.size} ids" if m.draft_vocab else ""
+    print(f"exported {a.out} in {time.perf_counter() - t0:.1f} s (dtype {m.dtype}, block size {m.block_size}{vocab})")
+    print_files(m.files)
     return 0
 
 

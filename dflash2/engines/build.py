@@ -79,7 +79,7 @@ def add_profiles(trt, builder, config, network, job: EngineJob) -> None:
             raise BuildError(f"{job.onnx}: TensorRT rejected optimization profile {p.name} {p.to_dict()['shapes']}")
 
 
-def build(plan: BuildPlan, quiet: bool = False) -> dict:
+def build(plan: BuildPlan, quiet: bool = False) -> mf.EngineManifest:
     """Build every engine of the plan; returns the engine-folder manifest (also written to plan.out)."""
     trt = require_tensorrt()
     logger = make_logger(trt, echo="ERROR" if quiet else "WARNING")
@@ -117,11 +117,10 @@ def build(plan: BuildPlan, quiet: bool = False) -> dict:
             _copy_tokenizer(plan, tmp)
             manifest = mf.write(tmp, em.build_manifest(plan, built, trt.__version__))
         replace_folder(tmp, plan.out)
-    manifest["build_seconds"] = progress.elapsed
     return manifest
 
 
-def adopt(plan: BuildPlan) -> dict:
+def adopt(plan: BuildPlan) -> mf.EngineManifest:
     """--manifest-only: write manifest.json (+ tokenizer) for engines already built into plan.out by trtexec."""
     missing = [job.engine for job in plan.jobs if not (plan.out / job.engine).is_file()]
     if missing:
@@ -137,4 +136,4 @@ def adopt(plan: BuildPlan) -> dict:
 
 def _copy_tokenizer(plan: BuildPlan, folder: Path) -> None:
     """The tokenizer travels with the engines so `dflash2-run ENGINE_DIR --prompt` works on its own."""
-    copy_present(plan.export_dir, plan.export.get("tokenizer", {}).get("files", []), folder)
+    copy_present(plan.export_dir, plan.export.tokenizer.files, folder)

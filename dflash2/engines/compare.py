@@ -150,14 +150,15 @@ def compare_graph(export_dir: Path, graph: str, runners: list, atol: float, rtol
     inputs_path, ref_path = export_dir / f"{graph}.inputs.json", export_dir / f"{graph}.reference.json"
     for p in (inputs_path, ref_path):
         if not p.is_file():
-            raise mf.ManifestError(f"{p}: expected the Polygraphy file dflash2-export saves, found none")
+            raise mf.ManifestError(p, ["expected the Polygraphy file dflash2-export saves, found none"])
     feeds = load_json(str(inputs_path))
     reference = RunResults.load(str(ref_path))
     if REFERENCE not in reference.keys():
-        raise mf.ManifestError(f"{ref_path}: expected runner {REFERENCE!r}, found {list(reference.keys())}")
+        raise mf.ManifestError(ref_path, [f"expected runner {REFERENCE!r}, found {list(reference.keys())}"])
     ref_iters = reference[REFERENCE]
     if len(ref_iters) != len(feeds):
-        raise mf.ManifestError(f"{ref_path}: {len(ref_iters)} reference iterations for {len(feeds)} saved feeds")
+        raise mf.ManifestError(ref_path, [f"expected {len(feeds)} reference iterations (one per saved feed), "
+                                          f"found {len(ref_iters)}"])
     try:
         ran = Comparator.run(runners, data_loader=feeds, warm_up=0)
     except PolygraphyException as e:
@@ -179,26 +180,25 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
     """Compare every graph (or `graphs`) of an export folder; returns the per-output report."""
     _quiet_polygraphy()
     export_dir = Path(export_dir)
-    export = mf.load(export_dir, (mf.EXPORT_FORMAT,))
-    dtype = export["dtype"]
+    export = mf.load(export_dir, mf.ExportManifest, check_files=False)
+    dtype = export.dtype
     d_atol, d_rtol = TOLERANCES.get(dtype, TOLERANCES["float32"])
     atol, rtol = (d_atol if atol is None else atol), (d_rtol if rtol is None else rtol)
     report = Report(notes=[f"tolerances: atol {atol}, rtol {rtol}, ids differing <= "
                            f"{ID_MISMATCH_SHARE.get(dtype, 0.0):.0%} (export dtype {dtype})"])
-    unknown = sorted(set(graphs or []) - set(export["graphs"]))
+    unknown = sorted(set(graphs or []) - set(export.graphs))
     if unknown:
-        raise Dflash2Error(f"--graph: expected names from {sorted(export['graphs'])}, found {unknown}")
+        raise Dflash2Error(f"--graph: expected names from {sorted(export.graphs)}, found {unknown}")
     engines, plugin, trt_skip = None, None, None
     if engines_dir is not None:
-        from dflash2.engines.manifest import read
         from dflash2.native.library import recorded_library
         from dflash2.native.tensorrt import require_tensorrt
 
-        engines = read(engines_dir)
-        if Path(engines["export_dir"]).resolve() != export_dir.resolve():
-            report.notes.append(f"note: {engines_dir} was built from {engines['export_dir']}, not {export_dir}")
-        if engines.get("plugin"):  # the recorded library, else this machine's build
-            plugin = recorded_library(engines["plugin"]["path"], engines["plugin"]["sha256"])
+        engines = mf.load(engines_dir, mf.EngineManifest, check_files=False)
+        if Path(engines.export_dir).resolve() != export_dir.resolve():
+            report.notes.append(f"note: {engines_dir} was built from {engines.export_dir}, not {export_dir}")
+        if engines.plugin is not None:  # the recorded library, else this machine's build
+            plugin = recorded_library(engines.plugin.path, engines.plugin.sha256)
         try:
             require_tensorrt()
         except Dflash2Error as e:
@@ -208,17 +208,17 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
                         "no bfloat16); dflash2-run's spec vs --no-spec ids check the engines instead")
         if trt_skip:
             report.notes.append(trt_skip)
-    for graph, g in export["graphs"].items():
+    for graph, g in export.graphs.items():
         if graphs and graph not in graphs:
             continue
         runners = []
         if dtype == "bfloat16":
             report.notes.append(f"{graph}: onnxrt skipped (ONNX Runtime's CPU provider has no bfloat16 kernels)")
         else:
-            runners.append(onnxrt_runner(export_dir / g["flavours"]["portable"]))
+            runners.append(onnxrt_runner(export_dir / g.flavours.portable))
         if engines is not None and trt_skip is None:
-            if graph in engines["engines"]:
-                runners.append(trt_runner(Path(engines_dir) / engines["engines"][graph]["file"], plugin))
+            if graph in engines.engines:
+                runners.append(trt_runner(Path(engines_dir) / engines.engines[graph].file, plugin))
             else:
                 report.notes.append(f"{graph}: no engine in {engines_dir}")
         if runners:

@@ -37,14 +37,14 @@ class EngineJob:
     onnx: Path  # absolute path of the flavour TensorRT parses (*.trt.onnx when the graph has the selector)
     engine: str  # file name inside the engine folder
     profiles: list[pr.Profile]
-    inputs: list[dict]
-    outputs: list[dict]
+    inputs: list[mf.IoSpec]
+    outputs: list[mf.IoSpec]
 
 
 @dataclass
 class BuildPlan:
     export_dir: Path
-    export: dict
+    export: mf.ExportManifest
     out: Path
     precision: str
     dtype: str
@@ -76,21 +76,22 @@ def resolve_precision(precision: str | None, export_dtype: str, export_dir: Path
     return precision
 
 
-def check_selector_contract(export: dict, export_dir: Path) -> None:
+def check_selector_contract(export: mf.ExportManifest, export_dir: Path) -> None:
     """The export's selector node must name the plugin this checkout builds."""
-    sel = export.get("selector")
-    if not sel:
+    sel = export.selector
+    if sel is None:
         return
     want = {"op": C.OP_NAME, "plugin_version": C.PLUGIN_VERSION, "plugin_namespace": C.PLUGIN_NAMESPACE}
-    bad = [f"{k}: export has {sel.get(k)!r}, this dflash2 builds {v!r}" for k, v in want.items() if sel.get(k) != v]
+    bad = [f"{k}: export has {getattr(sel, k)!r}, this dflash2 builds {v!r}" for k, v in want.items()
+           if getattr(sel, k) != v]
     if bad:
         raise PluginVersionError(f"{export_dir / mf.NAME}: selector plugin version mismatch ("
                                  + "; ".join(bad) + "); re-export with this dflash2 or build the matching plugin")
 
 
-def resolve_plugin(export: dict, plugin: str | Path | None, required: bool) -> tuple[Path | None, bool]:
+def resolve_plugin(export: mf.ExportManifest, plugin: str | Path | None, required: bool) -> tuple[Path | None, bool]:
     """(library path, found). Only exports with the DFlash2Selector node need the plugin library."""
-    if not export.get("selector"):
+    if export.selector is None:
         return None, True
     if plugin is not None:
         path = Path(plugin).absolute()
@@ -123,20 +124,18 @@ def plan_build(export_dir: str | Path, out: str | Path, precision: str | None = 
         check_output(out, force, {"EXPORT_DIR": export_dir, "--plugin": plugin, "--timing-cache": timing_cache})
     elif mode == "adopt":  # the engines are in --out already; it still must not be or hold the export
         check_apart(out, {"EXPORT_DIR": export_dir})
-    export = mf.load(export_dir, (mf.EXPORT_FORMAT,))
-    if mode != "print":
-        mf.verify_files(export_dir, export)
-    prec = resolve_precision(precision, export["dtype"], export_dir)
+    export = mf.load(export_dir, mf.ExportManifest, check_files=mode != "print")
+    prec = resolve_precision(precision, export.dtype, export_dir)
     T, P = pr.limits(export, max_seq_len, max_prefill)
     check_selector_contract(export, export_dir)
     lib, found = resolve_plugin(export, plugin, required=mode != "print")
     if workspace_mb is not None and workspace_mb <= 0:
         raise Dflash2Error(f"--workspace: expected a positive number of MiB, found {workspace_mb}")
-    plan = BuildPlan(export_dir, export, out, prec, export["dtype"], T, P, lib, found,
+    plan = BuildPlan(export_dir, export, out, prec, export.dtype, T, P, lib, found,
                      Path(timing_cache).absolute() if timing_cache else None, workspace_mb, force)
     profiles = pr.plan_profiles(export, T, P)
-    for graph, g in export["graphs"].items():
-        flavour = g["flavours"].get("tensorrt", g["flavours"]["portable"])
+    for graph, g in export.graphs.items():
+        flavour = g.flavours.tensorrt or g.flavours.portable
         plan.jobs.append(EngineJob(graph, export_dir / flavour, graph + ENGINE_SUFFIX, profiles[graph],
-                                   g["inputs"], g["outputs"]))
+                                   g.inputs, g.outputs))
     return plan

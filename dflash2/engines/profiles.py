@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash2.errors import Dflash2Error
+from dflash2.manifest import ExportManifest, IoSpec, ModelFacts
 
 SELECTOR_MAX_BATCH = 8
 
@@ -48,9 +49,9 @@ class Profile:
                            for n, s in self.shapes.items()}}
 
 
-def limits(export: dict, max_seq_len: int | None = None, max_prefill: int | None = None) -> tuple[int, int]:
+def limits(export: ModelFacts, max_seq_len: int | None = None, max_prefill: int | None = None) -> tuple[int, int]:
     """(max_seq_len, max_prefill) for the engines: --max-seq-len may only shrink the export's capacity."""
-    exported, block = int(export["max_seq_len"]), int(export["block_size"])
+    exported, block = export.max_seq_len, export.block_size
     T = exported if max_seq_len is None else int(max_seq_len)
     if T > exported:
         raise ProfileError(f"--max-seq-len: expected <= the export's max_seq_len {exported}, found {T} "
@@ -63,9 +64,9 @@ def limits(export: dict, max_seq_len: int | None = None, max_prefill: int | None
     return T, P
 
 
-def dim_boxes(graph: str, export: dict, T: int, P: int) -> list[tuple[str, dict[str, DimRange]]]:
+def dim_boxes(graph: str, export: ModelFacts, T: int, P: int) -> list[tuple[str, dict[str, DimRange]]]:
     """Named profiles of one graph as ranges of its symbolic dims."""
-    S1 = int(export["block_size"])  # S + 1 = num_drafts + 1 rows in a verify step
+    S1 = export.block_size  # S + 1 = num_drafts + 1 rows in a verify step
     mid = T // 2  # opt past: the middle of the cache, where decode spends most of its steps
     if graph == "target":
         return [("prefill", {"n": DimRange(1, P, P), "past": DimRange(0, 0, T - 1)}),
@@ -78,29 +79,29 @@ def dim_boxes(graph: str, export: dict, T: int, P: int) -> list[tuple[str, dict[
     raise ProfileError(f"graph {graph!r}: no profile rule (expected one of target, drafter, selector)")
 
 
-def input_shapes(graph: str, io_inputs: list[dict], dims: dict[str, DimRange]) -> dict[str, tuple]:
+def input_shapes(graph: str, io_inputs: list[IoSpec], dims: dict[str, DimRange]) -> dict[str, tuple]:
     """min/opt/max shapes of every input with a symbolic dim; static inputs need no profile entry."""
     out = {}
     for spec in io_inputs:
-        sym = [d for d in spec["shape"] if isinstance(d, str)]
+        sym = [d for d in spec.shape if isinstance(d, str)]
         if not sym:
             continue
         missing = [d for d in sym if d not in dims]
         if missing:
-            raise ProfileError(f"graph {graph}: input {spec['name']} has symbolic dim(s) {missing} with no range "
+            raise ProfileError(f"graph {graph}: input {spec.name} has symbolic dim(s) {missing} with no range "
                                f"(expected only {sorted(dims)})")
-        out[spec["name"]] = tuple(tuple(getattr(dims[d], k) if isinstance(d, str) else int(d) for d in spec["shape"])
+        out[spec.name] = tuple(tuple(getattr(dims[d], k) if isinstance(d, str) else int(d) for d in spec.shape)
                                   for k in ("min", "opt", "max"))
     return out
 
 
-def plan_profiles(export: dict, max_seq_len: int | None = None,
+def plan_profiles(export: ExportManifest, max_seq_len: int | None = None,
                   max_prefill: int | None = None) -> dict[str, list[Profile]]:
     """graph -> its optimization profiles, for every graph of the export manifest."""
     T, P = limits(export, max_seq_len, max_prefill)
     plan = {}
-    for graph, g in export["graphs"].items():
-        plan[graph] = [Profile(name, dims, input_shapes(graph, g["inputs"], dims))
+    for graph, g in export.graphs.items():
+        plan[graph] = [Profile(name, dims, input_shapes(graph, g.inputs, dims))
                        for name, dims in dim_boxes(graph, export, T, P)]
     return plan
 

@@ -50,8 +50,8 @@ def tool_versions() -> dict[str, str]:
 
 def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
            max_seq_len: int = 2048, force: bool = False, emit_logits: bool = False, fuse_context: bool = True,
-           quiet: bool = False, full_vocab: bool = False) -> dict:
-    """Returns the manifest. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
+           quiet: bool = False, full_vocab: bool = False) -> mf.ExportManifest:
+    """Returns the manifest written. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
     full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary)."""
     if dtype not in DTYPES:
         raise OutputError(f"--dtype: expected one of {list(DTYPES)}, found {dtype!r}")
@@ -67,26 +67,26 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
         target, drafter = load_pair(drafter_dir, target_dir, DTYPES[dtype], use_draft_vocab=not full_vocab)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
         manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress)
-        raise_if_failed([f for v in manifest["validation"].values() for f in v["failures"]])
-        manifest["sources"] = {"drafter": str(Path(drafter_dir).absolute()), "target": str(Path(target_dir).absolute())}
-        manifest["draft_vocab"] = _draft_vocab_entry(drafter, drafter_dir)
+        raise_if_failed([f for v in manifest.validation.values() for f in v.failures])
+        manifest.sources = mf.Sources(drafter=str(Path(drafter_dir).absolute()), target=str(Path(target_dir).absolute()))
+        manifest.draft_vocab = _draft_vocab_entry(drafter, drafter_dir)
         with progress.step("tokenizer, manifest"):
-            manifest["tokenizer"] = {"files": copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp)}
+            manifest.tokenizer = mf.Tokenizer(copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp))
             mf.write(tmp, manifest)
         replace_folder(tmp, out)
-    manifest["export_seconds"] = progress.elapsed
     return manifest
 
 
-def _draft_vocab_entry(drafter, drafter_dir) -> dict | None:
+def _draft_vocab_entry(drafter, drafter_dir) -> mf.DraftVocab | None:
     if drafter.draft_ids is None:
         return None
     path = draft_vocab.path_in(drafter_dir).absolute()
-    return {"size": int(drafter.draft_ids.numel()), "file": str(path), "sha256": mf.sha256(path),
-            "why": "the drafter's LM head covers only these ids; the target still verifies over all"}
+    return mf.DraftVocab(size=int(drafter.draft_ids.numel()), file=str(path), sha256=mf.sha256(path),
+                         why="the drafter's LM head covers only these ids; the target still verifies over all")
 
 
-def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress) -> dict:
+def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context,
+               progress) -> mf.ExportManifest:
     graphs, validation = {}, {}
     for spec in graph_specs(target, drafter, fuse_context, emit_logits):
         with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
@@ -95,25 +95,27 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fu
             files = tr.write_graph(model, tmp, spec, dc.num_drafts)
         with progress.step(f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime"):
             f, report = validate_graph(spec, tmp / files["portable"], dtype, save_dir=tmp)
-        validation[spec.name] = {"ok": not f, "failures": f, **report}
-        graphs[spec.name] = {"flavours": files, "data": f"{spec.name}.onnx.data",
-                             "seconds": time.perf_counter() - t0, **tr.io_spec(tmp / files["portable"])}
-    kv_rows = {"target": list(target.kv_row_shape()), "drafter": list(drafter.kv_row_shape())}
-    return {
-        "format": mf.EXPORT_FORMAT, "format_version": mf.FORMAT_VERSION, "contract_version": C.CONTRACT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tools": tool_versions(), "dtype": dtype,
-        "max_seq_len": max_seq_len, "block_size": dc.block_size, "num_drafts": dc.num_drafts,
-        "drafter_version": dc.version, "tap_ids": list(dc.target_layer_ids), "mask_token_id": dc.mask_token_id,
-        "vocab_size": tc.vocab_size, "eos_token_ids": list(tc.eos_token_ids),
-        "context": {"fused": fuse_context, "width": graphs["drafter"]["inputs"][0]["shape"][1],
-                    "why": "target emits hidden_norm(fc(taps)): one H-wide row per token instead of "
-                           "n_taps*H (see docs/export.md for the measurement)" if fuse_context else "raw taps"},
-        "kv": {"layout": ["seq", "layer", "k|v", "kv_head", "head_dim"], "rows": kv_rows, "dtype": dtype,
-               "binding": KV_BINDING},
-        "selector": ({"op": C.OP_NAME, "domain": C.ONNX_DOMAIN, "plugin_version": C.PLUGIN_VERSION,
-                      "plugin_namespace": C.PLUGIN_NAMESPACE, "top_k": dc.selector_top_k, "rank": dc.selector_rank,
-                      "output_multiplier": dc.output_multiplier, "logit_softcap": dc.logit_softcap}
-                     if dc.version == 2 else None),
-        "target_config": tc.to_dict(), "drafter_config": dc.to_dict(),
-        "graphs": graphs, "validation": validation,
-    }
+        validation[spec.name] = mf.Validation(ok=not f, failures=f, skipped=report.pop("skipped", None), steps=report)
+        io = tr.io_spec(tmp / files["portable"])
+        graphs[spec.name] = mf.Graph(flavours=mf.Flavours(**files), data=f"{spec.name}.onnx.data",
+                                     inputs=[mf.IoSpec(**d) for d in io["inputs"]],
+                                     outputs=[mf.IoSpec(**d) for d in io["outputs"]],
+                                     seconds=time.perf_counter() - t0)
+    selector = None
+    if dc.version == 2:
+        selector = mf.Selector(op=C.OP_NAME, domain=C.ONNX_DOMAIN, plugin_version=C.PLUGIN_VERSION,
+                               plugin_namespace=C.PLUGIN_NAMESPACE, top_k=dc.selector_top_k, rank=dc.selector_rank,
+                               output_multiplier=dc.output_multiplier, logit_softcap=dc.logit_softcap)
+    why = ("target emits hidden_norm(fc(taps)): one H-wide row per token instead of n_taps*H (see docs/export.md "
+           "for the measurement)" if fuse_context else "raw taps")
+    return mf.ExportManifest(
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), tools=tool_versions(), dtype=dtype,
+        max_seq_len=max_seq_len, block_size=dc.block_size, num_drafts=dc.num_drafts, drafter_version=dc.version,
+        tap_ids=list(dc.target_layer_ids), mask_token_id=dc.mask_token_id, vocab_size=tc.vocab_size,
+        eos_token_ids=list(tc.eos_token_ids),
+        context=mf.Context(fused=fuse_context, width=graphs["drafter"].inputs[0].shape[1], why=why),
+        kv=mf.Kv(layout=["seq", "layer", "k|v", "kv_head", "head_dim"],
+                 rows=mf.KvRows(target=list(target.kv_row_shape()), drafter=list(drafter.kv_row_shape())),
+                 dtype=dtype, binding=KV_BINDING),
+        selector=selector, target_config=tc.to_dict(), drafter_config=dc.to_dict(), graphs=graphs,
+        validation=validation)

@@ -23,28 +23,30 @@ class PromptError(Dflash2Error):
     pass
 
 
-def pick_backend(manifest: dict, requested: str | None) -> str:
+def pick_backend(manifest: mf.Manifest, requested: str | None) -> str:
     if requested and requested not in BACKENDS:
         raise Dflash2Error(f"--backend: expected one of {BACKENDS}, found {requested!r}")
-    return requested or ("tensorrt" if manifest["format"] == mf.ENGINE_FORMAT else "onnxruntime")
+    return requested or ("tensorrt" if isinstance(manifest, mf.EngineManifest) else "onnxruntime")
 
 
-def make_backend(folder: Path, manifest: dict, name: str, provider: str | None = None, threads: int | None = None):
+def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None,
+                 threads: int | None = None):
     if name == "tensorrt":
-        from dflash2.runtime.trt import TrtBackend, require_tensorrt
+        from dflash2.native.tensorrt import require_tensorrt
+        from dflash2.runtime.trt import TrtBackend
 
         require_tensorrt()  # "TensorRT is not installed: ..." before any folder-kind message
 
-        if manifest["format"] != mf.ENGINE_FORMAT:
+        if not isinstance(manifest, mf.EngineManifest):
             raise Dflash2Error(f"{folder}: --backend tensorrt needs an engine folder (dflash2-build), "
                                f"found an export folder")
         return TrtBackend(folder, manifest)
     from dflash2.runtime.engines import OrtBackend
 
-    if manifest["format"] == mf.ENGINE_FORMAT:  # an engine folder remembers the export it was built from
-        folder = Path(manifest["export_dir"])
-        manifest = mf.load(folder, (mf.EXPORT_FORMAT,))
-    graphs = {name: g["flavours"]["portable"] for name, g in manifest["graphs"].items()}
+    if isinstance(manifest, mf.EngineManifest):  # an engine folder remembers the export it was built from
+        folder = Path(manifest.export_dir)
+        manifest = mf.load(folder, mf.ExportManifest, check_files=False)  # weights not rehashed at every start
+    graphs = {name: g.flavours.portable for name, g in manifest.graphs.items()}
     return OrtBackend(folder, graphs, provider, threads)
 
 
@@ -52,9 +54,7 @@ class Runtime:
     def __init__(self, folder: str | Path, backend: str | None = None, verify: bool = True,
                  max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None):
         self.folder = Path(folder)
-        self.manifest = mf.load(self.folder)
-        if verify:
-            mf.verify_files(self.folder, self.manifest)
+        self.manifest = mf.load(self.folder, check_files=verify)
         self.backend_name = pick_backend(self.manifest, backend)
         self.session = SpecSession(self.manifest, make_backend(self.folder, self.manifest, self.backend_name,
                                                                provider, threads), max_seq_len)
@@ -68,7 +68,7 @@ class Runtime:
 
     @property
     def eos_ids(self) -> list[int]:
-        return list(self.manifest["eos_token_ids"])
+        return list(self.manifest.eos_token_ids)
 
     def prompt_ids(self, text: str | None = None, ids: Sequence | None = None, chat: bool = False,
                    system: str | None = None) -> list[int]:

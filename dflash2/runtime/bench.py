@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from dflash2.manifest import ExportManifest
 from dflash2.prompts import default_prompts, load_prompts  # noqa: F401 (re-exported for callers)
 from dflash2.runtime.api import Runtime
 from dflash2.runtime.policies import POLICIES, PolicySession
@@ -29,19 +30,21 @@ def selector_ms(rt: Runtime, repeats: int = 200) -> float | None:
     of a draft step (in drafter.onnx the same node runs fused)."""
     import numpy as np
 
-    graph = rt.manifest["graphs"].get("selector")
-    if graph is None or rt.backend_name != "onnxruntime":
+    if not isinstance(rt.manifest, ExportManifest) or rt.backend_name != "onnxruntime":
+        return None  # an engine folder times its selector inside the drafter engine
+    graph = rt.manifest.graphs.get("selector")
+    if graph is None:
         return None
     from dflash2.runtime.engines import OrtEngine
 
-    sel = rt.manifest["selector"]
-    S, K, R, V = rt.manifest["num_drafts"], sel["top_k"], sel["rank"], rt.manifest["vocab_size"]
+    m = rt.manifest
+    S, K, R, V = m.num_drafts, m.selector.top_k, m.selector.rank, m.vocab_size
     rng = np.random.default_rng(0)
     feeds = {"cand_logits": np.sort(rng.standard_normal((1, S, K), dtype=np.float32))[..., ::-1].copy(),
              "cand_ids": rng.integers(0, V, (1, S, K)).astype(np.int32),
-             "gate": rng.standard_normal((1, S, R)).astype(rt.manifest["dtype"]),
+             "gate": rng.standard_normal((1, S, R)).astype(m.dtype),
              "anchor": np.array([1], np.int32)}
-    session = OrtEngine("selector", Path(rt.folder) / graph["flavours"]["portable"], ["CPUExecutionProvider"]).session
+    session = OrtEngine("selector", Path(rt.folder) / graph.flavours.portable, ["CPUExecutionProvider"]).session
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -67,10 +70,11 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     """sweep: more draft lengths timed with the selector's path in the same interleaved loop, so
     their speedups compare (this machine's speed drifts between runs, not within one)."""
     rt = Runtime(folder)
-    draft_len = check_draft_len(draft_len, rt.manifest["block_size"])
-    sweep = tuple(k for k in dict.fromkeys(check_draft_len(k, rt.manifest["block_size"]) for k in sweep)
+    m = rt.manifest
+    draft_len = check_draft_len(draft_len, m.block_size)
+    sweep = tuple(k for k in dict.fromkeys(check_draft_len(k, m.block_size) for k in sweep)
                   if k != draft_len)
-    v2 = rt.manifest["drafter_version"] == 2
+    v2 = m.drafter_version == 2
     policies = policies or (POLICIES if v2 else ("selector",))
     if "selector" not in policies:
         policies = ("selector", *policies)  # the speculative timing is the selector's path
@@ -107,9 +111,9 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     acc = {p: _merge(v).acceptance_length for p, v in per_policy.items()}
     result = {
         "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-        "block_size": rt.manifest["block_size"], "dtype": rt.manifest["dtype"], "lossless": lossless,
+        "block_size": m.block_size, "dtype": m.dtype, "lossless": lossless,
         "draft_len": draft_len,
-        "draft_vocab_size": (rt.manifest.get("draft_vocab") or {}).get("size", rt.manifest["vocab_size"]),
+        "draft_vocab_size": m.draft_vocab.size if m.draft_vocab else m.vocab_size,
         "autoregressive_tokens_per_second": ar_tps, "speculative_tokens_per_second": spec_tps,
         "speedup": spec_tps / ar_tps if ar_tps else 0.0,
         "acceptance_length": acc, "position_acceptance": {p: _merge(v).position_acceptance()

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dflash2.manifest import ModelFacts
 from dflash2.runtime.engines import NP_DTYPES, Backend
 
 
@@ -25,23 +26,23 @@ class CapacityError(ValueError):
 
 
 class SpecSession:
-    def __init__(self, manifest: dict, backend: Backend, max_seq_len: int | None = None):
+    def __init__(self, manifest: ModelFacts, backend: Backend, max_seq_len: int | None = None):
         m = manifest
         self.manifest, self.backend = m, backend
-        self.block_size, S = m["block_size"], m["num_drafts"]
-        self.vocab_size = m["vocab_size"]
-        self.max_seq_len = T = min(max_seq_len or m["max_seq_len"], m["max_seq_len"])
-        dt = NP_DTYPES[m["dtype"]] if m["dtype"] in NP_DTYPES else np.uint16  # bf16 storage: 16-bit words
+        self.block_size, S = m.block_size, m.num_drafts
+        self.vocab_size = m.vocab_size
+        self.max_seq_len = T = min(max_seq_len or m.max_seq_len, m.max_seq_len)
+        dt = NP_DTYPES[m.dtype] if m.dtype in NP_DTYPES else np.uint16  # bf16 storage: 16-bit words
         self.target, self.drafter = backend.engine("target"), backend.engine("drafter")
-        self.kv = backend.device_buffer((T, *m["kv"]["rows"]["target"]), dt)
-        self.ctx_kv = backend.device_buffer((T, *m["kv"]["rows"]["drafter"]), dt)
-        self.context = backend.device_buffer((T, m["context"]["width"]), dt)
+        self.kv = backend.device_buffer((T, *m.kv.rows.target), dt)
+        self.ctx_kv = backend.device_buffer((T, *m.kv.rows.drafter), dt)
+        self.context = backend.device_buffer((T, m.context.width), dt)
         self.ids = backend.host_buffer((T,), np.int32)
         self.next_ids = backend.host_buffer((T,), np.int32)
         self.anchor = backend.host_buffer((1,), np.int32)
         self.draft_ids = backend.host_buffer((S,), np.int32)
-        self.has_lattice = m["drafter_version"] == 2
-        K = m["selector"]["top_k"] if self.has_lattice else 1
+        self.has_lattice = m.drafter_version == 2
+        K = m.selector.top_k if self.has_lattice else 1
         self.cand_ids = backend.host_buffer((S, K), np.int32)
         self.reset()
 

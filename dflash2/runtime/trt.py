@@ -29,9 +29,9 @@ from dflash2.runtime.memory import View
 GRAPHS_ENV = "DFLASH2_CUDA_GRAPHS"
 
 
-def max_shape(shape: list, profiles: list[dict]) -> tuple[int, ...]:
+def max_shape(shape: list, profiles: list[mf.ProfileRecord]) -> tuple[int, ...]:
     """An io-spec shape with its symbolic dims at their largest value over the manifest's profiles."""
-    return tuple(max(p["dims"][d][2] for p in profiles if d in p["dims"]) if isinstance(d, str) else int(d)
+    return tuple(max(p.dims[d][2] for p in profiles if d in p.dims) if isinstance(d, str) else int(d)
                  for d in shape)
 
 
@@ -47,7 +47,7 @@ def pick_profile(order: list[tuple[int, dict]], shapes: dict[str, tuple[int, ...
 class TrtEngine:
     """One engine: a context per profile, bindings set only when they change, spare outputs."""
 
-    def __init__(self, name: str, engine, entry: dict, stream: Stream, graphs: GraphCache | None, logger):
+    def __init__(self, name: str, engine, entry: mf.EngineEntry, stream: Stream, graphs: GraphCache | None, logger):
         trt = require_tensorrt()
         self.name, self.engine, self.entry, self.stream, self.graphs, self.logger = (
             name, engine, entry, stream, graphs, logger)
@@ -88,8 +88,8 @@ class TrtEngine:
         """An output nobody reads (e.g. debug logits): one buffer at its largest profile shape."""
         size = self.itemsize[name]
         if name not in self.spare:  # raw bytes: the element type only matters to TensorRT (bf16 has no numpy dtype)
-            spec = next(o for o in self.entry["outputs"] if o["name"] == name)
-            rows = int(np.prod(max_shape(spec["shape"], self.entry["profiles"])))
+            spec = next(o for o in self.entry.outputs if o.name == name)
+            rows = int(np.prod(max_shape(spec.shape, self.entry.profiles)))
             self.spare[name] = DeviceBuffer((rows * size,), np.uint8, self.stream)
         buf = self.spare[name]
         if int(np.prod(shape)) * size > buf.nbytes:
@@ -152,17 +152,17 @@ class TrtBackend:
 
     name = "tensorrt"
 
-    def __init__(self, folder: str | Path, manifest: dict, cuda_graphs: bool | None = None,
+    def __init__(self, folder: str | Path, manifest: mf.EngineManifest, cuda_graphs: bool | None = None,
                  graphs: tuple[str, ...] = ("target", "drafter")):
         trt = require_tensorrt()
         cudart()  # CudaMissingError before any TensorRT work
         self.folder, self.manifest = Path(folder), manifest
-        if manifest.get("format") != mf.ENGINE_FORMAT:
+        if not isinstance(manifest, mf.EngineManifest):
             raise EngineError(f"{folder}: the TensorRT backend needs an engine folder (dflash2-build), found "
-                              f"format {manifest.get('format')!r}")
+                              f"format {manifest.format!r}")
         self.logger = make_logger(trt)
-        if manifest.get("plugin"):
-            load_plugin(trt, recorded_library(manifest["plugin"]["path"], manifest["plugin"]["sha256"]), self.logger)
+        if manifest.plugin is not None:
+            load_plugin(trt, recorded_library(manifest.plugin.path, manifest.plugin.sha256), self.logger)
         self.runtime = trt.Runtime(self.logger)
         self.stream = Stream()
         if cuda_graphs is None:
@@ -176,17 +176,17 @@ class TrtBackend:
         self.stream.sync()  # profiles were selected asynchronously
 
     def _load(self, trt, graph: str) -> TrtEngine:
-        entry = self.manifest["engines"].get(graph)
+        entry = self.manifest.engines.get(graph)
         if entry is None:
             raise EngineError(f"{self.folder / mf.NAME}: engines: expected {graph!r}, found "
-                              f"{sorted(self.manifest['engines'])}")
-        path = self.folder / entry["file"]
+                              f"{sorted(self.manifest.engines)}")
+        path = self.folder / entry.file
         if not path.is_file():
             raise EngineError(f"{path}: engine file missing (rebuild with dflash2-build)")
         engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
         if engine is None:
             raise EngineError(f"{path}: TensorRT {trt.__version__} could not deserialize the engine (built with "
-                              f"TensorRT {self.manifest.get('tensorrt_version')}; engines are tied to the TensorRT "
+                              f"TensorRT {self.manifest.tensorrt_version}; engines are tied to the TensorRT "
                               f"version and GPU: rebuild with dflash2-build):\n  {self.logger.tail()}")
         return TrtEngine(graph, engine, entry, self.stream, self.graphs, self.logger)
 
