@@ -8,6 +8,7 @@ Pickle (`*.bin`, `*.pt`) is refused: loading it can run code.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -17,15 +18,35 @@ from dflash2.errors import CheckpointError, TensorSetError
 INDEX = "model.safetensors.index.json"
 
 
+# bytes per element of every safetensors dtype; weights must be one of FLOAT_DTYPES
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+MAX_HEADER = 100_000_000
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        doc = json.loads(index.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(index, "file", "a JSON index", "unreadable JSON") from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointError(index, "weight_map", "a JSON object mapping tensor -> shard file",
+                              repr(wm)[:80] if isinstance(doc, dict) else f"a JSON {type(doc).__name__}")
+    bad = [f"{k!r}: {v!r}" for k, v in wm.items()
+           if not isinstance(v, str) or not v.endswith(".safetensors") or Path(v).name != v]
+    if bad:
+        raise CheckpointError(index, "weight_map", "shard file names (*.safetensors, no folders)",
+                              f"{len(bad)} bad entries, e.g. {bad[0]}"[:160])
+    return wm
+
+
 def shard_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     index = folder / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(index, "weight_map", "a JSON object mapping tensor -> shard", "none") from None
-        shards = sorted(set(weight_map.values()))
+        shards = sorted(set(_weight_map(index).values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise CheckpointError(index, "weight_map", "shard files that exist", f"missing {missing}")
@@ -40,25 +61,82 @@ def shard_files(folder: str | Path) -> list[Path]:
 
 
 def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) from a safetensors header, without reading the data."""
+    """name -> (dtype, shape) from a safetensors header, without reading the data. The header is
+    checked as safetensors itself would (entries, dtypes, contiguous offsets, file length), so a
+    truncated or malformed file is named here instead of failing inside the loader."""
+    size = path.stat().st_size
     with open(path, "rb") as fh:
         raw = fh.read(8)
         if len(raw) != 8:
-            raise CheckpointError(path, "header", "a safetensors file", "a truncated file")
+            raise CheckpointError(path, "header", "a safetensors file", f"a truncated file of {len(raw)} bytes")
         (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise CheckpointError(path, "header", "a safetensors header", f"a header length of {n} bytes")
+        if n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(path, "header", "a safetensors header",
+                                  f"a header length of {n} bytes in a file of {size} bytes (truncated or not safetensors)")
         try:
             header = json.loads(fh.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(path, "header", "a JSON safetensors header", "unreadable bytes") from None
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+    if not isinstance(header, dict):
+        raise CheckpointError(path, "header", "a JSON object {tensor: {dtype, shape, data_offsets}}",
+                              f"a JSON {type(header).__name__}")
+    out, spans, problems = {}, [], []
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        why = _entry_problem(v)
+        if why:
+            problems.append(f"{name}: {why}")
+            continue
+        out[name] = (v["dtype"], tuple(v["shape"]))
+        spans.append(tuple(v["data_offsets"]))
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            problems.append(f"data_offsets: expected contiguous tensor data, found a {'gap' if begin > end else 'overlap'}"
+                            f" at byte {end}")
+            break
+        end = stop
+    if not problems and 8 + n + end != size:
+        problems.append(f"tensor data ends at byte {8 + n + end}, the file has {size} bytes "
+                        f"({'truncated' if 8 + n + end > size else 'trailing bytes'})")
+    if problems:
+        raise CheckpointError(path, "header", "a valid safetensors header",
+                              f"{len(problems)} problem(s): " + "; ".join(problems[:4]))
+    return out
+
+
+def _entry_problem(v) -> str:
+    """Why one header entry is malformed ('' when it is fine)."""
+    if not isinstance(v, dict):
+        return f"expected an object {{dtype, shape, data_offsets}}, found {type(v).__name__} {v!r}"[:120]
+    dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        return f"dtype: expected one of {sorted(DTYPE_BYTES)}, found {dtype!r}"
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"shape: expected a list of non-negative integers, found {shape!r}"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets) \
+            or not 0 <= offsets[0] <= offsets[1]:
+        return f"data_offsets: expected [begin, end] with 0 <= begin <= end, found {offsets!r}"
+    need = math.prod(shape) * DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != need:
+        return f"data_offsets: expected {need} bytes for {dtype} {shape}, found {offsets[1] - offsets[0]}"
+    return ""
 
 
 def read_headers(folder: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    folder = Path(folder)
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    where: dict[str, str] = {}
     for f in shard_files(folder):
-        out.update(read_header(f))
+        for name, meta in read_header(f).items():
+            out[name], where[name] = meta, f.name
+    if (folder / INDEX).is_file():  # the index must describe the shards it points to
+        wm = _weight_map(folder / INDEX)
+        wrong = [f"{k} (index: {v}, found in: {where.get(k, 'no shard')})" for k, v in wm.items() if where.get(k) != v]
+        if wrong:
+            raise CheckpointError(folder / INDEX, "weight_map", "each tensor in the shard the index names",
+                                  f"{len(wrong)} mismatch(es), e.g. {', '.join(wrong[:3])}")
     return out
 
 
@@ -123,17 +201,32 @@ def check_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]]) -> d
                  if tuple(found[n][1]) != tuple(expected[n])]
     if missing or unexpected or misshaped:
         raise TensorSetError(str(folder), missing, unexpected, misshaped)
+    ints = [f"{n} ({found[n][0]})" for n in sorted(expected) if found[n][0] not in FLOAT_DTYPES]
+    if ints:  # casting integer weights to float would silently export a different model
+        raise CheckpointError(folder, "weights", f"float tensors ({', '.join(FLOAT_DTYPES)})",
+                              f"{len(ints)} of another dtype: {', '.join(ints[:4])}")
     return found
 
 
 def load_tensors(folder: str | Path, names: set[str] | None = None) -> dict:
-    """torch tensors by name (safetensors only). Imports torch lazily: callers are export/train."""
-    from safetensors import safe_open
+    """torch tensors by name (safetensors only), every one checked finite: a NaN / inf weight would
+    export and then generate garbage (id 0 forever). Imports torch lazily: callers are export/train."""
+    import torch
+    from safetensors import SafetensorError, safe_open
 
-    out = {}
+    out, bad = {}, []
     for f in shard_files(folder):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                if names is None or k in names:
-                    out[k] = fh.get_tensor(k)
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    if names is None or k in names:
+                        out[k] = t = fh.get_tensor(k)
+                        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+                            bad.append(f"{k} in {f.name} ({nan} NaN, {inf} inf)")
+        except SafetensorError as e:
+            raise CheckpointError(f, "weights", "a readable safetensors file", str(e)) from None
+    if bad:
+        raise CheckpointError(folder, "weights", "finite values (no NaN / inf)",
+                              f"{len(bad)} tensor(s): {', '.join(bad[:4])}")
     return out

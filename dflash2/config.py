@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash2.errors import CheckpointError
+from dflash2.errors import CheckpointError, Dflash2Error
 
 # architecture name -> (family, has q_norm/k_norm)
 TARGET_ARCHS = {"LlamaForCausalLM": ("llama", False), "Qwen3ForCausalLM": ("qwen3", True)}
@@ -96,9 +96,33 @@ def read_config(folder: str | Path) -> tuple[Path, dict]:
     if not path.is_file():
         raise CheckpointError(path, "config.json", "a config.json file", "nothing")
     try:
-        return path, json.loads(path.read_text())
+        raw = json.loads(path.read_bytes())
     except json.JSONDecodeError as e:
         raise CheckpointError(path, "config.json", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(path, "config.json", "UTF-8 JSON text", "undecodable bytes") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(path, "config.json", "a JSON object {...}", f"a JSON {_json_type(raw)}")
+    return path, raw
+
+
+def _json_type(v) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _object(path: Path, raw: dict, name: str) -> dict:
+    """A nested object field (absent or null: empty)."""
+    v = raw.get(name)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise CheckpointError(path, name, "an object {...} or absent", f"a JSON {_json_type(v)}: {v!r}"[:120])
+    return v
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class _Fields:
@@ -148,15 +172,16 @@ def _architecture(path: Path, raw: dict, known: dict) -> str:
 
 
 def _rope(path: Path, raw: dict) -> RopeConfig:
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
+    params, scaling = _object(path, raw, "rope_parameters"), _object(path, raw, "rope_scaling")
     merged = {**scaling, **params}
-    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    f = _Fields(path, merged, "rope_parameters.")
+    theta = f.float("rope_theta", _Fields(path, raw).float("rope_theta", 10000.0))
+    if not theta > 0:
+        raise CheckpointError(path, "rope_theta", "> 0", theta)
     kind = merged.get("rope_type", merged.get("type", "default"))
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise CheckpointError(path, "rope_parameters.rope_type", f"one of {ROPE_TYPES}", repr(kind),
                               "unsupported RoPE scaling")
-    f = _Fields(path, merged, "rope_parameters.")
     if kind == "default":
         return RopeConfig(theta=float(theta))
     return RopeConfig(theta=float(theta), type=kind, factor=f.float("factor"),
@@ -198,8 +223,11 @@ def load_target_config(folder: str | Path) -> TargetConfig:
         raise CheckpointError(path, "use_sliding_window", "false (sliding-window targets are not supported)", True)
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
+    if not all(_is_int(e) for e in eos_ids):
         raise CheckpointError(path, "eos_token_id", "an integer or a list of integers", repr(eos))
+    bos = raw.get("bos_token_id")
+    if bos is not None and not _is_int(bos):
+        raise CheckpointError(path, "bos_token_id", "an integer or null", repr(bos))
     shape = _attention_shape(path, f)
     bad_eos = [e for e in eos_ids if not 0 <= e < shape["vocab_size"]]
     if bad_eos:
@@ -209,7 +237,7 @@ def load_target_config(folder: str | Path) -> TargetConfig:
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
         mlp_bias=f.bool("mlp_bias", False),
         max_position_embeddings=f.int("max_position_embeddings", 4096, minimum=1),
-        eos_token_ids=eos_ids, bos_token_id=raw.get("bos_token_id"))
+        eos_token_ids=eos_ids, bos_token_id=bos)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -224,15 +252,16 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 def _attention_modes(path: Path, raw: dict, num_layers: int) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:
     """vLLM rule: top-level is_causal wins, then dflash_config.causal, else causal == sliding layer."""
     layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
-    if len(layer_types) != num_layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or \
+            any(t not in ("full_attention", "sliding_attention") for t in layer_types):
         raise CheckpointError(path, "layer_types",
                               f"{num_layers} entries of 'full_attention' / 'sliding_attention'", repr(layer_types))
     window = raw.get("sliding_window")
-    if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
+    if "sliding_attention" in layer_types and (not _is_int(window) or window < 1):
         raise CheckpointError(path, "sliding_window", "a positive integer (sliding_attention layers)", repr(window))
     forced = raw.get("is_causal")
     if forced is None:
-        forced = (raw.get("dflash_config") or {}).get("causal")
+        forced = _object(path, raw, "dflash_config").get("causal")
     if forced is not None and not isinstance(forced, bool):
         raise CheckpointError(path, "is_causal", "true, false or absent", repr(forced))
     causal = tuple(bool(forced) if forced is not None else t == "sliding_attention" for t in layer_types)
@@ -244,9 +273,7 @@ def load_drafter_config(folder: str | Path) -> DrafterConfig:
     path, raw = read_config(folder)
     arch = _architecture(path, raw, DRAFTER_ARCHS)
     version = DRAFTER_ARCHS[arch]
-    dc = raw.get("dflash_config", {})
-    if not isinstance(dc, dict):
-        raise CheckpointError(path, "dflash_config", "an object", repr(dc))
+    dc = _object(path, raw, "dflash_config")
     # dflash_config entries win over top-level ones (z-lab's _draft_value)
     merged = {**raw, **dc}
     f = _Fields(path, raw)
@@ -256,7 +283,7 @@ def load_drafter_config(folder: str | Path) -> DrafterConfig:
     taps = merged.get("target_layer_ids")
     if taps is None:
         taps = default_target_layer_ids(num_target, shape["num_layers"])
-    if not isinstance(taps, (list, tuple)) or not taps or not all(isinstance(t, int) for t in taps):
+    if not isinstance(taps, (list, tuple)) or not taps or not all(_is_int(t) for t in taps):
         raise CheckpointError(path, "dflash_config.target_layer_ids", "a non-empty list of integers", repr(taps))
     bad = [t for t in taps if not 0 <= t < num_target]
     if bad:
@@ -275,6 +302,9 @@ def load_drafter_config(folder: str | Path) -> DrafterConfig:
         if extra["selector_top_k"] > shape["vocab_size"]:
             raise CheckpointError(path, "dflash_config.selector_top_k",
                                   f"<= vocab_size={shape['vocab_size']}", extra["selector_top_k"])
+    if "block_size" not in merged:  # no default: a drafter is trained for one block size (z-lab's is 16, ours 8)
+        raise CheckpointError(path, "block_size", "an integer >= 2 (top level or in dflash_config)",
+                              "the field missing", "the drafter's training block size; there is no safe default")
     mult = d.float("output_multiplier", 1.0)
     if not mult > 0:
         raise CheckpointError(path, "dflash_config.output_multiplier", "> 0", mult)
@@ -286,20 +316,26 @@ def load_drafter_config(folder: str | Path) -> DrafterConfig:
     if mask >= shape["vocab_size"]:
         raise CheckpointError(path, "dflash_config.mask_token_id", f"< vocab_size={shape['vocab_size']}", mask)
     return DrafterConfig(
-        arch=arch, version=version, **shape, block_size=d.int("block_size", 16, minimum=2),
+        arch=arch, version=version, **shape, block_size=d.int("block_size", minimum=2),
         num_target_layers=num_target, target_layer_ids=tuple(taps), mask_token_id=mask,
         layer_causal=causal, layer_window=windows, output_multiplier=mult, logit_softcap=cap,
         input_embedding_scale=d.float("input_embedding_scale", 1.0), **extra)
 
 
 def check_pair(drafter: DrafterConfig, target: TargetConfig, drafter_dir: str | Path, target_dir: str | Path) -> None:
-    """The drafter uses the target's embedding, LM head and hidden states: sizes must agree."""
-    dpath = Path(drafter_dir) / "config.json"
-    if drafter.hidden_size != target.hidden_size:
-        raise CheckpointError(dpath, "hidden_size", f"target hidden_size={target.hidden_size} "
-                              f"({Path(target_dir) / 'config.json'})", drafter.hidden_size)
-    if drafter.vocab_size != target.vocab_size:
-        raise CheckpointError(dpath, "vocab_size", f"target vocab_size={target.vocab_size}", drafter.vocab_size)
-    if drafter.num_target_layers != target.num_layers:
-        raise CheckpointError(dpath, "num_target_layers", f"target num_hidden_layers={target.num_layers}",
-                              drafter.num_target_layers)
+    """The drafter uses the target's embedding, LM head and hidden states: sizes must agree. Neither
+    file is blamed: either may be the one that changed."""
+    pairs = [("hidden_size", drafter.hidden_size, "hidden_size", target.hidden_size),
+             ("vocab_size", drafter.vocab_size, "vocab_size", target.vocab_size),
+             ("num_target_layers", drafter.num_target_layers, "num_hidden_layers", target.num_layers)]
+    for dfield, dval, tfield, tval in pairs:
+        if dval != tval:
+            raise PairError(Path(drafter_dir) / "config.json", dfield, dval, Path(target_dir) / "config.json",
+                            tfield, tval)
+
+
+class PairError(CheckpointError):
+    def __init__(self, dpath: Path, dfield: str, dval, tpath: Path, tfield: str, tval):
+        self.file, self.field, self.expected, self.found = str(dpath), dfield, f"target {tfield} {tval}", str(dval)
+        Dflash2Error.__init__(self, f"drafter {dfield} {dval} != target {tfield} {tval} (drafter {dpath}, target "
+                                    f"{tpath}): a drafter runs only with the target it was trained for")

@@ -143,10 +143,10 @@ def test_bad_checkpoints(tmp_path, pairs, case):
         err, match = TensorSetError, r"missing \(1\): norm.weight"
     elif case == "hidden":
         cfg.update(hidden_size=32, head_dim=8)
-        match = "hidden_size: expected target hidden_size=64"
+        match = "drafter hidden_size 32 != target hidden_size 64"
     elif case == "vocab":
         cfg["vocab_size"] = 999
-        match = "vocab_size: expected target vocab_size"
+        match = "drafter vocab_size .* != target vocab_size"
     else:
         cfg["architectures"] = ["MedusaModel"]
         match = "unsupported architecture"
