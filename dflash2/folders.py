@@ -3,6 +3,7 @@ place. Shared by export and engine builds; no torch (the engine stage must not n
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -78,7 +79,7 @@ def check_output(out: Path, force: bool, inputs: Inputs | None = None) -> None:
         raise OutputError(f"{out}: expected a folder, found a file")
     if out.exists() and not force:
         raise OutputError(f"{out}: output folder exists; pass --force to replace it")
-    if out.exists() and any(out.iterdir()) and not written_by_dflash2(out):
+    if out.exists() and _has_entries(out) and not written_by_dflash2(out):
         raise OutputError(f"{out}: --force replaces only a folder written by dflash2 (one with its {MANIFEST}); "
                           f"this one has none, so it was left as it is; remove it yourself or choose another --out")
     probe = out.parent
@@ -86,8 +87,36 @@ def check_output(out: Path, force: bool, inputs: Inputs | None = None) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise OutputError(f"{out}: cannot create the output folder: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK):
-        raise OutputError(f"{out}: cannot write into {probe} (permission denied)")
+    check_writable(out, probe)
+
+
+def _why(e: OSError) -> str:
+    if e.errno == errno.EROFS:
+        return "it is on a read-only filesystem"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return f"the filesystem refuses new folders there ({e.strerror})"  # e.g. /proc, /sys
+
+
+def check_writable(out: Path, probe: Path) -> None:
+    """Create and remove the temp folder's name in `probe` (the nearest existing ancestor of `out`):
+    the only test that tells a read-only filesystem, /proc or missing permissions apart before any
+    weight is loaded (os.access answers True for root on all of them)."""
+    trial = probe / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        trial.mkdir()
+    except FileExistsError:
+        return
+    except OSError as e:
+        raise OutputError(f"{out}: cannot create the output folder in {probe}: {_why(e)}") from None
+    trial.rmdir()
+
+
+def _has_entries(folder: Path) -> bool:
+    try:
+        return any(folder.iterdir())
+    except OSError as e:
+        raise OutputError(f"{folder}: cannot list the existing output folder: {_why(e)}") from None
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:

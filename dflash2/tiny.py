@@ -103,7 +103,7 @@ def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384
         "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
         "head_dim": hidden_size // num_heads, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": tie_word_embeddings,
+        "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": tie_word_embeddings,
         "attention_bias": False, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": eos,
         "pad_token_id": 0, "torch_dtype": str(dtype).replace("torch.", ""),
     }

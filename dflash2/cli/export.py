@@ -19,7 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, type=Path, help="target folder (Llama / Qwen3, safetensors)")
     p.add_argument("--out", required=True, type=Path, help="output folder (written atomically)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--max-seq-len", type=int, default=2048, help="KV capacity the runtime allocates (default 2048)")
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="KV capacity the runtime allocates (default 2048; at most the target's max_position_embeddings)")
+    p.add_argument("--beyond-max-positions", action="store_true",
+                   help="allow --max-seq-len past the target's max_position_embeddings")
     p.add_argument("--logits", action="store_true", help="target.onnx also emits fp32 logits [n, V]")
     p.add_argument("--no-fuse-context", action="store_true",
                    help="target emits raw taps; the drafter applies fc + hidden_norm itself")
@@ -29,16 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     from dflash2.export.api import export  # heavy imports after argument parsing
+    from dflash2.runtime.session import buffer_bytes
 
     t0 = time.perf_counter()
     try:
         m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, a.logits, not a.no_fuse_context, a.quiet,
-                   a.full_vocab)
+                   a.full_vocab, a.beyond_max_positions)
     except Dflash2Error as e:
         print(f"dflash2-export: error: {e}", file=sys.stderr)
         return 2
     vocab = f", draft vocabulary {m.draft_vocab.size} ids" if m.draft_vocab else ""
-    print(f"exported {a.out} in {time.perf_counter() - t0:.1f} s (dtype {m.dtype}, block size {m.block_size}{vocab})")
+    print(f"exported {a.out} in {time.perf_counter() - t0:.1f} s (dtype {m.dtype}, block size {m.block_size}{vocab}; "
+          f"dflash2-run allocates {buffer_bytes(m, m.max_seq_len) / 2**20:.1f} MiB of buffers for max_seq_len "
+          f"{m.max_seq_len})")
     print_files(m.files)
     return 0
 

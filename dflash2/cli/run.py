@@ -8,19 +8,21 @@ import json
 import sys
 from pathlib import Path
 
+from dflash2.cli.args import negative_ids_joined, parse_ids, read_prompt
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
 
-def parse_ids(s: str) -> list[int]:
-    out = []
-    for part in s.split(","):
-        part = part.strip()
-        try:
-            out.append(int(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not an integer (expected e.g. 1,2,3)") from None
-    return out
+def check_flags(a: argparse.Namespace) -> None:
+    """Flags that would have no effect in this combination are errors, not silently ignored."""
+    if a.system is not None and not a.chat:
+        raise Dflash2Error("--system: only used with --chat (it is the chat template's system message); add --chat")
+    if a.chat and a.prompt_ids is not None:
+        raise Dflash2Error("--chat: applies to a text --prompt; --prompt-ids are used as given")
+    if any(s == "" for s in a.stop):
+        raise Dflash2Error("--stop: expected a non-empty string, found '' (it would stop before the first token)")
+    if a.max_new_tokens < 1:
+        raise Dflash2Error(f"--max-new-tokens: expected >= 1, found {a.max_new_tokens}")
 
 
 def stats_table(stats: dict, backend: str) -> str:
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-run", description=__doc__)
     p.add_argument("folder", type=Path, help="export folder (dflash2-export) or engine folder (dflash2-build)")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt", help="text prompt")
+    g.add_argument("--prompt", help="text prompt ('-': read it from stdin)")
     g.add_argument("--prompt-ids", type=parse_ids, help="comma-separated token ids")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     p.add_argument("--system", help="system message for --chat")
@@ -51,14 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], help="override the automatic choice")
     p.add_argument("--json", action="store_true", help="print ids and stats as one JSON object")
-    a = p.parse_args(argv)
+    a = p.parse_args(negative_ids_joined(sys.argv[1:] if argv is None else argv))
     from dflash2.runtime.api import Runtime
 
     try:
-        if a.max_new_tokens < 1:
-            raise Dflash2Error(f"--max-new-tokens: expected >= 1, found {a.max_new_tokens}")
-        rt = Runtime(a.folder, backend=a.backend)
-        ids = rt.prompt_ids(text=a.prompt, ids=a.prompt_ids, chat=a.chat, system=a.system)
+        check_flags(a)
+        prompt = None if a.prompt is None else read_prompt(a.prompt)
+        log = None if a.json else (lambda line: print(f"dflash2-run: {line}", file=sys.stderr))
+        rt = Runtime(a.folder, backend=a.backend, log=log)
+        ids = rt.prompt_ids(text=prompt, ids=a.prompt_ids, chat=a.chat, system=a.system)
         stream = None if a.json or a.prompt is None else (lambda t: print(t, end="", flush=True))
         gen = rt.generate(ids, a.max_new_tokens, speculative=not a.no_spec, stop=a.stop, on_text=stream,
                           draft_len=a.draft_len)

@@ -50,9 +50,10 @@ def tool_versions() -> dict[str, str]:
 
 def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
            max_seq_len: int = 2048, force: bool = False, emit_logits: bool = False, fuse_context: bool = True,
-           quiet: bool = False, full_vocab: bool = False) -> mf.ExportManifest:
+           quiet: bool = False, full_vocab: bool = False, beyond_max_positions: bool = False) -> mf.ExportManifest:
     """Returns the manifest written. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
-    full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary)."""
+    full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary).
+    beyond_max_positions: allow max_seq_len past the target's max_position_embeddings."""
     if dtype not in DTYPES:
         raise OutputError(f"--dtype: expected one of {list(DTYPES)}, found {dtype!r}")
     out = Path(out_dir).absolute()
@@ -61,6 +62,10 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     check_pair(dc, tc, drafter_dir, target_dir)
     if max_seq_len < dc.block_size + 2:
         raise OutputError(f"--max-seq-len: expected >= block_size + 2 = {dc.block_size + 2}, found {max_seq_len}")
+    if max_seq_len > tc.max_position_embeddings and not beyond_max_positions:
+        raise OutputError(f"--max-seq-len: expected <= max_position_embeddings {tc.max_position_embeddings} of "
+                          f"{Path(target_dir) / 'config.json'}, found {max_seq_len} (the target was not trained on "
+                          f"longer sequences; pass --beyond-max-positions to export it anyway)")
     specs_count = 3 if dc.version == 2 else 2
     progress = Progress(1 + 2 * specs_count + 1, quiet)
     with progress.step("loading and checking the checkpoints"):

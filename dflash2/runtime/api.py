@@ -43,6 +43,10 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
         return TrtBackend(folder, manifest)
     from dflash2.runtime.engines import OrtBackend
 
+    if manifest.dtype == "bfloat16" and (provider or "CPUExecutionProvider") == "CPUExecutionProvider":
+        raise Dflash2Error(f"{folder}: a bfloat16 export cannot run on ONNX Runtime's CPU provider (it has no "
+                           f"bfloat16 kernels); build TensorRT engines from it (dflash2-build), or export with "
+                           f"--dtype float32 for the CPU")
     if isinstance(manifest, mf.EngineManifest):  # an engine folder remembers the export it was built from
         folder = Path(manifest.export_dir)
         manifest = mf.load(folder, mf.ExportManifest, check_files=False)  # weights not rehashed at every start
@@ -52,12 +56,14 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
 
 class Runtime:
     def __init__(self, folder: str | Path, backend: str | None = None, verify: bool = True,
-                 max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None):
+                 max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None,
+                 log: Callable[[str], None] | None = None):
+        """log: where a line about what is allocated goes before allocating (dflash2-run: stderr)."""
         self.folder = Path(folder)
         self.manifest = mf.load(self.folder, check_files=verify)
         self.backend_name = pick_backend(self.manifest, backend)
         self.session = SpecSession(self.manifest, make_backend(self.folder, self.manifest, self.backend_name,
-                                                               provider, threads), max_seq_len)
+                                                               provider, threads), max_seq_len, log)
         self._text: Text | None = None
 
     @property

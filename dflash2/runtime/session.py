@@ -13,7 +13,7 @@ The verify pass wrote its context rows at [0, S+1); committing acc+1 of them nee
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -25,13 +25,41 @@ class CapacityError(ValueError):
     pass
 
 
+def buffer_bytes(manifest: ModelFacts, max_seq_len: int) -> int:
+    """Bytes of the session's buffers (plan in the module docstring): known before allocating."""
+    m = manifest
+    itemsize = 4 if m.dtype == "float32" else 2
+    row = int(np.prod(m.kv.rows.target)) + int(np.prod(m.kv.rows.drafter)) + m.context.width
+    return max_seq_len * (row * itemsize + 2 * 4)  # + ids / next_ids int32
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class SpecSession:
-    def __init__(self, manifest: ModelFacts, backend: Backend, max_seq_len: int | None = None):
+    def __init__(self, manifest: ModelFacts, backend: Backend, max_seq_len: int | None = None,
+                 log: Callable[[str], None] | None = None):
         m = manifest
         self.manifest, self.backend = m, backend
         self.block_size, S = m.block_size, m.num_drafts
         self.vocab_size = m.vocab_size
         self.max_seq_len = T = min(max_seq_len or m.max_seq_len, m.max_seq_len)
+        self.buffer_bytes = need = buffer_bytes(m, T)
+        if log is not None:
+            log(f"allocating {need / 2**20:.1f} MiB of KV and context buffers (max_seq_len {T})")
+        free = available_host_bytes() if backend.name == "onnxruntime" else None  # host buffers only
+        if free is not None and need > free:
+            raise CapacityError(f"max_seq_len {T}: the KV and context buffers need {need / 2**30:.1f} GiB, "
+                                f"{free / 2**30:.1f} GiB of memory is available (export with a smaller --max-seq-len)")
         dt = NP_DTYPES[m.dtype] if m.dtype in NP_DTYPES else np.uint16  # bf16 storage: 16-bit words
         self.target, self.drafter = backend.engine("target"), backend.engine("drafter")
         self.kv = backend.device_buffer((T, *m.kv.rows.target), dt)

@@ -20,7 +20,7 @@ class Text:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{folder}: expected tokenizer.json (copied from the target at export), found none; "
-                                 f"use --prompt-ids")
+                                 f"text prompts, --stop and text output need it (--prompt-ids without --stop do not)")
         self.tok = Tokenizer.from_file(str(path))
         cfg_path = folder / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}

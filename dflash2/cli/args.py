@@ -1,0 +1,48 @@
+"""Argument helpers shared by the CLIs: token-id lists, prompts from argv or stdin."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from dflash2.errors import Dflash2Error
+
+
+def parse_ids(s: str) -> list[int]:
+    out = []
+    for part in s.split(","):
+        part = part.strip()
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not an integer (expected e.g. 1,2,3)") from None
+    return out
+
+
+def read_prompt(prompt: str) -> str:
+    """`-` reads the prompt from stdin; bytes that are not UTF-8 are named, not passed to the tokenizer."""
+    if prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise Dflash2Error(f"stdin: expected UTF-8 text, found byte 0x{data[e.start]:02x} at offset {e.start}") \
+                from None
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv bytes that were not UTF-8 arrive as lone surrogates
+        raise Dflash2Error(f"--prompt: expected UTF-8 text, found undecodable bytes at character {e.start}") from None
+    return prompt
+
+
+def negative_ids_joined(argv: list[str]) -> list[str]:
+    """`--prompt-ids -1,2` would read as an unknown option to argparse: join it as `--prompt-ids=-1,2`
+    so parse_ids and the vocabulary check can name the bad id."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--prompt-ids" and re.fullmatch(r"-\d[\d,\s-]*", arg):
+            out[-1] = f"--prompt-ids={arg}"
+        else:
+            out.append(arg)
+    return out

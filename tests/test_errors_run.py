@@ -1,0 +1,123 @@
+"""dflash2-run / dflash2-export argument and environment errors: one line each, exit 2, no traceback,
+nothing written (the export cases also prove they fail before any weight is loaded)."""
+
+from __future__ import annotations
+
+import errno
+import io
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from dflash2 import manifest as mf
+from dflash2 import tiny
+from dflash2.cli import export as export_cli
+from dflash2.cli import run as run_cli
+from dflash2.runtime import session as rs
+from dflash2.runtime.api import make_backend
+from tests.errorcheck import one_line_error, snapshot
+
+
+def _run(capsys, *args) -> str:
+    assert run_cli.main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err  # the buffer line comes first when the run got that far
+    return one_line_error("\n".join(ln for ln in err.splitlines() if " allocating " not in ln), "dflash2-run")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt-ids", "-1,2"], "prompt ids [-1] are outside the vocabulary [0, "),
+    (["--prompt", "hi", "--stop", ""], "--stop: expected a non-empty string, found ''"),
+    (["--prompt", "hi", "--system", "be brief"], "--system: only used with --chat"),
+    (["--prompt-ids", "1,2", "--chat"], "--chat: applies to a text --prompt"),
+    (["--prompt", "caf\udce9"], "--prompt: expected UTF-8 text, found undecodable bytes at character 3"),
+])
+def test_run_flag_errors(capsys, exports, args, message):
+    assert message in _run(capsys, exports[("llama", 1)], *args)
+
+
+def test_prompt_from_stdin(capsys, exports, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"the model \xff")))
+    assert "stdin: expected UTF-8 text, found byte 0xff at offset 10" in _run(capsys, exports[("qwen3", 2)],
+                                                                                  "--prompt", "-")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("the model".encode())))
+    assert run_cli.main([str(exports[("qwen3", 2)]), "--prompt", "-", "--max-new-tokens", "4", "--json"]) == 0
+
+
+def test_buffers_that_do_not_fit_are_refused_before_allocating(capsys, exports, monkeypatch):
+    monkeypatch.setattr(rs, "available_host_bytes", lambda: 1 << 20)  # 1 MiB left
+    msg = _run(capsys, exports[("llama", 1)], "--prompt-ids", "1,2", "--json")
+    assert "max_seq_len 6000: the KV and context buffers need" in msg and "0.0 GiB of memory is available" in msg
+
+
+def test_run_prints_the_buffer_estimate_first(capsys, exports):
+    assert run_cli.main([str(exports[("llama", 1)]), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 0
+    m = mf.load(exports[("llama", 1)])
+    want = f"dflash2-run: allocating {rs.buffer_bytes(m, 6000) / 2**20:.1f} MiB of KV and context buffers"
+    assert capsys.readouterr().err.startswith(want)
+
+
+def test_bfloat16_on_the_cpu_provider_names_the_dtype(tmp_path):
+    with pytest.raises(Exception, match="a bfloat16 export cannot run on ONNX Runtime's CPU provider"):
+        make_backend(tmp_path, SimpleNamespace(dtype="bfloat16"), "onnxruntime")  # checked before any graph
+
+
+@pytest.fixture
+def nan_pair(tmp_path):
+    """A pair whose weights fail to load: an export error about anything else came before loading."""
+    d, t = tiny.make_pair(tmp_path / "in", family="llama", version=1)
+    w = load_file(str(d / "model.safetensors"))
+    w["norm.weight"][0] = float("nan")
+    save_file(w, str(d / "model.safetensors"))
+    return d, t
+
+
+def _export(capsys, pair, out, *extra) -> str:
+    code = export_cli.main(["--model", str(pair[0]), "--target", str(pair[1]), "--out", str(out), "--quiet", *extra])
+    assert code == 2
+    return one_line_error(capsys.readouterr().err, "dflash2-export")
+
+
+def test_max_seq_len_bounded_by_the_targets_positions(tmp_path, capsys, nan_pair):
+    before = snapshot(tmp_path)
+    msg = _export(capsys, nan_pair, tmp_path / "o", "--max-seq-len", "9000")
+    assert "--max-seq-len: expected <= max_position_embeddings 8192 of" in msg and "--beyond-max-positions" in msg
+    # with the override the bound is passed: the export goes on to load the weights (and finds the NaN)
+    assert "NaN" in _export(capsys, nan_pair, tmp_path / "o", "--max-seq-len", "9000", "--beyond-max-positions")
+    assert snapshot(tmp_path) == before
+
+
+def test_output_under_proc_fails_before_loading(tmp_path, capsys, nan_pair):
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc on this system")
+    msg = _export(capsys, nan_pair, Path("/proc/dflash2-out"))
+    assert "cannot create the output folder in /proc: the filesystem refuses new folders there" in msg
+
+
+def test_read_only_filesystem_is_named(tmp_path, capsys, nan_pair, monkeypatch):
+    # no read-only mount is available to an unprivileged test: the kernel's answer (EROFS) is injected
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *a, **k):
+        if self.parent == tmp_path / "ro":
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **k)
+
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    msg = _export(capsys, nan_pair, tmp_path / "ro" / "out")
+    assert msg.endswith("it is on a read-only filesystem") and "permission denied" not in msg
+    assert list((tmp_path / "ro").iterdir()) == []
+
+
+def test_tokenizer_message_names_what_needs_it(tmp_path, exports):
+    from dflash2.runtime.text import Text, TokenizerError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(exports[("llama", 1)], copy)
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match=r"text prompts, --stop and text output need it \(--prompt-ids"):
+        Text(copy)
