@@ -18,7 +18,7 @@ import pytest
 from dflash2 import folders, tiny
 from tests.errorcheck import snapshot
 
-CLIS = ["export", "build", "run", "bench", "compare", "demo", "draft_vocab", "make_tiny", "train"]
+CLIS = ["export", "build", "run", "bench", "compare", "demo", "draft_vocab", "make_tiny", "train", "plugins"]
 
 
 @pytest.fixture(scope="module")
