@@ -12,6 +12,7 @@ from dflash2.reference.backend import TorchBackend
 from dflash2.reference.load import load_pair
 from dflash2.speculative import generate
 from dflash2.train.data import generate_corpus, load_corpus, make_prompts
+from dflash2.train import state
 from dflash2.train.trainer import STATE, Teacher, TrainConfig, accepted_lengths, offline_acceptance, train
 
 
@@ -121,11 +122,11 @@ def test_resume_continues_from_the_saved_step(tmp_path, corpus):
     c = TrainConfig(layers=1, block_size=6, top_k=4, rank=8, steps=10, seqs_per_step=2, anchors_per_seq=4,
                     tap_ids=(1, 2), mask_token_id=3, eval_every=100, save_every=5)
     train(target_dir, tmp_path / "d", records, c, log_fn=lambda m: None)
-    assert json.loads((tmp_path / "d" / STATE / "resume.json").read_text())["step"] == 10
+    assert state.step_of(tmp_path / "d") == 10
     logs = []
     c.steps = 15
     train(target_dir, tmp_path / "d", records, c, log_fn=logs.append)
-    assert logs[0] == "resumed at step 10" and json.loads((tmp_path / "d" / STATE / "resume.json").read_text())["step"] == 15
+    assert logs[0] == "resumed at step 10" and state.step_of(tmp_path / "d") == 15
 
 
 def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus, capsys):
@@ -133,7 +134,7 @@ def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus, capsys):
 
     target_dir, _ = corpus
     code = train_cli.main(["--target", str(target_dir), "--out", str(tmp_path / "d"), "--corpus", str(tmp_path / "c"),
-                           "--prompts", "12", "--max-new-tokens", "16", "--taps", "1,2", "--steps", "4",
+                           "--prompts", "templated:12", "--max-new-tokens", "16", "--taps", "1,2", "--steps", "4",
                            "--block-size", "5", "--top-k", "4", "--rank", "8", "--seqs-per-step", "2",
                            "--anchors", "3", "--mask-token-id", "3", "--threads", "1", "--draft-vocab", "20",
                            "--kd-weight", "0.5", "--train-records", "5"])

@@ -10,6 +10,7 @@ Checkpoints are safetensors (weights and optimizer moments), never pickle.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -19,9 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dflash2.config import load_drafter_config, load_target_config
+from dflash2.errors import Dflash2Error
+from dflash2.train import distributed, state
+from dflash2.train.state import STATE  # noqa: F401 (the checkpoint folder's state subfolder)
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.layers import rope_cos_sin
 from dflash2.reference.load import load_target
@@ -57,7 +61,7 @@ class TrainConfig:
 def drafter_config_dict(target_dir: str | Path, c: TrainConfig) -> dict:
     t = load_target_config(target_dir)
     return {
-        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": t.hidden_size,
+        "architectures": ["DFlash2DraftModel"], "model_type": t.family, "hidden_size": t.hidden_size,
         "intermediate_size": t.intermediate_size, "num_hidden_layers": c.layers,
         "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
         "vocab_size": t.vocab_size, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope.theta,
@@ -157,7 +161,7 @@ def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: 
         logits = hidden @ d.head_weight[vocab].T  # [nb, S, U]
         to_vocab = vocab
         labels = torch.where(labels >= 0, torch.searchsorted(vocab, labels.clamp(min=0)), labels)
-    w = torch.exp(-torch.arange(S, dtype=torch.float32) / gamma)  # position k+1 -> exp(-k/gamma)
+    w = torch.exp(-torch.arange(S, dtype=torch.float32, device=hidden.device) / gamma)  # position k+1 -> exp(-k/gamma)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none").view_as(labels)
     valid = labels >= 0
     if teacher is not None and kd_weight > 0:  # soft labels: the target's whole next-token distribution
@@ -169,19 +173,24 @@ def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: 
     sel = d.candidate_selector
     with torch.no_grad():
         unary, cand = logits.detach().float().topk(K, dim=-1)  # [nb, S, K] (shortlist positions)
+    with torch.autocast(hidden.device.type, enabled=False):  # the selector's math stays fp32 under bf16
+        sel_loss = _selector_loss(sel, hidden.detach().float(), unary, cand, labels, valid, anchor_ids, to_vocab,
+                                  d.config.output_multiplier if multiplier is None else multiplier)
+    return draft_loss, sel_loss
+
+
+def _selector_loss(sel, hidden, unary, cand, labels, valid, anchor_ids, to_vocab, m):
     prev_labels = labels[:, :-1].clamp(min=0)  # [nb, S-1]: shortlist positions when `vocab` is given
     prev = torch.cat([anchor_ids[:, None], prev_labels if to_vocab is None else to_vocab[prev_labels]], 1)  # [nb, S]
-    gate = hidden.detach() @ sel.hidden_projection.weight.T  # [nb, S, R]
+    gate = hidden @ sel.hidden_projection.weight.T  # [nb, S, R]
     cand_vocab = cand if to_vocab is None else to_vocab[cand]
     pair = torch.einsum("nsr,nskr->nsk", sel.predecessor_codebook[prev] * gate, sel.successor_codebook[cand_vocab])
     hit = cand == labels[..., None]  # [nb, S, K]
     present = hit.any(-1) & valid
     target = hit.float().argmax(-1)
-    m = d.config.output_multiplier if multiplier is None else multiplier
     sel_ce = F.cross_entropy((unary * m + pair).flatten(0, 1), target.flatten(),
                              reduction="none").view_as(labels)
-    sel_loss = (sel_ce * present).sum() / present.sum().clamp(min=1)
-    return draft_loss, sel_loss
+    return (sel_ce * present).sum() / present.sum().clamp(min=1)
 
 
 @torch.no_grad()
@@ -230,108 +239,194 @@ def _set_multiplier(d: Drafter, folder: Path, value: float) -> None:
     path.write_text(json.dumps(cfg, indent=2))
 
 
-def save_drafter(d: Drafter, folder: Path, dtype=torch.float16) -> None:
-    state = {k: v.detach().to(dtype).contiguous() for k, v in d.state_dict().items()
-             if not k.startswith("train_")}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+def save_drafter(d: Drafter, folder: Path, dtype=torch.float16, max_shard_mb: float | None = None) -> None:
+    """fp16 safetensors; with `max_shard_mb`, sharded (model-0000N-of-0000M.safetensors + the standard
+    index) so no file exceeds that size (files travelling back from a GPU machine are capped)."""
+    state_ = {k: v.detach().to(dtype).cpu().contiguous() for k, v in d.state_dict().items()
+              if not k.startswith("train_")}
+    limit = None if max_shard_mb is None else int(max_shard_mb * 2**20)
+    total = sum(v.numel() * v.element_size() for v in state_.values())
+    if limit is None or total <= limit:
+        save_file(state_, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards, cur, size = [], {}, 0
+    for k, v in state_.items():
+        n = v.numel() * v.element_size()
+        if n > limit:
+            raise Dflash2Error(f"tensor {k} is {n / 2**20:.1f} MB, over the {max_shard_mb} MB shard limit")
+        if cur and size + n > limit:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = v, size + n
+    shards.append(cur)
+    weight_map = {}
+    for i, sh in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, str(folder / name), metadata={"format": "pt"})
+        weight_map |= {k: name for k in sh}
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
-STATE = "train_state"  # resumable state lives in a subfolder: the checkpoint folder holds only the model
+def _warm_start(d: Drafter, folder: Path, log_mult: torch.nn.Parameter) -> None:
+    """Weights (and the learned unary scale) of an existing drafter with the same shapes."""
+    from dflash2.checkpoint import load_tensors as load_state_dict
+
+    src = load_drafter_config(folder)
+    weights = load_state_dict(folder)
+    own = d.state_dict()
+    bad = sorted(k for k in own if not k.startswith("train_") and (k not in weights or weights[k].shape != own[k].shape))
+    if bad:
+        raise Dflash2Error(f"{folder}: --init-weights expected a drafter with this run's shapes; differing tensors "
+                           f"{bad[:6]} (layers, block size, top-K, rank and taps must match)")
+    d.load_state_dict({k: weights[k].float() for k in own if not k.startswith("train_")}, strict=False)
+    with torch.no_grad():
+        log_mult.fill_(math.log(src.output_multiplier))
 
 
-def _save_resume(folder: Path, d: Drafter, opt: torch.optim.Optimizer, step: int, c: TrainConfig, log: list) -> None:
-    folder = folder / STATE
-    folder.mkdir(exist_ok=True)
-    tensors = {f"param/{k}": v.detach().contiguous() for k, v in d.state_dict().items()}
-    names = {id(p): n for n, p in d.named_parameters()}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    tensors[f"{key}/{names[id(p)]}"] = st[key].contiguous()
-    save_file(tensors, str(folder / "resume.safetensors.tmp"))
-    (folder / "resume.safetensors.tmp").rename(folder / "resume.safetensors")
-    (folder / "resume.json").write_text(json.dumps({"step": step, "config": asdict(c), "log": log}, indent=1))
+class _StepLoss(torch.nn.Module):
+    """One micro-batch's loss as a module call, so torch's DDP can hook its gradient all-reduce."""
+
+    def __init__(self, d: Drafter, c: TrainConfig, teacher: Teacher | None):
+        super().__init__()
+        self.d, self.c, self.teacher = d, c, teacher
+
+    def forward(self, items: list[tuple[dict, list[int]]], vocab, log_mult, device: str):
+        c, total, dl_sum, sl_sum, tokens = self.c, 0.0, 0.0, 0.0, 0
+        for rec, anchors in items:
+            rec = {"ids": rec["ids"].to(device), "taps": rec["taps"].to(device), "prompt_len": rec["prompt_len"]}
+            hidden, labels, anchor_ids = block_forward(self.d, rec, anchors)
+            soft = None
+            if self.teacher is not None:  # row k of the block at anchor a predicts token a+k: target position a+k-1
+                rows = torch.tensor(anchors)[:, None] + torch.arange(labels.shape[1])[None, :]  # [nb, S]
+                soft = self.teacher.logits(rec, rows, vocab)
+            dl, sl = losses(self.d, hidden, labels, anchor_ids, c.gamma, c.top_k, vocab, log_mult.exp(), soft,
+                            c.kd_weight)
+            total = total + (dl + c.selector_weight * sl) / c.seqs_per_step
+            dl_sum, sl_sum, tokens = dl_sum + dl.item(), sl_sum + sl.item(), tokens + int((labels >= 0).sum())
+        return total, dl_sum, sl_sum, tokens
 
 
-def _load_resume(folder: Path, d: Drafter, opt: torch.optim.Optimizer) -> tuple[int, list]:
-    folder = folder / STATE
-    meta = json.loads((folder / "resume.json").read_text())
-    t = load_file(str(folder / "resume.safetensors"))
-    state = {k[6:]: v for k, v in t.items() if k.startswith("param/")}
-    missing, unexpected = d.load_state_dict(state, strict=False)
-    if unexpected or any(not k.startswith("train_") for k in missing):
-        raise ValueError(f"{folder}: resume state does not match the model: missing {missing}, unexpected {unexpected}")
-    for n, p in d.named_parameters():
-        if f"exp_avg/{n}" in t:
-            opt.state[p] = {"step": torch.tensor(float(meta["step"])), "exp_avg": t[f"exp_avg/{n}"],
-                            "exp_avg_sq": t[f"exp_avg_sq/{n}"]}
-    return meta["step"], meta["log"]
+def _draw(records, c: TrainConfig, rng: random.Random) -> list[tuple[dict, list[int]]]:
+    """The global batch: the same sequences and anchors on every rank (same generator, same calls)."""
+    out = []
+    for rec in rng.sample(records, min(c.seqs_per_step, len(records))):
+        anchors = sample_anchors(rec, c.anchors_per_seq, rng)
+        if anchors:
+            out.append((rec, anchors))
+    return out
 
 
-def train(target_dir: str | Path, out_dir: str | Path, records: list[dict], c: TrainConfig,
-          eval_records: list[dict] | None = None, log_fn=print) -> dict:
+def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
+          eval_records: list | None = None, log_fn=print, device: str = "cpu", dtype: str = "fp32",
+          grad_accum: int = 1, init_weights: str | Path | None = None, max_shard_mb: float | None = None) -> dict:
+    """Train (or resume) a drafter into `out_dir`. Under torchrun every rank calls this with the same
+    arguments; rank 0 alone writes. `records`: a sequence of corpus records (lazy taps are fine)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    world = distributed.join(device)
+    dev = world.device
+    log = log_fn if world.main else (lambda m: None)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+    distributed.barrier(world)
     torch.manual_seed(c.seed)
     rng = random.Random(c.seed)
     target = load_target(target_dir, ())
-    d = init_drafter(target, drafter_config_dict(target_dir, c), out, c.init_from)
+    cfg_dict = drafter_config_dict(target_dir, c)
+    d = init_drafter(target, cfg_dict, out, c.init_from) if world.main else None
+    distributed.barrier(world)
+    if d is None:  # the same fresh drafter on every rank (init is seeded, config.json written by rank 0)
+        d = init_drafter(target, cfg_dict, _scratch(out, world), c.init_from)
     teacher = Teacher(target, c.tap_ids) if c.kd_weight > 0 else None  # keeps the layers after the last tap
     del target.layers  # otherwise only the embedding / LM head (buffers of the drafter) are needed
     log_mult = torch.nn.Parameter(torch.zeros(()), requires_grad=c.learn_multiplier)
     d.register_parameter("train_log_multiplier", log_mult)  # saved in train_state, not in the checkpoint
+    if init_weights:
+        _warm_start(d, Path(init_weights), log_mult)
+        log(f"initialised from {init_weights}")
+    d.to(dev)
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, history = 0, []
-    if (out / STATE / "resume.json").is_file():
-        step, history = _load_resume(out, d, opt)
-        log_fn(f"resumed at step {step}")
-    K, t0, step0 = c.top_k, time.perf_counter(), step
+    if state.path(out).is_file():
+        step, history, py_state = state.load(out, d, opt)
+        rng.setstate(py_state)
+        log(f"resumed at step {step}")
+    if teacher is not None:
+        for layer in teacher.layers:
+            layer.to(dev)
+    module = _StepLoss(d, c, teacher)
+    ddp = DDP(module, broadcast_buffers=False) if world.size > 1 else module
+    t0, step0, tok_total = time.perf_counter(), step, 0
     corpus_vocab = torch.unique(torch.cat([r["ids"] for r in records]))  # every token the target produced
     V = d.config.vocab_size
+    autocast = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dtype == "bf16")
     while step < c.steps:
         lr = c.lr * min(1.0, (step + 1) / c.warmup) * 0.5 * (1 + math.cos(math.pi * step / c.steps))
         for g in opt.param_groups:
             g["lr"] = lr
         d.train()
         opt.zero_grad(set_to_none=True)
-        dl_sum = sl_sum = 0.0
         vocab = None
         if c.shortlist:
-            negatives = torch.randint(0, V, (c.negatives,))
-            vocab = torch.unique(torch.cat([corpus_vocab, negatives, torch.tensor([c.mask_token_id])]))
-        for rec in rng.sample(records, min(c.seqs_per_step, len(records))):
-            anchors = sample_anchors(rec, c.anchors_per_seq, rng)
-            if not anchors:
-                continue
-            hidden, labels, anchor_ids = block_forward(d, rec, anchors)
-            soft = None
-            if teacher is not None:  # row k of the block at anchor a predicts token a+k: target position a+k-1
-                rows = torch.tensor(anchors)[:, None] + torch.arange(labels.shape[1])[None, :]  # [nb, S]
-                soft = teacher.logits(rec, rows, vocab)
-            dl, sl = losses(d, hidden, labels, anchor_ids, c.gamma, K, vocab, log_mult.exp(), soft, c.kd_weight)
-            ((dl + c.selector_weight * sl) / c.seqs_per_step).backward()
-            dl_sum, sl_sum = dl_sum + dl.item(), sl_sum + sl.item()
+            negatives = torch.randint(0, V, (c.negatives,))  # torch's generator: identical on every rank
+            vocab = torch.unique(torch.cat([corpus_vocab, negatives, torch.tensor([c.mask_token_id])])).to(dev)
+        mine = distributed.share(_draw(records, c, rng), world)
+        micro = [mine[i::grad_accum] for i in range(grad_accum)]
+        dl_sum = sl_sum = tokens = 0.0
+        for i, items in enumerate(micro):
+            last = i == len(micro) - 1
+            with ddp.no_sync() if world.size > 1 and not last else contextlib.nullcontext():
+                with torch.device(dev), autocast:
+                    loss, dl, sl, n = ddp(items, vocab, log_mult, dev)
+                if torch.is_tensor(loss):
+                    (loss * world.size).backward()  # DDP averages over ranks; the global batch is a sum
+                elif world.size > 1:  # no sequence here: still take part in the all-reduce, with zero grads
+                    (sum(p.sum() for p in params) * 0.0).backward()
+            dl_sum, sl_sum, tokens = dl_sum + dl, sl_sum + sl, tokens + n
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
+        dl_sum, sl_sum, tokens = distributed.sum_across([dl_sum, sl_sum, tokens], world)
+        tok_total += tokens
         if step % 10 == 0 or step == c.steps:
-            rate = (time.perf_counter() - t0) / max(step - step0, 1)
-            log_fn(f"step {step}/{c.steps}  draft CE {dl_sum / c.seqs_per_step:.3f}  selector CE "
-                   f"{sl_sum / c.seqs_per_step:.3f}  lr {lr:.2e}  {rate:.2f} s/step  ETA {(c.steps - step) * rate / 60:.1f} min")
-        if eval_records and (step % c.eval_every == 0 or step == c.steps):
+            el = time.perf_counter() - t0
+            rate = el / max(step - step0, 1)
+            bar = "#" * int(20 * step / c.steps)
+            log(f"step {step}/{c.steps} [{bar:<20}] draft CE {dl_sum / c.seqs_per_step:.3f}  selector CE "
+                f"{sl_sum / c.seqs_per_step:.3f}  {tok_total / el:,.0f} label tok/s  lr {lr:.2e}  "
+                f"{rate:.2f} s/step  ETA {(c.steps - step) * rate / 60:.1f} min")
+        if world.main and eval_records and (step % c.eval_every == 0 or step == c.steps):
             d.eval()
             _set_multiplier(d, out, float(log_mult.detach().exp()))
-            acc = offline_acceptance(d, eval_records[: c.eval_seqs])
+            with torch.device(dev):
+                acc = offline_acceptance(d, [_on(r, dev) for r in eval_records[: c.eval_seqs]])
             history.append({"step": step, **acc})
-            log_fn(f"eval @ {step}: tau selector {acc['selector']:.3f}  top1 {acc['top1']:.3f}  "
-                   f"oracle {acc['oracle']:.3f}  ({acc['blocks']} held-out blocks)")
-        if step % c.save_every == 0 or step == c.steps:
-            _save_resume(out, d, opt, step, c, history)
-    d.eval()
-    _set_multiplier(d, out, float(log_mult.detach().exp()))
-    save_drafter(d, out)
-    (out / "training.json").write_text(json.dumps({"config": asdict(c), "history": history}, indent=1))
+            log(f"eval @ {step}: tau selector {acc['selector']:.3f}  top1 {acc['top1']:.3f}  "
+                f"oracle {acc['oracle']:.3f}  ({acc['blocks']} held-out blocks)")
+        if world.main and (step % c.save_every == 0 or step == c.steps):
+            state.save(out, d, opt, step, asdict(c), history, rng.getstate())
+        distributed.barrier(world)
+    if world.main:
+        d.eval()
+        _set_multiplier(d, out, float(log_mult.detach().exp()))
+        save_drafter(d, out, max_shard_mb=max_shard_mb)
+        (out / "training.json").write_text(json.dumps({"config": asdict(c), "history": history}, indent=1))
+    distributed.barrier(world)
+    distributed.leave(world)
     return {"history": history}
+
+
+def _on(rec, dev: str) -> dict:
+    return {"ids": rec["ids"].to(dev), "taps": rec["taps"].to(dev), "prompt_len": rec["prompt_len"]}
+
+
+def _scratch(out: Path, world) -> Path:
+    """Non-zero ranks build their drafter from a private copy of the config (they never write `out`)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=f"dflash2-rank{world.rank}-"))
+    (folder / "config.json").write_text((out / "config.json").read_text())
+    return folder

@@ -1,0 +1,184 @@
+"""The on-disk training corpus: the target's answers (ids) and its taps, in memory-mapped shards.
+
+A corpus can be far larger than RAM (ShareGPT at scale is tens of GB of taps), so nothing loads it
+whole: each shard is one safetensors file of flat tensors
+
+    ids [N] int32, taps [M, n_taps * H] fp16, ids_offsets [R + 1], taps_offsets [R + 1], prompt_len [R]
+
+and a record's taps are read by `safe_open(...).get_slice` (an mmap) only when the trainer touches
+them. `corpus.json` is written first (taps, prompts, settings) and marked complete last, so a
+generation killed at any point resumes at the first missing shard and a partial corpus is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash2.errors import Dflash2Error
+
+META = "corpus.json"
+FORMAT = 2  # 1: one key per record (loaded whole); 2: flat memory-mapped shards
+SHARD_GLOB = "shard-*.safetensors"
+
+
+def shard_path(folder: Path, index: int) -> Path:
+    return folder / f"shard-{index:05d}.safetensors"
+
+
+def save_shard(path: Path, records: list[dict]) -> None:
+    """Atomic: a shard exists whole or not at all (written to a temp name, then renamed)."""
+    ids = [torch.as_tensor(r["ids"], dtype=torch.int32) for r in records]
+    taps = [r["taps"].to(torch.float16) for r in records]
+    tensors = {
+        "ids": torch.cat(ids), "taps": torch.cat(taps).contiguous(),
+        "ids_offsets": torch.tensor([0] + [len(x) for x in ids]).cumsum(0).to(torch.int64),
+        "taps_offsets": torch.tensor([0] + [len(t) for t in taps]).cumsum(0).to(torch.int64),
+        "prompt_len": torch.tensor([r["prompt_len"] for r in records], dtype=torch.int32),
+    }
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"format": str(FORMAT)})
+    os.replace(tmp, path)
+
+
+class Record(Mapping):
+    """One sequence: 'ids' [T+1] (long), 'prompt_len', and 'taps' [T, n*H] (fp16), read on access."""
+
+    def __init__(self, shard: "_Shard", j: int):
+        self._shard, self._j = shard, j
+        a, b = shard.ids_offsets[j], shard.ids_offsets[j + 1]
+        self._ids = shard.ids[a:b].long()
+        self._prompt_len = int(shard.prompt_len[j])
+
+    def __getitem__(self, key: str):
+        if key == "ids":
+            return self._ids
+        if key == "prompt_len":
+            return self._prompt_len
+        if key == "taps":
+            return self._shard.taps(self._j)
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(("ids", "taps", "prompt_len"))
+
+    def __len__(self) -> int:
+        return 3
+
+
+class _Shard:
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._f = safe_open(str(path), framework="pt")
+            keys = set(self._f.keys())
+            need = {"ids", "taps", "ids_offsets", "taps_offsets", "prompt_len"}
+            if not need <= keys:
+                raise Dflash2Error(f"{path}: expected corpus tensors {sorted(need)}, found {sorted(keys)} "
+                                   "(a corpus from an older dflash2? regenerate it)")
+            self.ids = self._f.get_tensor("ids")
+            self.ids_offsets = self._f.get_tensor("ids_offsets").tolist()
+            self.taps_offsets = self._f.get_tensor("taps_offsets").tolist()
+            self.prompt_len = self._f.get_tensor("prompt_len")
+        except (OSError, RuntimeError, ValueError) as e:  # safetensors reports a bad file as these
+            raise Dflash2Error(f"{path}: not a readable corpus shard ({e})") from None
+        self._taps = self._f.get_slice("taps")
+
+    def __len__(self) -> int:
+        return len(self.prompt_len)
+
+    def taps(self, j: int) -> torch.Tensor:
+        return self._taps[self.taps_offsets[j]: self.taps_offsets[j + 1]]
+
+
+class Corpus(Sequence):
+    """All records of a complete corpus folder, lazily: ids are in memory, taps are mmapped."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.meta = read_meta(self.folder, need_complete=True)
+        self._shards = [_Shard(p) for p in sorted(self.folder.glob(SHARD_GLOB))]
+        self._index = [(s, j) for s in self._shards for j in range(len(s))]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        s, j = self._index[i]
+        return Record(s, j)
+
+    def answer_tokens(self) -> int:
+        return sum(len(r["ids"]) - r["prompt_len"] for r in self)
+
+
+def read_meta(folder: Path, need_complete: bool = False) -> dict | None:
+    path = folder / META
+    if not path.is_file():
+        if need_complete:
+            raise Dflash2Error(f"{path}: expected a complete corpus, found none")
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Dflash2Error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise Dflash2Error(f"{path}: expected a JSON object, found {type(meta).__name__}")
+    if meta.get("format", 1) != FORMAT:
+        raise Dflash2Error(f"{path}: corpus format expected {FORMAT}, found {meta.get('format', 1)} "
+                           "(made by another dflash2 version; regenerate it into a new folder)")
+    if need_complete and not meta.get("complete"):
+        raise Dflash2Error(f"{path}: expected a complete corpus, found a partial one "
+                           "(rerun its generation to finish it)")
+    return meta
+
+
+def write_meta(folder: Path, meta: dict) -> None:
+    tmp = folder / (META + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(meta | {"format": FORMAT}, indent=1))
+    os.replace(tmp, folder / META)
+
+
+def start_or_resume(folder: Path, meta: dict, keys=("tap_ids", "prompts", "max_new_tokens", "dtype")) -> set[int]:
+    """Write the metadata of a new corpus, or check a started one was made the same way; returns
+    the indices of the shards already written (resumed by index: only valid for the same settings)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    old = read_meta(folder)
+    if old is None:
+        write_meta(folder, meta | {"complete": False})
+        return set()
+    diff = [k for k in keys if old.get(k) != meta.get(k)]
+    if diff:
+        raise Dflash2Error(f"{folder / META}: this corpus was generated with other {', '.join(diff)} "
+                           f"(tap_ids {old.get('tap_ids')} vs {meta['tap_ids']}, {len(old.get('prompts', []))} vs "
+                           f"{len(meta['prompts'])} prompts); use another folder or delete it")
+    return {int(p.name.split("-")[1].split(".")[0]) for p in folder.glob(SHARD_GLOB)}
+
+
+def corpus_complete(folder: str | Path) -> bool:
+    try:
+        meta = read_meta(Path(folder))
+    except Dflash2Error:
+        return False
+    return bool(meta and meta.get("complete"))
+
+
+def load_corpus(folder: str | Path, tap_ids: list[int] | None = None) -> Corpus:
+    """A complete corpus (lazy); with `tap_ids`, checks they are the taps it was made with."""
+    c = Corpus(folder)
+    if tap_ids is not None and list(c.meta["tap_ids"]) != list(tap_ids):
+        raise Dflash2Error(f"{Path(folder) / META}: tap_ids expected {list(tap_ids)} (--taps), "
+                           f"found {c.meta['tap_ids']}")
+    return c
+
+
+def corpus_answers(folder: str | Path) -> list[list[int]]:
+    """The answers (target-generated ids after each prompt) of a complete corpus, without its taps."""
+    return [r["ids"][r["prompt_len"]:].tolist() for r in Corpus(folder)]

@@ -1,0 +1,64 @@
+"""Data-parallel training: the same trainer on one CPU, one GPU, or N processes under torchrun.
+
+`torchrun --nproc-per-node N -m dflash2.cli.train ...` sets RANK / WORLD_SIZE / LOCAL_RANK; we join
+the process group (NCCL on GPUs, gloo on CPUs) and wrap the per-step loss in torch's DDP, which
+averages gradients across ranks during backward. The global batch is defined once
+(`seqs_per_step` sequences per optimizer step, whatever the world size and gradient accumulation):
+every rank draws the same sequences and anchors from the same seeded generator and trains on its
+own share, so N processes compute the same update as one (up to fp32 summation order).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    device: str = "cpu"
+
+    @property
+    def main(self) -> bool:  # rank 0 alone writes checkpoints and logs
+        return self.rank == 0
+
+
+def join(device: str = "cpu") -> World:
+    """The process group of a torchrun launch (or a world of one)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return World(int(os.environ.get("RANK", "0")), size, device)
+
+
+def leave(world: World) -> None:
+    if world.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def share(items: list, world: World) -> list:
+    """This rank's part of a globally drawn list (round robin: balanced when lengths are sorted)."""
+    return items[world.rank::world.size]
+
+
+def sum_across(values: list[float], world: World) -> list[float]:
+    """Sums small statistics (losses, token counts) over ranks, for logging."""
+    if world.size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()

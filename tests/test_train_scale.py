@@ -1,0 +1,111 @@
+"""The trainer at scale, shown small: DDP over 2 gloo processes == 1 process with the same global
+batch; a run killed mid-way resumes to the same weights as an uninterrupted one; the corpus is
+memory-mapped shards; the drafter can be written as size-capped shards."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash2 import tiny
+from dflash2.train import state
+from dflash2.train.corpus import Corpus, Record
+from dflash2.train.data import generate_corpus, make_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale")
+    target = tiny.make_target(root / "target", family="llama")
+    generate_corpus(target, make_prompts(20), root / "corpus", [1, 2], max_new_tokens=24, batch_size=8,
+                    shard_size=6, log=lambda m: None)
+    return target, root / "corpus"
+
+
+def _cmd(target, corpus, out, steps, extra=()):
+    return ["-m", "dflash2.cli.train", "--target", str(target), "--out", str(out), "--corpus", str(corpus),
+            "--taps", "1,2", "--layers", "1", "--block-size", "6", "--top-k", "4", "--rank", "8", "--steps", str(steps),
+            "--lr", "3e-3", "--seqs-per-step", "4", "--anchors", "5", "--mask-token-id", "3", "--threads", "1",
+            "--eval-every", "1000", *extra]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def _params(out):
+    t = load_file(str(state.path(out)))
+    return {k: v for k, v in t.items() if k.startswith("param/")}
+
+
+def test_corpus_shards_are_memory_mapped_records(tiny_corpus):
+    _, folder = tiny_corpus
+    c = Corpus(folder)
+    assert len(c) == 20 and len(list(folder.glob("shard-*.safetensors"))) == 4
+    r = c[7]
+    assert isinstance(r, Record) and set(r) == {"ids", "taps", "prompt_len"}
+    assert r["taps"].shape[0] == len(r["ids"]) - 1 and r["taps"].dtype == torch.float16
+    assert r["ids"].dtype == torch.long and 0 < r["prompt_len"] < len(r["ids"])
+
+
+def test_two_gloo_processes_train_the_same_weights_as_one(tmp_path, tiny_corpus):
+    target, corpus = tiny_corpus
+    one = subprocess.run([sys.executable, *_cmd(target, corpus, tmp_path / "one", 6)], capture_output=True,
+                         text=True, env=_env(), timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          *_cmd(target, corpus, tmp_path / "two", 6, ("--grad-accum", "2"))],
+                         capture_output=True, text=True, env=_env(), timeout=600)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = _params(tmp_path / "one"), _params(tmp_path / "two")
+    assert a.keys() == b.keys()
+    moved = max((a[k] - load_file(str(state.path(tmp_path / "one")))[k]).abs().max() for k in a)
+    assert moved == 0
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 1e-5, worst
+    assert state.step_of(tmp_path / "two") == 6 and (tmp_path / "two" / "model.safetensors").is_file()
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_corpus):
+    target, corpus = tiny_corpus
+    steps, extra = 60, ("--save-every", "4")
+    ref = subprocess.run([sys.executable, *_cmd(target, corpus, tmp_path / "ref", steps, extra)],
+                         capture_output=True, text=True, env=_env(), timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, *_cmd(target, corpus, out, steps, extra)], env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while (state.step_of(out) if state.path(out).is_file() else None) is None or state.step_of(out) < 8:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = state.step_of(out)
+    assert 8 <= killed_at < steps and not (out / "model.safetensors").exists()
+    again = subprocess.run([sys.executable, *_cmd(target, corpus, out, steps, extra)], capture_output=True,
+                           text=True, env=_env(), timeout=600)
+    assert again.returncode == 0 and f"resumed at step {killed_at}" in again.stdout, again.stderr[-2000:]
+    a, b = _params(tmp_path / "ref"), _params(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_drafter_written_as_capped_shards_loads_the_same(tmp_path, tiny_corpus):
+    from dflash2.checkpoint import load_tensors as load_state_dict
+    from dflash2.train.trainer import TrainConfig, train
+
+    target, corpus = tiny_corpus
+    records = list(Corpus(corpus))
+    c = TrainConfig(layers=1, block_size=6, top_k=4, rank=8, steps=2, seqs_per_step=2, anchors_per_seq=3,
+                    tap_ids=(1, 2), mask_token_id=3, eval_every=100)
+    train(target, tmp_path / "whole", records, c, log_fn=lambda m: None)
+    train(target, tmp_path / "sharded", records, c, log_fn=lambda m: None, max_shard_mb=0.05)
+    files = sorted(p.name for p in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(files) > 1 and all((tmp_path / "sharded" / f).stat().st_size <= 0.05 * 2**20 + 4096 for f in files)
+    whole, sharded = load_state_dict(tmp_path / "whole"), load_state_dict(tmp_path / "sharded")
+    assert whole.keys() == sharded.keys() and all(torch.equal(whole[k], sharded[k]) for k in whole)
