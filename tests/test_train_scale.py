@@ -109,3 +109,23 @@ def test_drafter_written_as_capped_shards_loads_the_same(tmp_path, tiny_corpus):
     assert len(files) > 1 and all((tmp_path / "sharded" / f).stat().st_size <= 0.05 * 2**20 + 4096 for f in files)
     whole, sharded = load_state_dict(tmp_path / "whole"), load_state_dict(tmp_path / "sharded")
     assert whole.keys() == sharded.keys() and all(torch.equal(whole[k], sharded[k]) for k in whole)
+
+
+def test_gpu_train_script_at_toy_size_on_the_cpu(tmp_path, tiny_corpus):
+    """scripts/gpu_train.sh end to end (corpus -> torchrun training -> draft vocabulary -> flat result)
+    with DEVICE=cpu and a tiny target: the command a GPU machine runs, shown to work."""
+    from dflash2.reference.load import load_pair
+
+    target, _ = tiny_corpus
+    out = tmp_path / "result"
+    env = {**_env(), "PYTHON": sys.executable, "DEVICE": "cpu", "TARGET": str(target), "PROMPTS": "templated:10",
+           "MAX_NEW": "16", "GEN_BATCH": "4", "SHARD": "4", "STEPS": "4", "SEQS": "2", "LAYERS": "1", "BLOCK": "6",
+           "TOPK": "4", "RANK": "8", "TAPS": "1,2", "MASK": "3", "INIT": "", "DRAFT_VOCAB": "64", "THREADS": "1",
+           "SHARD_MB": "0.05", "WORK": str(tmp_path / "work"), "OUT": str(out)}
+    r = subprocess.run(["bash", "scripts/gpu_train.sh"], capture_output=True, text=True, env=env, timeout=900,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    names = sorted(p.name for p in out.iterdir())
+    assert "config.json" in names and "draft_vocab.json" in names and "model.safetensors.index.json" in names
+    assert all(p.stat().st_size <= 0.05 * 2**20 + 4096 for p in out.glob("model-*.safetensors"))
+    load_pair(out, target)  # the result is a loadable DFlash2 drafter for this target
