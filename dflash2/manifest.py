@@ -143,6 +143,15 @@ class Graph:
 
 
 @dataclass
+class Deviation:
+    """A quantized graph vs the fp32 PyTorch reference: measured, not judged by fp32 tolerances."""
+
+    judged: str  # what the graph was held to instead (e.g. "deviation from fp32 (int4 weights)")
+    top1_agreement: float | None = None  # target: share of validation positions with the reference's argmax
+    max_logit_error: float | None = None  # target: max |logit - reference logit|
+
+
+@dataclass
 class Validation:
     """ONNX Runtime vs PyTorch right after export, per graph."""
 
@@ -150,6 +159,39 @@ class Validation:
     failures: list[str]
     steps: dict[str, Any] = field(default_factory=dict)  # "step0" -> output -> max abs/rel or id mismatches
     skipped: str | None = None  # why the graph was not run (e.g. bf16 with no provider for it)
+    deviation: Deviation | None = None  # set for quantized graphs (then `steps` holds their deviation)
+
+
+@dataclass
+class QuantizedGraph:
+    """What quantization did to one graph (dflash2.export.quantize)."""
+
+    weight_matmuls: int  # MatMuls with a constant weight (after the Gemm / Transpose rewrite)
+    quantized: int  # of them, now quantized
+    lm_heads: list[str]  # node names of the LM head MatMuls
+    kept_fp32: list[str]  # node names left in float
+    weight_mb_before: float
+    weight_mb_after: float
+    gemm_rewritten: int = 0
+
+
+@dataclass
+class Quantization:
+    """The export's weight quantization (dflash2-export --quantize); engines copy it from the export."""
+
+    method: str  # "int4" | "int8" (ONNX Runtime MatMulNBits) | "int4_awq" | "fp8" | "int8_qdq" (modelopt Q/DQ)
+    backend: str  # the runtime the quantized graphs are for: "onnxruntime" | "tensorrt"
+    library: str  # the quantizer that wrote them
+    bits: int
+    format: str
+    graphs: dict[str, QuantizedGraph]
+    block_size: int | None = None
+    accuracy_level: int | None = None
+    symmetric: bool | None = None
+    lm_head: bool = True  # LM heads quantized too
+    drafter: bool = True  # drafter graph quantized too
+    calibration: str | None = None  # what calibrated activation ranges (Q/DQ methods)
+    lossless_against: str = "the quantized target: speculative ids == its own greedy ids"
 
 
 @dataclass
@@ -211,6 +253,7 @@ class ModelFacts:
     kv: Kv
     selector: Selector | None
     draft_vocab: DraftVocab | None = None
+    quantization: Quantization | None = None  # None: float weights of `dtype`
 
     def check(self) -> list[str]:
         """Rules beyond field types; problems as 'field: expected X, found Y'."""

@@ -28,16 +28,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="target emits raw taps; the drafter applies fc + hidden_norm itself")
     p.add_argument("--full-vocab", action="store_true",
                    help="ignore the drafter's draft_vocab.json: its LM head covers the whole vocabulary")
+    q = p.add_argument_group("quantization (docs/quantization.md)")
+    q.add_argument("--quantize", choices=["int4", "int8"],
+                   help="weight-only int4 / int8 MatMuls for ONNX Runtime (MatMulNBits; the TensorRT flavour is dropped)")
+    q.add_argument("--quant-block-size", type=int, default=32, metavar="N", help="weights per scale (default 32)")
+    q.add_argument("--quant-accuracy-level", type=int, default=4, metavar="L",
+                   help="MatMulNBits compute: 4 int8 activations (default, fastest on VNNI CPUs), 1 fp32, 0 unset")
+    q.add_argument("--quant-keep-head", action="store_true", help="keep the LM heads fp32")
+    q.add_argument("--quant-target-only", action="store_true", help="keep the drafter fp32")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     from dflash2.export.api import export  # heavy imports after argument parsing
+    from dflash2.export.quantize import OrtQuant
     from dflash2.runtime.session import buffer_bytes
 
     t0 = time.perf_counter()
     try:
+        quant = None if a.quantize is None else OrtQuant(a.quantize, a.quant_block_size, a.quant_accuracy_level,
+                                                         lm_head=not a.quant_keep_head,
+                                                         drafter=not a.quant_target_only)
         m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, a.logits, not a.no_fuse_context, a.quiet,
-                   a.full_vocab, a.beyond_max_positions)
+                   a.full_vocab, a.beyond_max_positions, quantize=quant)
     except Dflash2Error as e:
         print(f"dflash2-export: error: {e}", file=sys.stderr)
         return 2
@@ -45,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exported {a.out} in {time.perf_counter() - t0:.1f} s (dtype {m.dtype}, block size {m.block_size}{vocab}; "
           f"dflash2-run allocates {buffer_bytes(m, m.max_seq_len) / 2**20:.1f} MiB of buffers for max_seq_len "
           f"{m.max_seq_len})")
+    if m.quantization:
+        from dflash2.quantization import describe
+
+        print(describe(m))
     print_files(m.files)
     return 0
 

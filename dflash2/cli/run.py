@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], help="override the automatic choice")
     p.add_argument("--json", action="store_true", help="print ids and stats as one JSON object")
     a = p.parse_args(negative_ids_joined(sys.argv[1:] if argv is None else argv))
+    from dflash2.quantization import describe, label
     from dflash2.runtime.api import Runtime
 
     try:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     stats = gen.stats.to_dict()
     if a.json:
         out = {"ids": gen.ids, "stop_reason": gen.stop_reason, "backend": rt.backend_name,
-               "speculative": not a.no_spec, **stats}
+               "speculative": not a.no_spec, "weights": label(rt.manifest), **stats}
         if (a.folder / "tokenizer.json").is_file():
             out["text"] = rt.text.decode(gen.ids)
         print(json.dumps(out))
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if stream is None:
         print(gen.ids)
     print("\n" + stats_table(stats, rt.backend_name))
+    print(describe(rt.manifest))
     return 0
 
 

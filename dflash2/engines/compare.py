@@ -106,8 +106,9 @@ def _id_outputs(reference) -> set[str]:
     return {n for n, v in reference[0].items() if np.issubdtype(np.asarray(v).dtype, np.integer)}
 
 
-def _summarize(graph: str, accuracy, reference, report: Report) -> None:
-    """Float outputs: max abs/rel per runner pair over the iterations, pass only if every iteration did."""
+def _summarize(graph: str, accuracy, reference, report: Report, judged: bool = True) -> None:
+    """Float outputs: max abs/rel per runner pair over the iterations, pass only if every iteration did.
+    judged=False (a quantized graph): the deviation is reported, only a missing output fails."""
     ids = _id_outputs(reference)
     expected = [n for n in (reference[0].keys() if reference else []) if n not in ids]
     results = accuracy if hasattr(accuracy, "items") else accuracy[0]  # AccuracyResults (>= 0.50) or AccuracyResult
@@ -118,12 +119,13 @@ def _summarize(graph: str, accuracy, reference, report: Report) -> None:
                 report.rows.append(Row(graph, f"{r0} vs {r1}", name, None, None, False, "output missing"))
                 continue
             bad = [i for i, c in enumerate(per_iter) if not bool(c)]
+            note = f"feed(s) {bad} of {len(per_iter)} out of tolerance" if bad else ""
             report.rows.append(Row(graph, f"{r0} vs {r1}", name, _max(per_iter, "max_absdiff"),
-                                   _max(per_iter, "max_reldiff"), not bad,
-                                   f"feed(s) {bad} of {len(per_iter)} out of tolerance" if bad else ""))
+                                   _max(per_iter, "max_reldiff"), not bad or not judged,
+                                   note if judged else "quantized: deviation, not judged"))
 
 
-def _summarize_ids(graph: str, ran, reference, share: float, report: Report) -> None:
+def _summarize_ids(graph: str, ran, reference, share: float, report: Report, judged: bool = True) -> None:
     """Id outputs: the share of entries that differ, allowed up to `share` (the export validation's rule:
     in fp16/bf16 near-equal candidates may swap)."""
     for name in sorted(_id_outputs(reference)):
@@ -136,12 +138,16 @@ def _summarize_ids(graph: str, ran, reference, share: float, report: Report) -> 
                 continue
             bad, total = sum(int((g != w).sum()) for g, w in zip(got, want)), sum(w.size for w in want)
             ok = bad <= share * total  # an id's numeric distance means nothing: no max abs/rel
+            if not judged:
+                report.rows.append(Row(graph, f"{REFERENCE} vs {runner}", name, None, None, True,
+                                       f"quantized: {100 * (1 - bad / total):.1f}% of {total} ids agree, not judged"))
+                continue
             report.rows.append(Row(graph, f"{REFERENCE} vs {runner}", name, None, None, ok,
                                    "" if ok and not bad else f"{bad}/{total} ids differ (allowed {share:.0%})"))
 
 
 def compare_graph(export_dir: Path, graph: str, runners: list, atol: float, rtol: float,
-                  report: Report, id_share: float = 0.0) -> None:
+                  report: Report, id_share: float = 0.0, judged: bool = True) -> None:
     from polygraphy import comparator as pc
     from polygraphy.comparator import Comparator, RunResults
     from polygraphy.exception import PolygraphyException
@@ -171,8 +177,8 @@ def compare_graph(export_dir: Path, graph: str, runners: list, atol: float, rtol
     with np.errstate(divide="ignore", invalid="ignore"):  # relative differences of exact zeros
         accuracy = Comparator.compare_accuracy(results, comparisons=[(0, i) for i in range(1, len(runners) + 1)],
                                                compare_func=_simple(pc, atol, rtol))
-    _summarize(graph, accuracy, ref_iters, report)
-    _summarize_ids(graph, ran, ref_iters, id_share, report)
+    _summarize(graph, accuracy, ref_iters, report, judged)
+    _summarize_ids(graph, ran, ref_iters, id_share, report, judged)
 
 
 def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol: float | None = None,
@@ -186,6 +192,12 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
     atol, rtol = (d_atol if atol is None else atol), (d_rtol if rtol is None else rtol)
     report = Report(notes=[f"tolerances: atol {atol}, rtol {rtol}, ids differing <= "
                            f"{ID_MISMATCH_SHARE.get(dtype, 0.0):.0%} (export dtype {dtype})"])
+    quantized = set(export.quantization.graphs) if export.quantization else set()
+    if quantized:
+        from dflash2.quantization import describe
+
+        report.notes.append(f"{describe(export)}: those graphs' deviation from the fp32 PyTorch reference is "
+                            f"reported, not judged (lossless is defined against the quantized target)")
     unknown = sorted(set(graphs or []) - set(export.graphs))
     if unknown:
         raise Dflash2Error(f"--graph: expected names from {sorted(export.graphs)}, found {unknown}")
@@ -222,5 +234,6 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
             else:
                 report.notes.append(f"{graph}: no engine in {engines_dir}")
         if runners:
-            compare_graph(export_dir, graph, runners, atol, rtol, report, ID_MISMATCH_SHARE.get(dtype, 0.0))
+            compare_graph(export_dir, graph, runners, atol, rtol, report, ID_MISMATCH_SHARE.get(dtype, 0.0),
+                          judged=graph not in quantized)
     return report

@@ -76,6 +76,15 @@ def resolve_precision(precision: str | None, export_dtype: str, export_dir: Path
     return precision
 
 
+def check_quantization(export: mf.ExportManifest, export_dir: Path) -> None:
+    """ONNX Runtime's MatMulNBits graphs (dflash2-export --quantize int4|int8) have no TensorRT flavour."""
+    q = export.quantization
+    if q is not None and q.backend == "onnxruntime":
+        raise PrecisionError(f"{export_dir / mf.NAME}: quantization {q.method} is ONNX Runtime's MatMulNBits "
+                             f"(weight-only, CPU), which TensorRT cannot build; for TensorRT export with "
+                             f"--quantize int4_awq or fp8 (nvidia-modelopt Q/DQ graphs), or build a float export")
+
+
 def check_selector_contract(export: mf.ExportManifest, export_dir: Path) -> None:
     """The export's selector node must name the plugin this checkout builds."""
     sel = export.selector
@@ -125,6 +134,7 @@ def plan_build(export_dir: str | Path, out: str | Path, precision: str | None = 
     elif mode == "adopt":  # the engines are in --out already; it still must not be or hold the export
         check_apart(out, {"EXPORT_DIR": export_dir})
     export = mf.load(export_dir, mf.ExportManifest, check_files=mode != "print")
+    check_quantization(export, export_dir)
     prec = resolve_precision(precision, export.dtype, export_dir)
     T, P = pr.limits(export, max_seq_len, max_prefill)
     check_selector_contract(export, export_dir)

@@ -14,6 +14,8 @@ import torch
 from dflash2 import __version__, draft_vocab
 from dflash2 import manifest as mf
 from dflash2.config import check_pair, load_drafter_config, load_target_config
+from dflash2.export import deviation
+from dflash2.export import quantize as qz
 from dflash2.export import trace as tr
 from dflash2.export.graphs import graph_specs
 from dflash2.export.validate import raise_if_failed, validate_graph
@@ -50,12 +52,17 @@ def tool_versions() -> dict[str, str]:
 
 def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
            max_seq_len: int = 2048, force: bool = False, emit_logits: bool = False, fuse_context: bool = True,
-           quiet: bool = False, full_vocab: bool = False, beyond_max_positions: bool = False) -> mf.ExportManifest:
+           quiet: bool = False, full_vocab: bool = False, beyond_max_positions: bool = False,
+           quantize: qz.OrtQuant | None = None) -> mf.ExportManifest:
     """Returns the manifest written. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
     full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary).
-    beyond_max_positions: allow max_seq_len past the target's max_position_embeddings."""
+    beyond_max_positions: allow max_seq_len past the target's max_position_embeddings.
+    quantize: weight-only int4 / int8 target (and drafter) graphs for ONNX Runtime (dflash2.export.quantize)."""
     if dtype not in DTYPES:
         raise OutputError(f"--dtype: expected one of {list(DTYPES)}, found {dtype!r}")
+    if quantize is not None and dtype != "float32":
+        raise OutputError(f"--quantize {quantize.method}: expected --dtype float32 (weights are quantized from "
+                          f"fp32; activations stay fp32), found {dtype}")
     out = Path(out_dir).absolute()
     check_output(out, force, {"--model": drafter_dir, "--target": target_dir})
     dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
@@ -67,11 +74,12 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
                           f"{Path(target_dir) / 'config.json'}, found {max_seq_len} (the target was not trained on "
                           f"longer sequences; pass --beyond-max-positions to export it anyway)")
     specs_count = 3 if dc.version == 2 else 2
-    progress = Progress(1 + 2 * specs_count + 1, quiet)
+    progress = Progress(1 + 2 * specs_count + 1 + (len(quantize.graphs()) if quantize else 0), quiet)
     with progress.step("loading and checking the checkpoints"):
         target, drafter = load_pair(drafter_dir, target_dir, DTYPES[dtype], use_draft_vocab=not full_vocab)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
-        manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress)
+        manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress,
+                              quantize)
         raise_if_failed([f for v in manifest.validation.values() for f in v.failures])
         manifest.sources = mf.Sources(drafter=str(Path(drafter_dir).absolute()), target=str(Path(target_dir).absolute()))
         manifest.draft_vocab = _draft_vocab_entry(drafter, drafter_dir)
@@ -91,8 +99,8 @@ def _draft_vocab_entry(drafter, drafter_dir) -> mf.DraftVocab | None:
 
 
 def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context,
-               progress) -> mf.ExportManifest:
-    graphs, validation = {}, {}
+               progress, quantize=None) -> mf.ExportManifest:
+    graphs, validation, quantized = {}, {}, {}
     for spec in graph_specs(target, drafter, fuse_context, emit_logits):
         with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
             t0 = time.perf_counter()
@@ -101,6 +109,9 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fu
         with progress.step(f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime"):
             f, report = validate_graph(spec, tmp / files["portable"], dtype, save_dir=tmp)
         validation[spec.name] = mf.Validation(ok=not f, failures=f, skipped=report.pop("skipped", None), steps=report)
+        if quantize is not None and spec.name in quantize.graphs() and not f:
+            with progress.step(f"{spec.name}.onnx: {quantize.method} weights (MatMulNBits), deviation from PyTorch"):
+                files, quantized[spec.name], validation[spec.name] = _quantize_graph(tmp, spec, files, quantize)
         io = tr.io_spec(tmp / files["portable"])
         graphs[spec.name] = mf.Graph(flavours=mf.Flavours(**files), data=f"{spec.name}.onnx.data",
                                      inputs=[mf.IoSpec(**d) for d in io["inputs"]],
@@ -123,4 +134,17 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fu
                  rows=mf.KvRows(target=list(target.kv_row_shape()), drafter=list(drafter.kv_row_shape())),
                  dtype=dtype, binding=KV_BINDING),
         selector=selector, target_config=tc.to_dict(), drafter_config=dc.to_dict(), graphs=graphs,
-        validation=validation)
+        validation=validation, quantization=quantize.manifest_entry(quantized) if quantize is not None else None)
+
+
+def _quantize_graph(tmp: Path, spec, files: dict, q: qz.OrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:
+    """Quantize the validated fp32 graph in place; the TensorRT flavour (which shared its data file) goes:
+    TensorRT cannot run MatMulNBits (its quantized path is modelopt's Q/DQ graphs, docs/quantization.md)."""
+    report = qz.quantize_file(tmp / files["portable"], q)
+    for flavour, name in list(files.items()):
+        if flavour != "portable":
+            (tmp / name).unlink()
+    failures, steps, dev = deviation.measure(spec, tmp / files["portable"])
+    dev.judged = f"deviation from fp32 ({q.method} weights)"
+    return ({"portable": files["portable"]}, report,
+            mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev))

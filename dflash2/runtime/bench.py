@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dflash2.manifest import ExportManifest
 from dflash2.prompts import default_prompts, load_prompts  # noqa: F401 (re-exported for callers)
+from dflash2.quantization import describe, label
 from dflash2.runtime.api import Runtime
 from dflash2.runtime.policies import POLICIES, PolicySession
 from dflash2.speculative import Stats, check_draft_len, gap_closed, generate
@@ -112,6 +113,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     result = {
         "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "block_size": m.block_size, "dtype": m.dtype, "lossless": lossless,
+        "weights": label(m), "quantization": describe(m),
         "draft_len": draft_len,
         "draft_vocab_size": m.draft_vocab.size if m.draft_vocab else m.vocab_size,
         "autoregressive_tokens_per_second": ar_tps, "speculative_tokens_per_second": spec_tps,
@@ -144,7 +146,8 @@ def _round_ms(s: Stats) -> float:
 
 
 def table(r: dict) -> str:
-    rows = [("backend / dtype", f"{r['backend']} / {r['dtype']}"), ("prompts", r["prompts"]),
+    rows = [("backend / dtype", f"{r['backend']} / {r['dtype']}"), ("weights", r.get("weights", r["dtype"])),
+            ("prompts", r["prompts"]),
             ("draft vocabulary (ids)", r.get("draft_vocab_size", "-")),
             ("drafts verified per round", r.get("draft_len", "-")),
             ("lossless (spec == AR ids)", r["lossless"]),
@@ -163,6 +166,8 @@ def table(r: dict) -> str:
     out = "\n".join(f"{k:<34}{v!s:>18}" for k, v in rows)
     pos = "\n".join(f"  {p:<9}" + " ".join(f"{x:.2f}" for x in v) for p, v in r["position_acceptance"].items())
     out += "\nacceptance per draft position:\n" + pos
+    if r.get("quantization"):
+        out += "\n" + r["quantization"]
     if r.get("draft_len_sweep"):
         out += "\ndraft length sweep (selector path, same run):\n    K    tau  round ms    tok/s  speedup\n"
         out += "\n".join(f"  {w['draft_len']:>3} {w['acceptance_length']:>6.2f} {w['round_ms']:>9.2f} "

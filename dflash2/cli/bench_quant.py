@@ -1,0 +1,44 @@
+"""dflash2-bench-quant: fp32 and quantized exports (autoregressive and speculative) against
+onnxruntime-genai's own int4 model of the same target, in one interleaved run on the same prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dflash2.errors import Dflash2Error
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash2-bench-quant", description=__doc__)
+    p.add_argument("folders", type=Path, nargs="+",
+                   help="export folders of one target; the first (normally fp32) is the agreement reference")
+    p.add_argument("--genai", type=Path, help="folder written by `python -m onnxruntime_genai.models.builder "
+                                              "-i TARGET -o OUT -p int4 -e cpu` (optional)")
+    p.add_argument("--prompts", default="default", help="as dflash2-bench: 'default', 'sharegpt:eval:N' or a file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-len", type=int, default=2, metavar="K", help="drafts verified per round (default 2)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
+    p.add_argument("--json", type=Path, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    from dflash2.prompts import parse_spec
+    from dflash2.runtime import quant_bench as qb
+
+    try:
+        r = qb.bench_quant(a.folders, parse_spec(a.prompts, default_split="eval", log=print), a.genai,
+                           a.max_new_tokens, not a.raw, a.draft_len, a.repeats)
+    except (Dflash2Error, ValueError) as e:
+        print(f"dflash2-bench-quant: error: {e}", file=sys.stderr)
+        return 2
+    print(qb.table(r))
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=2))
+    print(json.dumps({"tokens_per_second": r["tokens_per_second"], "lossless": r["lossless"], "best": r["best"]}))
+    return 0 if all(r["lossless"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

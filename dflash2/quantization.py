@@ -1,0 +1,34 @@
+"""The manifest's `quantization` section as a label and one line, for dflash2-export, -run and -bench.
+
+No onnx, no torch (the runtime prints it on edge boards).
+"""
+
+from __future__ import annotations
+
+SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def label(manifest) -> str:
+    """'int4', 'int8', 'int4_awq', 'fp8' for a quantized export or engine folder, else 'fp32' / 'fp16' / 'bf16'.
+    manifest: a dflash2.manifest.ExportManifest or EngineManifest."""
+    q = manifest.quantization
+    return q.method if q else SHORT_DTYPES.get(manifest.dtype, manifest.dtype)
+
+
+def describe(manifest) -> str:
+    """One line: the method, its parameters, the graphs it covers, and the deviation the export measured."""
+    q = manifest.quantization
+    if not q:
+        return f"quantization: none ({manifest.dtype} weights)"
+    parts = [q.format]
+    if q.block_size:
+        parts.append(f"block {q.block_size}")
+    if q.accuracy_level is not None:
+        parts.append(f"accuracy level {q.accuracy_level}")
+    if q.calibration:
+        parts.append(f"calibrated on {q.calibration}")
+    head = "" if q.lm_head else ", LM heads kept fp32"
+    target = (getattr(manifest, "validation", None) or {}).get("target")
+    top1 = target.deviation.top1_agreement if target is not None and target.deviation else None
+    dev = f"; top-1 agreement with fp32 {100 * top1:.0f}% on the validation feeds" if top1 is not None else ""
+    return f"quantization: {q.method} ({', '.join(parts)}) in {', '.join(q.graphs)}{head}{dev}"
