@@ -18,7 +18,8 @@ import pytest
 from dflash2 import folders, tiny
 from tests.errorcheck import snapshot
 
-CLIS = ["export", "build", "run", "bench", "compare", "demo", "draft_vocab", "make_tiny", "train", "plugins"]
+CLIS = ["export", "build", "run", "bench", "bench_quant", "compare", "demo", "draft_vocab", "make_tiny", "train",
+        "plugins"]
 
 
 @pytest.fixture(scope="module")

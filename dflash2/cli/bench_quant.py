@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import interruptible
 
 
+@interruptible("dflash2-bench-quant")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-bench-quant", description=__doc__)
     p.add_argument("folders", type=Path, nargs="+",
