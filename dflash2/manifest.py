@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from dflash2.dtypes import GRAPH_DTYPES
 from dflash2.errors import Dflash2Error
 from dflash2.folders import write_atomic
 from dflash2.ops import contract as C
@@ -46,7 +47,6 @@ EXPORT_FORMAT = "dflash2-export"
 ENGINE_FORMAT = "dflash2-engines"
 FORMAT_VERSION = 2  # 2: typed manifests sealed by manifest_sha256
 NAME = "manifest.json"
-DTYPES = ("float32", "float16", "bfloat16")  # graph dtypes an export may have
 
 
 class ManifestError(Dflash2Error):
@@ -259,8 +259,8 @@ class ModelFacts:
         """Rules beyond field types; problems as 'field: expected X, found Y'."""
         # A field that failed its type check is None here (already reported): each rule skips it.
         problems = []
-        if self.dtype is not None and self.dtype not in DTYPES:
-            problems.append(f"dtype: expected one of {list(DTYPES)}, found {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in GRAPH_DTYPES:
+            problems.append(f"dtype: expected one of {list(GRAPH_DTYPES)}, found {self.dtype!r}")
         if self.drafter_version not in (1, 2, None):
             problems.append(f"drafter_version: expected 1 or 2, found {self.drafter_version}")
         elif self.drafter_version is not None and (self.selector is None) == (self.drafter_version == 2):

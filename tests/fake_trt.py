@@ -105,6 +105,13 @@ class _Handle(int):
 # ---------------------------------------------------------------------------------------------- tensorrt
 
 
+class DataType(enum.Enum):
+    FLOAT, HALF, BF16, INT32, INT64, UINT8 = range(6)
+
+
+_TRT_NAMES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16", "int32": "INT32", "int64": "INT64"}
+
+
 class _Severity(enum.IntEnum):
     INTERNAL_ERROR = 0
     ERROR = 1
@@ -317,7 +324,7 @@ class _Engine:
         return tuple(-1 if isinstance(d, str) else d for d in self.spec[name]["shape"])
 
     def get_tensor_dtype(self, name):
-        return SimpleNamespace(itemsize=np.dtype(self.spec[name]["dtype"]).itemsize)
+        return DataType[_TRT_NAMES[self.spec[name]["dtype"]]]
 
     def get_tensor_profile_shape(self, name, i):
         return [tuple(s) for s in self.profiles[i][name]]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from dflash2.cli import print_files
+from dflash2.dtypes import PRECISIONS
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("export_dir", type=Path, help="export folder written by dflash2-export")
     p.add_argument("--out", required=True, type=Path, help="engine folder (written atomically)")
-    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], help="must match the export dtype (default: it)")
+    p.add_argument("--precision", choices=list(PRECISIONS), help="must match the export dtype (default: it)")
     p.add_argument("--max-seq-len", type=int, help="KV capacity (default and maximum: the export's max_seq_len)")
     p.add_argument("--max-prefill", type=int, help="longest prompt in one prefill step (default: max_seq_len)")
     p.add_argument("--plugin", type=Path, help="libdflash2_plugins.so (default: $DFLASH2_PLUGIN_LIB, then "

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from dflash2.cli import print_files
+from dflash2.dtypes import GRAPH_DTYPES
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, type=Path, help="drafter folder (DFlashDraftModel / DFlash2DraftModel)")
     p.add_argument("--target", required=True, type=Path, help="target folder (Llama / Qwen3, safetensors)")
     p.add_argument("--out", required=True, type=Path, help="output folder (written atomically)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=GRAPH_DTYPES)
     p.add_argument("--max-seq-len", type=int, default=2048,
                    help="KV capacity the runtime allocates (default 2048; at most the target's max_position_embeddings)")
     p.add_argument("--beyond-max-positions", action="store_true",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash2 import manifest as mf
+from dflash2.dtypes import PRECISION_OF_DTYPE, PRECISIONS
 from dflash2.engines import profiles as pr
 from dflash2.errors import Dflash2Error
 from dflash2.folders import check_apart, check_output
@@ -21,8 +22,6 @@ from dflash2.native import library as native
 from dflash2.native.library import PluginVersionError
 from dflash2.ops import contract as C
 
-PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-PRECISION_OF_DTYPE = {v: k for k, v in PRECISIONS.items()}
 ENGINE_SUFFIX = ".engine"
 MODES = ("build", "print", "adopt")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dflash2 import __version__, draft_vocab
+from dflash2 import __version__, draft_vocab, dtypes
 from dflash2 import manifest as mf
 from dflash2.config import check_pair, load_drafter_config, load_target_config
 from dflash2.export import deviation
@@ -30,7 +30,6 @@ from dflash2.ops import contract as C
 from dflash2.progress import Progress
 from dflash2.reference.load import load_pair
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json")
 KV_BINDING = ("prefix-view: past_kv is the contiguous prefix buffer[:P] of one preallocated sequence-major buffer "
@@ -58,8 +57,8 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary).
     beyond_max_positions: allow max_seq_len past the target's max_position_embeddings.
     quantize: weight-only int4 / int8 target (and drafter) graphs for ONNX Runtime (dflash2.export.quantize)."""
-    if dtype not in DTYPES:
-        raise OutputError(f"--dtype: expected one of {list(DTYPES)}, found {dtype!r}")
+    if dtype not in dtypes.GRAPH_DTYPES:
+        raise OutputError(f"--dtype: expected one of {list(dtypes.GRAPH_DTYPES)}, found {dtype!r}")
     if quantize is not None and dtype != "float32":
         raise OutputError(f"--quantize {quantize.method}: expected --dtype float32 (weights are quantized from "
                           f"fp32; activations stay fp32), found {dtype}")
@@ -76,7 +75,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     specs_count = 3 if dc.version == 2 else 2
     progress = Progress(1 + 2 * specs_count + 1 + (len(quantize.graphs()) if quantize else 0), quiet)
     with progress.step("loading and checking the checkpoints"):
-        target, drafter = load_pair(drafter_dir, target_dir, DTYPES[dtype], use_draft_vocab=not full_vocab)
+        target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype), use_draft_vocab=not full_vocab)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
         manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress,
                               quantize)

@@ -15,6 +15,7 @@ import onnx
 import onnxscript
 import torch
 
+from dflash2 import dtypes
 from dflash2.export import selector_onnx as so
 from dflash2.export.graphs import GraphSpec
 from dflash2.ops import contract as C
@@ -82,7 +83,7 @@ def io_spec(path: Path) -> dict:
 
     def one(v):
         t = v.type.tensor_type
-        return {"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
+        return {"name": v.name, "dtype": dtypes.from_onnx(t.elem_type).name,
                 "shape": [d.dim_param or d.dim_value for d in t.shape.dim]}
 
     return {"inputs": [one(v) for v in m.graph.input], "outputs": [one(v) for v in m.graph.output]}

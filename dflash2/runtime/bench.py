@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from dflash2 import dtypes
 from dflash2.manifest import ExportManifest
 from dflash2.prompts import default_prompts, load_prompts  # noqa: F401 (re-exported for callers)
 from dflash2.quantization import describe, label
@@ -43,7 +44,7 @@ def selector_ms(rt: Runtime, repeats: int = 200) -> float | None:
     rng = np.random.default_rng(0)
     feeds = {"cand_logits": np.sort(rng.standard_normal((1, S, K), dtype=np.float32))[..., ::-1].copy(),
              "cand_ids": rng.integers(0, V, (1, S, K)).astype(np.int32),
-             "gate": rng.standard_normal((1, S, R)).astype(m.dtype),
+             "gate": rng.standard_normal((1, S, R)).astype(dtypes.numpy_dtype(m.dtype)),
              "anchor": np.array([1], np.int32)}
     session = OrtEngine("selector", Path(rt.folder) / graph.flavours.portable, ["CPUExecutionProvider"]).session
     times = []

@@ -12,8 +12,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
+from dflash2 import dtypes
 from dflash2.errors import Dflash2Error
 from dflash2.onnxrt import open_session
 from dflash2.runtime.memory import HostBuffer, View
@@ -45,10 +44,10 @@ class OrtEngine:
 
     def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         b = self.binding
-        for name, v in inputs.items():
-            b.bind_input(name, v.device, 0, v.dtype, v.shape, v.ptr)
+        for name, v in inputs.items():  # ONNX element types: bfloat16 has no numpy type ORT knows
+            b.bind_input(name, v.device, 0, dtypes.onnx_type(v.dtype), v.shape, v.ptr)
         for name, v in outputs.items():
-            b.bind_output(name, v.device, 0, v.dtype, v.shape, v.ptr)
+            b.bind_output(name, v.device, 0, dtypes.onnx_type(v.dtype), v.shape, v.ptr)
         for name in self.output_names - outputs.keys():
             b.bind_output(name, "cpu")  # an output nobody reads (e.g. debug logits): ORT allocates it
         self.session.run_with_iobinding(b)
@@ -83,6 +82,3 @@ class OrtBackend:
 
     def host_buffer(self, shape, dtype) -> HostBuffer:
         return HostBuffer(shape, dtype)
-
-
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}

@@ -17,8 +17,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dflash2 import dtypes
 from dflash2.manifest import ModelFacts
-from dflash2.runtime.engines import NP_DTYPES, Backend
+from dflash2.runtime.engines import Backend
 
 
 class CapacityError(ValueError):
@@ -28,7 +29,7 @@ class CapacityError(ValueError):
 def buffer_bytes(manifest: ModelFacts, max_seq_len: int) -> int:
     """Bytes of the session's buffers (plan in the module docstring): known before allocating."""
     m = manifest
-    itemsize = 4 if m.dtype == "float32" else 2
+    itemsize = dtypes.get(m.dtype).itemsize
     row = int(np.prod(m.kv.rows.target)) + int(np.prod(m.kv.rows.drafter)) + m.context.width
     return max_seq_len * (row * itemsize + 2 * 4)  # + ids / next_ids int32
 
@@ -60,7 +61,7 @@ class SpecSession:
         if free is not None and need > free:
             raise CapacityError(f"max_seq_len {T}: the KV and context buffers need {need / 2**30:.1f} GiB, "
                                 f"{free / 2**30:.1f} GiB of memory is available (export with a smaller --max-seq-len)")
-        dt = NP_DTYPES[m.dtype] if m.dtype in NP_DTYPES else np.uint16  # bf16 storage: 16-bit words
+        dt = dtypes.numpy_dtype(m.dtype)  # bfloat16: ml_dtypes' type, the engines' own element type
         self.target, self.drafter = backend.engine("target"), backend.engine("drafter")
         self.kv = backend.device_buffer((T, *m.kv.rows.target), dt)
         self.ctx_kv = backend.device_buffer((T, *m.kv.rows.drafter), dt)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash2 import dtypes
 from dflash2 import manifest as mf
 from dflash2.native.cudart import cudart
 from dflash2.native.library import recorded_library
@@ -54,7 +55,7 @@ class TrtEngine:
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         self.inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in names if n not in self.inputs]
-        self.itemsize = {n: int(engine.get_tensor_dtype(n).itemsize) for n in names}
+        self.dtype = {n: dtypes.from_trt(engine.get_tensor_dtype(n)).name for n in names}
         dynamic = [n for n in self.inputs if any(d < 0 for d in engine.get_tensor_shape(n))]
         self.dynamic = set(dynamic)  # static inputs (e.g. anchor [1]) need no set_input_shape
         boxes = []
@@ -86,15 +87,14 @@ class TrtEngine:
 
     def _spare_view(self, name: str, shape: tuple[int, ...]) -> View:
         """An output nobody reads (e.g. debug logits): one buffer at its largest profile shape."""
-        size = self.itemsize[name]
-        if name not in self.spare:  # raw bytes: the element type only matters to TensorRT (bf16 has no numpy dtype)
+        if name not in self.spare:
             spec = next(o for o in self.entry.outputs if o.name == name)
             rows = int(np.prod(max_shape(spec.shape, self.entry.profiles)))
-            self.spare[name] = DeviceBuffer((rows * size,), np.uint8, self.stream)
+            self.spare[name] = DeviceBuffer((rows,), dtypes.numpy_dtype(self.dtype[name]), self.stream)
         buf = self.spare[name]
-        if int(np.prod(shape)) * size > buf.nbytes:
-            raise EngineError(f"{self.name}: output {name} shape {list(shape)} exceeds its {buf.nbytes}-byte buffer")
-        return View(buf.ptr, shape, np.dtype(f"V{size}"), buf.device)
+        if int(np.prod(shape)) > buf.capacity:
+            raise EngineError(f"{self.name}: output {name} shape {list(shape)} exceeds its {buf.capacity}-element buffer")
+        return View(buf.ptr, shape, buf.dtype, buf.device)
 
     def _set(self, ctx, bound: dict, name: str, view: View, is_input: bool) -> None:
         if is_input and name in self.dynamic and bound.get(("shape", name)) != view.shape:
@@ -120,9 +120,8 @@ class TrtEngine:
             raise EngineError(f"{self.name}: input shapes {shapes} fit no optimization profile ({ranges}); "
                               f"rebuild with a larger dflash2-build --max-prefill / --max-seq-len")
         for n in self.inputs:
-            if inputs[n].dtype.itemsize != self.itemsize[n]:
-                raise EngineError(f"{self.name}: input {n} expected {self.itemsize[n]}-byte elements, bound "
-                                  f"{inputs[n].dtype}")
+            if inputs[n].dtype.name != self.dtype[n]:
+                raise EngineError(f"{self.name}: input {n} expected {self.dtype[n]}, bound {inputs[n].dtype}")
         ctx, bound = self.contexts[index], self.bound[index]
         for n in self.inputs:
             self._set(ctx, bound, n, inputs[n], True)
@@ -130,9 +129,9 @@ class TrtEngine:
         for n in self.outputs:
             want = tuple(ctx.get_tensor_shape(n))
             v = outputs.get(n) or self._spare_view(n, want)
-            if tuple(v.shape) != want or v.dtype.itemsize != self.itemsize[n]:
-                raise EngineError(f"{self.name}: output {n} expected shape {list(want)} with {self.itemsize[n]}-byte "
-                                  f"elements, bound {list(v.shape)} {v.dtype}")
+            if tuple(v.shape) != want or v.dtype.name != self.dtype[n]:
+                raise EngineError(f"{self.name}: output {n} expected shape {list(want)} {self.dtype[n]}, "
+                                  f"bound {list(v.shape)} {v.dtype}")
             self._set(ctx, bound, n, v, False)
             views[n] = v
         if self.graphs is None:
