@@ -3,6 +3,7 @@ the real TensorRT path, which skips with the reason when TensorRT or a GPU is ab
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 
@@ -162,3 +163,17 @@ def test_real_tensorrt_build_compare_run(export_dir, tmp_path):
     assert any("tensorrt" in r.pair for r in report.rows)
     want = Runtime(export_dir).generate(PROMPT, 24).ids
     assert Runtime(out).generate(PROMPT, 24).ids == want
+
+
+def test_one_buffer_protocol_on_both_backends(fake_engines, export_dir, fake):
+    """Host and CUDA buffers are the same protocol: the session's buffers answer rows/whole/push/pull alike."""
+    from dflash2.runtime.memory import Buffer, HostBuffer
+
+    for folder, kind in ((export_dir, HostBuffer), (fake_engines, rcuda.DeviceBuffer)):
+        s = Runtime(folder).session
+        for buf in (s.kv, s.context, s.ids, s.draft_ids):
+            assert isinstance(buf, Buffer) and isinstance(buf, kind)
+        s.ids.host[:2] = [3, 4]
+        s.ids.push(2)  # the engine-side memory at ptr now holds the rows (the fake's device memory is host)
+        assert ctypes.string_at(s.ids.ptr, 8) == np.array([3, 4], np.int32).tobytes()
+        assert s.ids.pull(2).tolist() == [3, 4] and s.ids.rows(1, 2).ptr == s.ids.ptr + 4

@@ -2,8 +2,8 @@
 
 No torch. The cuda-python module and checked calls come from `dflash2.native.cudart`.
 
-`DeviceBuffer` has the attributes of `dflash2.runtime.memory.HostBuffer` (rows, whole, ptr, capacity,
-host, push, pull) so `SpecSession` runs unchanged: `ptr` is device memory, `host` a pinned mirror
+`DeviceBuffer` is a `dflash2.runtime.memory.Buffer` (rows, whole, ptr, capacity, host, push, pull),
+so `SpecSession` runs unchanged: `ptr` is device memory, `host` a pinned mirror
 (allocated eagerly for the small host-visible buffers, lazily for device-only ones like the KV cache),
 and push / pull are one async copy on the session stream plus a sync.
 """
@@ -19,7 +19,7 @@ from typing import Callable, Hashable
 import numpy as np
 
 from dflash2.native.cudart import CudaError, call, cudart
-from dflash2.runtime.memory import View
+from dflash2.runtime.memory import Buffer
 
 class Stream:
     def __init__(self):
@@ -37,17 +37,15 @@ def _pinned_array(ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarr
     return np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
 
 
-class DeviceBuffer:
+class DeviceBuffer(Buffer):
     """Device memory allocated once (zeroed), rows(a, b) by pointer arithmetic, optional pinned mirror."""
 
     device = "cuda"
 
     def __init__(self, shape: tuple[int, ...], dtype, stream: Stream, pinned: bool = False):
         rt = cudart()
-        self.shape, self.dtype, self.stream = tuple(int(d) for d in shape), np.dtype(dtype), stream
-        self.row_shape = self.shape[1:]
-        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
-        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self._layout(shape, dtype)
+        self.stream = stream
         self.ptr = int(call(rt.cudaMalloc(max(self.nbytes, 1)), f"cudaMalloc({self.nbytes} bytes)"))
         weakref.finalize(self, rt.cudaFree, self.ptr)
         call(rt.cudaMemset(self.ptr, 0, self.nbytes), "cudaMemset")
@@ -67,18 +65,6 @@ class DeviceBuffer:
     def host(self) -> np.ndarray:
         """Pinned host mirror; device-only buffers get one on first use (a debugging path)."""
         return self._host if self._host is not None else self._alloc_host()
-
-    @property
-    def capacity(self) -> int:
-        return self.shape[0]
-
-    def rows(self, start: int, stop: int) -> View:
-        if not 0 <= start <= stop <= self.capacity:
-            raise IndexError(f"rows [{start}, {stop}) outside a buffer of {self.capacity} rows")
-        return View(self.ptr + start * self.row_bytes, (stop - start, *self.row_shape), self.dtype, self.device)
-
-    def whole(self) -> View:
-        return View(self.ptr, self.shape, self.dtype, self.device)
 
     def _copy(self, n: int, to_device: bool) -> None:
         if not 0 <= n <= self.capacity:

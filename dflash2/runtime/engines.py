@@ -15,7 +15,7 @@ from typing import Protocol
 from dflash2 import dtypes
 from dflash2.errors import Dflash2Error
 from dflash2.onnxrt import open_session
-from dflash2.runtime.memory import HostBuffer, View
+from dflash2.runtime.memory import Buffer, HostBuffer, View
 
 
 class Engine(Protocol):
@@ -29,9 +29,11 @@ class Backend(Protocol):
 
     def engine(self, graph: str) -> Engine: ...
 
-    def device_buffer(self, shape: tuple[int, ...], dtype) -> HostBuffer: ...
+    def device_buffer(self, shape: tuple[int, ...], dtype) -> Buffer:
+        """Memory the engines read and write (the host never touches it but through push / pull)."""
 
-    def host_buffer(self, shape: tuple[int, ...], dtype) -> HostBuffer: ...
+    def host_buffer(self, shape: tuple[int, ...], dtype) -> Buffer:
+        """Small I/O the host fills or reads every step (token ids, drafts)."""
 
 
 class OrtEngine:

@@ -1,8 +1,9 @@
 """Preallocated buffers and the views engines bind to.
 
 A `View` is (pointer, shape, dtype, device): binding one allocates nothing and copies nothing.
-A `HostBuffer` lives in host memory (ONNX Runtime CPU; the host side of small I/O on a GPU);
-a backend may give device buffers instead. Every buffer is allocated once per session.
+`Buffer` is the one buffer protocol: a backend's host buffers (`HostBuffer`: host memory, ONNX
+Runtime CPU) and device buffers (`dflash2.runtime.cuda.DeviceBuffer`) both derive from it, so the
+session's code is the same on every backend. Every buffer is allocated once per session.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from dflash2 import dtypes
 
 
 @dataclass(frozen=True)
@@ -20,21 +23,28 @@ class View:
     device: str = "cpu"
 
 
-class HostBuffer:
-    """A C-contiguous numpy array; rows(a, b) views rows [a, b) of axis 0 by pointer arithmetic."""
+class Buffer:
+    """Rows of one allocation along axis 0: `ptr` (where engines read and write), `host` (numpy
+    rows the session fills and reads), push / pull between them (nothing to do for host memory)."""
 
     device = "cpu"
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
 
-    def __init__(self, shape: tuple[int, ...], dtype):
-        self.host = np.zeros(shape, dtype=dtype)
-        self.dtype = self.host.dtype
-        self.row_shape = tuple(shape[1:])
+    def _layout(self, shape: tuple[int, ...], dtype) -> None:
+        self.shape, self.dtype = tuple(int(d) for d in shape), dtypes.numpy_dtype(dtype)
+        self.row_shape = self.shape[1:]
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
-        self.ptr = self.host.ctypes.data
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     @property
     def capacity(self) -> int:
-        return self.host.shape[0]
+        return self.shape[0]
+
+    @property
+    def host(self) -> np.ndarray:
+        raise NotImplementedError
 
     def rows(self, start: int, stop: int) -> View:
         if not 0 <= start <= stop <= self.capacity:
@@ -42,11 +52,31 @@ class HostBuffer:
         return View(self.ptr + start * self.row_bytes, (stop - start, *self.row_shape), self.dtype, self.device)
 
     def whole(self) -> View:
-        return View(self.ptr, self.host.shape, self.dtype, self.device)
+        return View(self.ptr, self.shape, self.dtype, self.device)
 
     def push(self, n: int) -> None:
-        """Host -> device for the first n rows: nothing to do when the buffer is host memory."""
+        """Host rows -> engine memory for the first n rows (the session wrote host[:n])."""
+        raise NotImplementedError
 
     def pull(self, n: int) -> np.ndarray:
-        """Device -> host for the first n rows; returns the host rows (a view, no allocation of data)."""
-        return self.host[:n]
+        """Engine memory -> host rows for the first n rows; returns host[:n] (no allocation of data)."""
+        raise NotImplementedError
+
+
+class HostBuffer(Buffer):
+    """A C-contiguous numpy array: engines read and write the host rows themselves."""
+
+    def __init__(self, shape: tuple[int, ...], dtype):
+        self._layout(shape, dtype)
+        self._host = np.zeros(self.shape, dtype=self.dtype)
+        self.ptr = self._host.ctypes.data
+
+    @property
+    def host(self) -> np.ndarray:
+        return self._host
+
+    def push(self, n: int) -> None:
+        """Nothing to do: the engine reads host memory."""
+
+    def pull(self, n: int) -> np.ndarray:
+        return self._host[:n]
