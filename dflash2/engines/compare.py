@@ -2,10 +2,11 @@
 
 For each graph of an export folder: the feeds saved at export (`<name>.inputs.json`) go through
 Polygraphy's OnnxrtRunner on the portable flavour and, given an engine folder, through TrtRunner
-on the built engine; each runner is compared with the saved PyTorch outputs
-(`<name>.reference.json`, a RunResults) by `Comparator.compare_accuracy` (CompareFunc.simple).
-The same checks replay from the shell with `polygraphy run X.onnx --onnxrt --load-inputs
-X.inputs.json --load-outputs X.reference.json`.
+on the built engine; each runner's outputs are compared with the saved PyTorch outputs
+(`<name>.reference.json`, a RunResults) by the export validation's rule (`dflash2.numerics`:
+|got - want| <= atol + rtol*|want| per element, ids by the share that differ). `polygraphy run X.onnx
+--onnxrt --load-inputs X.inputs.json --load-outputs X.reference.json` replays the runs from the
+shell with Polygraphy's own rule (an element fails only where both differences exceed: slightly stricter).
 
 The TensorRT runner uses the engine's first optimization profile (for the target: prefill, which
 covers every saved feed); the decode profile is exercised end to end by dflash2-run.
@@ -13,7 +14,6 @@ covers every saved feed); the decode profile is exercised end to end by dflash2-
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +23,7 @@ from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
 from dflash2.onnxrt import open_session
 
-# Same (atol, rtol) per export dtype as the validation right after export (dflash2.export.validate).
-from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES
+from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES, compare_floats, ids_within
 
 REFERENCE = "pytorch"
 
@@ -86,42 +85,29 @@ def trt_runner(engine_path: Path, plugin: Path | None):
     return TrtRunner(EngineFromBytes(BytesFromPath(str(engine_path))), name="tensorrt")
 
 
-def _simple(pc, atol: float, rtol: float):
-    """CompareFunc.simple (Polygraphy < 0.53 spelling) or SimpleCompareFunc (newer, same semantics)."""
-    if hasattr(pc, "SimpleCompareFunc"):
-        return pc.SimpleCompareFunc(atol=atol, rtol=rtol)
-    return pc.CompareFunc.simple(atol=atol, rtol=rtol)
-
-
-def _max(results: list, attr: str) -> float | None:
-    """Largest finite statistic over iterations (0/0 relative differences are NaN: equal zeros)."""
-    vals = [getattr(c, attr, None) for c in results]
-    vals = [v for v in vals if v is not None and not math.isnan(v)]
-    return max(vals, default=0.0 if any(getattr(c, attr, None) is not None for c in results) else None)
-
-
 def _id_outputs(reference) -> set[str]:
     if not reference:
         return set()
     return {n for n, v in reference[0].items() if np.issubdtype(np.asarray(v).dtype, np.integer)}
 
 
-def _summarize(graph: str, accuracy, reference, report: Report, judged: bool = True) -> None:
-    """Float outputs: max abs/rel per runner pair over the iterations, pass only if every iteration did.
+def _summarize(graph: str, ran, reference, atol: float, rtol: float, report: Report, judged: bool = True) -> None:
+    """Float outputs, dflash2.numerics' rule: max abs/rel per runner over the feeds, pass only if every feed did.
     judged=False (a quantized graph): the deviation is reported, only a missing output fails."""
     ids = _id_outputs(reference)
     expected = [n for n in (reference[0].keys() if reference else []) if n not in ids]
-    results = accuracy if hasattr(accuracy, "items") else accuracy[0]  # AccuracyResults (>= 0.50) or AccuracyResult
-    for (r0, r1), iterations in results.items():
+    for runner, iters in ran.items():
         for name in expected:
-            per_iter = [it[name] for it in iterations if name in it.keys()]
-            if len(per_iter) < len(iterations):
-                report.rows.append(Row(graph, f"{r0} vs {r1}", name, None, None, False, "output missing"))
+            got = [it[name] for it in iters if name in it.keys()]
+            if len(got) < len(reference) or any(np.shape(g) != np.shape(ref[name]) for g, ref in zip(got, reference)):
+                report.rows.append(Row(graph, f"{REFERENCE} vs {runner}", name, None, None, False,
+                                       "output missing or of another shape"))
                 continue
-            bad = [i for i, c in enumerate(per_iter) if not bool(c)]
-            note = f"feed(s) {bad} of {len(per_iter)} out of tolerance" if bad else ""
-            report.rows.append(Row(graph, f"{r0} vs {r1}", name, _max(per_iter, "max_absdiff"),
-                                   _max(per_iter, "max_reldiff"), not bad or not judged,
+            diffs = [compare_floats(g, ref[name], atol, rtol) for g, ref in zip(got, reference)]
+            bad = [i for i, d in enumerate(diffs) if not d.ok]
+            note = f"feed(s) {bad} of {len(diffs)} out of tolerance" if bad else ""
+            report.rows.append(Row(graph, f"{REFERENCE} vs {runner}", name, max(d.max_abs for d in diffs),
+                                   max(d.max_rel for d in diffs), not bad or not judged,
                                    note if judged else "quantized: deviation, not judged"))
 
 
@@ -137,7 +123,7 @@ def _summarize_ids(graph: str, ran, reference, share: float, report: Report, jud
                                        "output missing or of another shape"))
                 continue
             bad, total = sum(int((g != w).sum()) for g, w in zip(got, want)), sum(w.size for w in want)
-            ok = bad <= share * total  # an id's numeric distance means nothing: no max abs/rel
+            ok = ids_within(bad, total, share)  # an id's numeric distance means nothing: no max abs/rel
             if not judged:
                 report.rows.append(Row(graph, f"{REFERENCE} vs {runner}", name, None, None, True,
                                        f"quantized: {100 * (1 - bad / total):.1f}% of {total} ids agree, not judged"))
@@ -148,7 +134,6 @@ def _summarize_ids(graph: str, ran, reference, share: float, report: Report, jud
 
 def compare_graph(export_dir: Path, graph: str, runners: list, atol: float, rtol: float,
                   report: Report, id_share: float = 0.0, judged: bool = True) -> None:
-    from polygraphy import comparator as pc
     from polygraphy.comparator import Comparator, RunResults
     from polygraphy.exception import PolygraphyException
     from polygraphy.json import load_json
@@ -170,14 +155,7 @@ def compare_graph(export_dir: Path, graph: str, runners: list, atol: float, rtol
     except PolygraphyException as e:
         report.rows.append(Row(graph, "run", "-", None, None, False, f"inference failed: {e}"))
         return
-    results = RunResults()
-    results.append((REFERENCE, ref_iters))
-    for name, iters in ran.items():
-        results.append((name, iters))
-    with np.errstate(divide="ignore", invalid="ignore"):  # relative differences of exact zeros
-        accuracy = Comparator.compare_accuracy(results, comparisons=[(0, i) for i in range(1, len(runners) + 1)],
-                                               compare_func=_simple(pc, atol, rtol))
-    _summarize(graph, accuracy, ref_iters, report, judged)
+    _summarize(graph, ran, ref_iters, atol, rtol, report, judged)
     _summarize_ids(graph, ran, ref_iters, id_share, report, judged)
 
 

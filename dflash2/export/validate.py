@@ -15,12 +15,13 @@ import onnxruntime as ort
 import torch
 
 from dflash2.errors import ValidationError
-from dflash2.onnxrt import open_session
 from dflash2.export.graphs import GraphSpec
-from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES
+from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES, compare_floats, ids_within
+from dflash2.onnxrt import open_session
 
 
 def np_of(t: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy for the saved Polygraphy files and the reference side (bf16 widened to fp32)."""
     return t.detach().float().numpy() if t.dtype == torch.bfloat16 else t.detach().numpy()
 
 
@@ -35,6 +36,7 @@ def reference_outputs(spec: GraphSpec, feeds: list[dict[str, torch.Tensor]]) -> 
 
 def compare(graph: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray], dtype: str,
             step: int) -> tuple[list[str], dict]:
+    """dflash2.numerics' rule for every output of one step; (failures, report)."""
     atol, rtol = TOLERANCES[dtype]
     failures, report = [], {}
     for name, ref in want.items():
@@ -45,17 +47,14 @@ def compare(graph: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray],
         if np.issubdtype(ref.dtype, np.integer):
             bad = int((out != ref).sum())
             report[name] = {"mismatches": bad, "total": int(ref.size)}
-            if bad > ID_MISMATCH_SHARE[dtype] * ref.size:
+            if not ids_within(bad, ref.size, ID_MISMATCH_SHARE[dtype]):
                 failures.append(f"{graph}.{name} (step {step}): {bad}/{ref.size} ids differ "
                                 f"(allowed {ID_MISMATCH_SHARE[dtype]:.0%} in {dtype})")
             continue
-        a, b = out.astype(np.float64), ref.astype(np.float64)
-        diff = np.abs(a - b)
-        max_abs = float(diff.max()) if diff.size else 0.0
-        max_rel = float((diff / np.maximum(np.abs(b), 1e-6)).max()) if diff.size else 0.0
-        report[name] = {"max_abs": max_abs, "max_rel": max_rel}
-        if diff.size and not np.all(diff <= atol + rtol * np.abs(b)):
-            failures.append(f"{graph}.{name} (step {step}): max abs {max_abs:.3g}, max rel {max_rel:.3g} "
+        d = compare_floats(out, ref, atol, rtol)
+        report[name] = {"max_abs": d.max_abs, "max_rel": d.max_rel}
+        if not d.ok:
+            failures.append(f"{graph}.{name} (step {step}): max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g} "
                             f"(atol {atol}, rtol {rtol})")
     return failures, report
 
