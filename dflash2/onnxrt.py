@@ -5,9 +5,13 @@ No torch here: the runtime imports it on edge boards.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
+from dflash2 import dtypes
 from dflash2.errors import Dflash2Error
 
 
@@ -30,3 +34,30 @@ def open_session(path: str | Path, providers: Sequence[str] = ("CPUExecutionProv
     except (state.Fail, state.InvalidGraph, state.InvalidProtobuf, state.NoSuchFile, state.NotImplemented,
             state.InvalidArgument) as e:
         raise Dflash2Error(f"{path}: ONNX Runtime could not load the graph: {e}") from e
+
+
+def _ort_type_name(type_string: str) -> str:
+    """'tensor(float)' -> 'float32', 'tensor(bfloat16)' -> 'bfloat16' (ONNX Runtime's spelling -> the table's)."""
+    inner = type_string[len("tensor("):-1]
+    return {"float": "float32", "double": "float64"}.get(inner, inner)
+
+
+def run(session, feeds: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """`session.run` for every dtype of the table, bfloat16 (ml_dtypes arrays) included: ONNX Runtime's
+    numpy conversion knows no bfloat16, so inputs go in as OrtValues of their ONNX element type and
+    outputs are copied out of the OrtValues by pointer."""
+    import onnxruntime as ort
+
+    values = {}
+    for name, a in feeds.items():
+        a = np.ascontiguousarray(a)
+        raw = a.view(f"u{a.dtype.itemsize}") if a.dtype.name == "bfloat16" else a
+        values[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, dtypes.onnx_type(a.dtype))
+    out = {}
+    for name, v in zip(names, session.run_with_ort_values(list(names), values)):
+        dt = dtypes.numpy_dtype(_ort_type_name(v.data_type()))
+        shape = tuple(v.shape())
+        n = int(np.prod(shape, dtype=np.int64))
+        raw = (ctypes.c_uint8 * max(n * dt.itemsize, 1)).from_address(v.data_ptr()) if n else b""
+        out[name] = np.frombuffer(raw, dtype=dt, count=n).reshape(shape).copy()
+    return out

@@ -14,15 +14,23 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from dflash2 import dtypes
 from dflash2.errors import ValidationError
 from dflash2.export.graphs import GraphSpec
 from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES, compare_floats, ids_within
-from dflash2.onnxrt import open_session
+from dflash2.onnxrt import open_session, run
 
 
 def np_of(t: torch.Tensor) -> np.ndarray:
     """A tensor as numpy for the saved Polygraphy files and the reference side (bf16 widened to fp32)."""
     return t.detach().float().numpy() if t.dtype == torch.bfloat16 else t.detach().numpy()
+
+
+def graph_array(t: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy in the graph's own dtype (bf16 as ml_dtypes' bfloat16): what the graph is fed."""
+    if t.dtype == torch.bfloat16:
+        return t.detach().contiguous().view(torch.int16).numpy().view(dtypes.numpy_dtype("bfloat16"))
+    return t.detach().numpy()
 
 
 def reference_outputs(spec: GraphSpec, feeds: list[dict[str, torch.Tensor]]) -> list[dict[str, np.ndarray]]:
@@ -59,19 +67,28 @@ def compare(graph: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray],
     return failures, report
 
 
+def providers_for(dtype: str) -> list[str] | None:
+    """ONNX Runtime providers that run a graph of this dtype here; None: none can (bf16 without CUDA)."""
+    if dtype != "bfloat16":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" in ort.get_available_providers():  # the CPU provider has no bf16 kernels
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return None
+
+
 def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | None = None) -> tuple[list[str], dict]:
     feeds = spec.feeds()
     refs = reference_outputs(spec, feeds)
-    np_feeds = [{k: np_of(v) for k, v in f.items()} for f in feeds]
     if save_dir is not None:
-        save_polygraphy(save_dir, spec.name, np_feeds, refs)
-    if dtype == "bfloat16" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        save_polygraphy(save_dir, spec.name, [{k: np_of(v) for k, v in f.items()} for f in feeds], refs)
+    providers = providers_for(dtype)
+    if providers is None:
         return [], {"skipped": "ONNX Runtime's CPU provider has no bfloat16 kernels; validate with "
                                "`dflash2-compare --engines` on a GPU"}
-    sess = open_session(path)
+    sess = open_session(path, providers)
     failures, report = [], {}
-    for step, (feed, ref) in enumerate(zip(np_feeds, refs)):
-        got = dict(zip(spec.outputs, sess.run(spec.outputs, feed)))
+    for step, (feed, ref) in enumerate(zip(feeds, refs)):
+        got = run(sess, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # fed in the graph's dtype
         f, r = compare(spec.name, got, ref, dtype, step)
         failures += f
         report[f"step{step}"] = r
