@@ -129,3 +129,36 @@ def test_gpu_train_script_at_toy_size_on_the_cpu(tmp_path, tiny_corpus):
     assert "config.json" in names and "draft_vocab.json" in names and "model.safetensors.index.json" in names
     assert all(p.stat().st_size <= 0.05 * 2**20 + 4096 for p in out.glob("model-*.safetensors"))
     load_pair(out, target)  # the result is a loadable DFlash2 drafter for this target
+
+
+def test_a_partial_corpus_is_refused_unless_asked_for(tmp_path, tiny_corpus):
+    import json
+    import shutil
+
+    from dflash2.errors import Dflash2Error
+    from dflash2.train.corpus import load_corpus
+
+    _, folder = tiny_corpus
+    part = tmp_path / "part"
+    part.mkdir()
+    meta = json.loads((folder / "corpus.json").read_text())
+    (part / "corpus.json").write_text(json.dumps(meta | {"complete": False}))
+    first = sorted(folder.glob("shard-*.safetensors"))[0]
+    shutil.copy(first, part / first.name)
+    with pytest.raises(Dflash2Error, match="expected a complete corpus, found a partial one"):
+        load_corpus(part)
+    c = load_corpus(part, [1, 2], partial=True)
+    assert len(c) == 6 and not c.complete and c[0]["ids"].tolist() == Corpus(folder)[0]["ids"].tolist()
+
+
+def test_corpus_bench_times_both_generators_on_the_same_answers(tmp_path, tiny_corpus):
+    """The benchmark command runs at toy size; its answers are the same greedy answers for both."""
+    from dflash2.train import genbench
+
+    target, _ = tiny_corpus
+    r = genbench.bench(target, ["Tell me about bees.", "What is 2 plus 2?", "Write a haiku."], batch=3, max_new=6,
+                       repeats=1, taps=[1, 2], log=lambda m: None)
+    assert set(r["tok_per_s"]) == {"transformers generate fp32", "transformers generate bf16",
+                                   "dflash2 corpus fp32 (+taps)", "dflash2 corpus bf16 (+taps)"}
+    assert all(v > 0 for v in r["tok_per_s"].values()) and "x" in genbench.table(r)
+    assert r["same_answers_fp32"]  # the corpus generator's greedy answers ARE transformers' generate's

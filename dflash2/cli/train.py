@@ -16,22 +16,6 @@ from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
 
-def corpus_prompts(spec: str, seed: int = 0) -> list[str]:
-    """The training prompts a --prompts spec names; the benchmark's own prompts are never trained on."""
-    from dflash2.prompts import default_prompts, parse_spec
-    from dflash2.train.data import make_prompts
-
-    bench = set(default_prompts())
-    if spec.split(":")[0] == "templated":
-        n = spec.split(":", 1)[1] if ":" in spec else "1200"
-        if not n.isdigit():
-            raise Dflash2Error(f"--prompts {spec!r}: expected 'templated[:N]' with an integer N, found {n!r}")
-        return make_prompts(int(n), seed, exclude=bench)
-    if spec.startswith("sharegpt") and ":eval" in spec:
-        raise Dflash2Error(f"--prompts {spec!r}: ShareGPT conversations >= 15,000 are reserved for evaluation")
-    return [p for p in parse_spec(spec, default_split="train", log=print) if p not in bench]
-
-
 @interruptible("dflash2-train", "rerun the same command to resume from the last saved step")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-train", description=__doc__)
@@ -51,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
                         "answers may differ from fp32 greedy after a few tokens)")
     p.add_argument("--shard-size", type=int, default=128, help="prompts per corpus shard (the resume unit)")
     p.add_argument("--corpus-only", action="store_true", help="generate the corpus, then stop")
+    p.add_argument("--partial-corpus", action="store_true",
+                   help="train on the shards a still-unfinished corpus has so far (its generation is not resumed)")
     p.add_argument("--taps", type=lambda s: tuple(int(x) for x in s.split(",")),
                    help="target layer ids to tap (default: 3 evenly spaced, z-lab's rule)")
     p.add_argument("--layers", type=int, default=1)
@@ -93,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2 import draft_vocab
     from dflash2.config import default_target_layer_ids, load_target_config
     from dflash2.folders import check_train_folders
-    from dflash2.train.data import corpus_complete, generate_corpus, load_corpus
+    from dflash2.train.data import corpus_complete, corpus_prompts, generate_corpus, load_corpus
     from dflash2.train.trainer import TrainConfig, train
 
     if a.threads:
@@ -103,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         tc = load_target_config(a.target)
         taps = a.taps or default_target_layer_ids(tc.num_layers, 3)
         corpora = a.corpus or [a.out.parent / "corpus"]
-        if not corpus_complete(corpora[0]) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if not corpus_complete(corpora[0]) and not a.partial_corpus and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise Dflash2Error(f"{corpora[0]}: expected a complete corpus under torchrun; generate it first in one "
                                "process (the same command with --corpus-only, without torchrun)")
-        if not corpus_complete(corpora[0]):
+        if not corpus_complete(corpora[0]) and not a.partial_corpus:
             generate_corpus(a.target, corpus_prompts(a.prompts, a.seed), corpora[0], list(taps), a.max_new_tokens,
                             batch_size=a.gen_batch, shard_size=a.shard_size, dtype=a.gen_dtype,
                             max_prompt_tokens=a.max_prompt_tokens, device=a.device)
@@ -115,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         # shards are ordered by prompt length: shuffle; hold out from the LAST corpus only, so a run
         # warm-started on earlier corpora is evaluated on records it never saw
-        loaded = [list(load_corpus(corpus, list(taps))) for corpus in corpora]
+        loaded = [list(load_corpus(corpus, list(taps), partial=a.partial_corpus)) for corpus in corpora]
+        if a.partial_corpus:
+            print(f"partial corpus: {[len(x) for x in loaded]} records so far in {[str(c) for c in corpora]}")
         for recs in loaded:
             random.Random(a.seed).shuffle(recs)
         n_eval = max(1, int(len(loaded[-1]) * a.holdout))

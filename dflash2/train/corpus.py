@@ -100,10 +100,15 @@ class _Shard:
 class Corpus(Sequence):
     """All records of a complete corpus folder, lazily: ids are in memory, taps are mmapped."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, partial: bool = False):
+        """partial: also accept a corpus whose generation has not finished (its shards so far, which are
+        whole: each is written atomically); never by default, so a half-made corpus is not trained on by accident."""
         self.folder = Path(folder)
-        self.meta = read_meta(self.folder, need_complete=True)
+        self.meta = read_meta(self.folder, need_complete=not partial)
+        if self.meta is None:
+            raise Dflash2Error(f"{self.folder / META}: expected a corpus, found none")
         self._shards = [_Shard(p) for p in sorted(self.folder.glob(SHARD_GLOB))]
+        self.complete = bool(self.meta.get("complete"))
         self._index = [(s, j) for s in self._shards for j in range(len(s))]
 
     def __len__(self) -> int:
@@ -170,9 +175,10 @@ def corpus_complete(folder: str | Path) -> bool:
     return bool(meta and meta.get("complete"))
 
 
-def load_corpus(folder: str | Path, tap_ids: list[int] | None = None) -> Corpus:
-    """A complete corpus (lazy); with `tap_ids`, checks they are the taps it was made with."""
-    c = Corpus(folder)
+def load_corpus(folder: str | Path, tap_ids: list[int] | None = None, partial: bool = False) -> Corpus:
+    """A complete corpus (lazy; `partial`: the shards written so far); with `tap_ids`, checks they are
+    the taps it was made with."""
+    c = Corpus(folder, partial)
     if tap_ids is not None and list(c.meta["tap_ids"]) != list(tap_ids):
         raise Dflash2Error(f"{Path(folder) / META}: tap_ids expected {list(tap_ids)} (--taps), "
                            f"found {c.meta['tap_ids']}")

@@ -11,6 +11,7 @@ import random
 import sys
 from pathlib import Path
 
+from dflash2.errors import Dflash2Error
 from dflash2.train.corpus import Corpus, corpus_answers, corpus_complete, load_corpus  # noqa: F401
 from dflash2.train.generate import generate_corpus  # noqa: F401
 
@@ -100,3 +101,18 @@ def make_prompts(n: int, seed: int = 0, exclude: set[str] = frozenset(),
     pool = sorted(set(pool) - set(exclude))
     rng.shuffle(pool)
     return pool[:n]
+
+
+def corpus_prompts(spec: str, seed: int = 0) -> list[str]:
+    """The training prompts a --prompts spec names; the benchmark's own prompts are never trained on."""
+    from dflash2.prompts import default_prompts, parse_spec
+
+    bench = set(default_prompts())
+    if spec.split(":")[0] == "templated":
+        n = spec.split(":", 1)[1] if ":" in spec else "1200"
+        if not n.isdigit():
+            raise Dflash2Error(f"--prompts {spec!r}: expected 'templated[:N]' with an integer N, found {n!r}")
+        return make_prompts(int(n), seed, exclude=bench)
+    if spec.startswith("sharegpt") and ":eval" in spec:
+        raise Dflash2Error(f"--prompts {spec!r}: ShareGPT conversations >= 15,000 are reserved for evaluation")
+    return [p for p in parse_spec(spec, default_split="train", log=print) if p not in bench]

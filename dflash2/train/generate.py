@@ -47,7 +47,7 @@ def autocast(device: str, dtype: str):
     return torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping at all, as transformers' generate
 def generate_batch(model, batch: list[list[int]], tap_ids, max_new: int, eos: list[int], pad: int,
                    device: str = "cpu", dtype: str = "fp32") -> list[dict]:
     """Greedy answers of a batch of prompts + the taps of every position that went through the target."""

@@ -1,0 +1,114 @@
+"""dflash2-corpus-bench: corpus generation tokens/s against transformers' own `generate`, same run.
+
+The same prompts (chat template), batch and answer length for each contender, interleaved round by
+round so a noisy shared machine slows them alike: transformers' `generate` (greedy) in fp32 and under
+bf16 autocast, and dflash2's corpus generator (which also captures the taps) in both. Tokens counted
+are answer tokens up to and including EOS. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflash2.errors import Dflash2Error
+
+
+def _hf_generate(model, batch, max_new, eos, pad, dtype):
+    from dflash2.train.generate import autocast
+
+    B, L = len(batch), max(len(x) for x in batch)
+    ids = torch.full((B, L), pad, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for i, x in enumerate(batch):
+        ids[i, L - len(x):], mask[i, L - len(x):] = torch.tensor(x), 1
+    with torch.inference_mode(), autocast("cpu", dtype):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                             pad_token_id=pad, eos_token_id=eos, min_new_tokens=1)
+    return [row.tolist()[: _answer_len(row.tolist(), eos)] for row in out[:, L:]]
+
+
+def _answer_len(g: list[int], eos) -> int:
+    return next((k + 1 for k, t in enumerate(g) if t in eos), len(g))
+
+
+def _ours(model, batch, max_new, eos, pad, dtype, taps):
+    from dflash2.train.generate import generate_batch
+
+    recs = generate_batch(model, batch, taps, max_new, eos, pad, "cpu", dtype)
+    return [r["ids"][r["prompt_len"]:].tolist() for r in recs]
+
+
+def bench(target: Path, prompts: list[str], batch: int, max_new: int, repeats: int, taps: list[int], log=print) -> dict:
+    from dflash2.train.generate import chat_ids, load_hf_target
+
+    model, tok, tc = load_hf_target(target)
+    pad = json.loads((target / "config.json").read_text()).get("pad_token_id") or 0
+    ids = sorted(chat_ids(tok, prompts), key=len)[:batch]
+    eos = list(tc.eos_token_ids)
+    runs = {"transformers generate fp32": lambda: _hf_generate(model, ids, max_new, eos, pad, "fp32"),
+            "transformers generate bf16": lambda: _hf_generate(model, ids, max_new, eos, pad, "bf16"),
+            "dflash2 corpus fp32 (+taps)": lambda: _ours(model, ids, max_new, eos, pad, "fp32", taps),
+            "dflash2 corpus bf16 (+taps)": lambda: _ours(model, ids, max_new, eos, pad, "bf16", taps)}
+    rates, answers = {k: [] for k in runs}, {}
+    for r in range(repeats):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            answers[name] = fn()
+            n = sum(map(len, answers[name]))
+            rates[name].append(n / (time.perf_counter() - t0))
+            log(f"round {r + 1}/{repeats}  {name}: {rates[name][-1]:.0f} tok/s ({n} tokens)")
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    best_hf = max(v for k, v in med.items() if k.startswith("transformers"))
+    best_ours = max(v for k, v in med.items() if k.startswith("dflash2"))
+    return {"target": str(target), "batch": len(ids), "max_new_tokens": max_new, "repeats": repeats,
+            "threads": torch.get_num_threads(), "tok_per_s": med, "runs": rates,
+            "ours_vs_best_transformers": best_ours / best_hf,
+            # an independent check of the generator: fp32 greedy answers identical to transformers' generate
+            "same_answers_fp32": answers["transformers generate fp32"] == answers["dflash2 corpus fp32 (+taps)"]}
+
+
+def table(r: dict) -> str:
+    rows = [f"| {k} | {v:.0f} |" for k, v in r["tok_per_s"].items()]
+    return "\n".join([f"batch {r['batch']}, {r['max_new_tokens']} new tokens, {r['threads']} thread(s), "
+                      f"median of {r['repeats']} interleaved rounds", "| generator | answer tok/s |", "| --- | --- |",
+                      *rows, f"dflash2 (best) / transformers (best): {r['ours_vs_best_transformers']:.2f}x",
+                      f"fp32 answers identical to transformers' generate: {r['same_answers_fp32']}"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash2-corpus-bench", description=__doc__)
+    p.add_argument("--target", required=True, type=Path)
+    p.add_argument("--prompts", default="sharegpt:256", help="as dflash2-train --prompts (default sharegpt:256)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--taps", default="1,14,27")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    from dflash2.train.data import corpus_prompts
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        r = bench(a.target, corpus_prompts(a.prompts), a.batch, a.max_new_tokens, a.repeats,
+                  [int(x) for x in a.taps.split(",")])
+    except Dflash2Error as e:
+        print(f"dflash2-corpus-bench: error: {e}", file=sys.stderr)
+        return 2
+    print(table(r))
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=1))
+    print(json.dumps({k: r[k] for k in ("tok_per_s", "ours_vs_best_transformers", "same_answers_fp32")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
