@@ -26,3 +26,12 @@ def one_line_error(err: str, prog: str) -> str:
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
     assert "Traceback" not in err
     return lines[0]
+
+
+def one_error(err: str, prog: str) -> str:
+    """One error, no traceback: `PROG: error: ...` and, for an error listing several problems, its
+    indented problem lines. Returns the whole message as one string."""
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert lines and lines[0].startswith(f"{prog}: error: ") and "Traceback" not in err, err
+    assert all(ln.startswith("  ") for ln in lines[1:]), err
+    return " ".join(ln.strip() for ln in lines)
