@@ -270,6 +270,28 @@ class ModelFacts:
             problems.append(f"num_drafts: expected block_size - 1 = {self.block_size - 1}, found {self.num_drafts}")
         return problems
 
+    def io_problems(self, graphs: dict[str, tuple[list[IoSpec], list[IoSpec]]], where: str) -> list[str]:
+        """The buffer facts the runtime allocates from must agree with the graphs' own io shapes, or the
+        first step fails inside the engine: kv rows, context width, drafts per block.
+        graphs: name -> (inputs, outputs) of the export's graphs or the engine folder's engines."""
+        def dims(graph: str, io: int, name: str) -> list | None:
+            specs = (graphs.get(graph) or (None, None))[io] or []
+            return next((s.shape for s in specs if s is not None and s.name == name), None)
+
+        rows = self.kv.rows if self.kv is not None else None
+        rules = [("kv.rows.target", rows and rows.target, dims("target", 0, "past_kv"), slice(1, None)),
+                 ("kv.rows.drafter", rows and rows.drafter, dims("drafter", 0, "past_ctx_kv"), slice(1, None)),
+                 ("context.width", self.context and self.context.width, dims("target", 1, "context"), -1),
+                 ("num_drafts", self.num_drafts, dims("drafter", 1, "draft_ids"), -1)]
+        problems = []
+        for name, fact, shape, part in rules:
+            if fact is None or not shape:
+                continue
+            want = shape[part]
+            if fact != want:
+                problems.append(f"{name}: expected {want} (the {where} io shapes), found {fact}")
+        return problems
+
 
 @dataclass(kw_only=True)
 class Sealed:
@@ -299,7 +321,8 @@ class ExportManifest(ModelFacts, Sealed):
         problems = super().check()
         want = ("target", "drafter") + (("selector",) if self.drafter_version == 2 else ())
         problems += [f"graphs.{g}: expected a graph, found none" for g in want if g not in (self.graphs or {})]
-        return problems
+        io = {n: (g.inputs, g.outputs) for n, g in (self.graphs or {}).items() if g is not None}
+        return problems + self.io_problems(io, "graphs'")
 
 
 @dataclass(kw_only=True)
@@ -319,7 +342,8 @@ class EngineManifest(ModelFacts, Sealed):
         problems = super().check()
         problems += [f"engines.{g}: expected an engine (the runtime needs both target and drafter engines), "
                      f"found none" for g in ("target", "drafter") if g not in (self.engines or {})]
-        return problems
+        io = {n: (e.inputs, e.outputs) for n, e in (self.engines or {}).items() if e is not None}
+        return problems + self.io_problems(io, "engines'")
 
 
 KINDS = {EXPORT_FORMAT: ExportManifest, ENGINE_FORMAT: EngineManifest}

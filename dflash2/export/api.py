@@ -57,21 +57,11 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary).
     beyond_max_positions: allow max_seq_len past the target's max_position_embeddings.
     quantize: weight-only int4 / int8 target (and drafter) graphs for ONNX Runtime (dflash2.export.quantize)."""
-    if dtype not in dtypes.GRAPH_DTYPES:
-        raise OutputError(f"--dtype: expected one of {list(dtypes.GRAPH_DTYPES)}, found {dtype!r}")
     if quantize is not None and dtype != "float32":
         raise OutputError(f"--quantize {quantize.method}: expected --dtype float32 (weights are quantized from "
                           f"fp32; activations stay fp32), found {dtype}")
     out = Path(out_dir).absolute()
-    check_output(out, force, {"--model": drafter_dir, "--target": target_dir})
-    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
-    check_pair(dc, tc, drafter_dir, target_dir)
-    if max_seq_len < dc.block_size + 2:
-        raise OutputError(f"--max-seq-len: expected >= block_size + 2 = {dc.block_size + 2}, found {max_seq_len}")
-    if max_seq_len > tc.max_position_embeddings and not beyond_max_positions:
-        raise OutputError(f"--max-seq-len: expected <= max_position_embeddings {tc.max_position_embeddings} of "
-                          f"{Path(target_dir) / 'config.json'}, found {max_seq_len} (the target was not trained on "
-                          f"longer sequences; pass --beyond-max-positions to export it anyway)")
+    dc, tc = check_inputs(drafter_dir, target_dir, out, dtype, max_seq_len, force, beyond_max_positions)
     specs_count = 3 if dc.version == 2 else 2
     progress = Progress(1 + 2 * specs_count + 1 + (len(quantize.graphs()) if quantize else 0), quiet)
     with progress.step("loading and checking the checkpoints"):
@@ -87,6 +77,33 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
             mf.write(tmp, manifest)
         replace_folder(tmp, out)
     return manifest
+
+
+def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dtype: str, max_seq_len: int,
+                 force: bool, beyond_max_positions: bool):
+    """The checks before any weight is read: the output folder (before anything is read at all), both
+    configs and their agreement, the capacity. Returns (drafter config, target config)."""
+    if dtype not in dtypes.GRAPH_DTYPES:
+        raise OutputError(f"--dtype: expected one of {list(dtypes.GRAPH_DTYPES)}, found {dtype!r}")
+    check_output(out, force, {"--model": drafter_dir, "--target": target_dir})
+    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
+    check_pair(dc, tc, drafter_dir, target_dir)
+    if max_seq_len < dc.block_size + 2:
+        raise OutputError(f"--max-seq-len: expected >= block_size + 2 = {dc.block_size + 2}, found {max_seq_len}")
+    if max_seq_len > tc.max_position_embeddings and not beyond_max_positions:
+        raise OutputError(f"--max-seq-len: expected <= max_position_embeddings {tc.max_position_embeddings} of "
+                          f"{Path(target_dir) / 'config.json'}, found {max_seq_len} (the target was not trained on "
+                          f"longer sequences; pass --beyond-max-positions to export it anyway)")
+    return dc, tc
+
+
+def preflight(drafter_dir: str | Path, target_dir: str | Path, out: str | Path, dtype: str = "float32",
+              max_seq_len: int = 2048, force: bool = False, full_vocab: bool = False,
+              beyond_max_positions: bool = False):
+    """Everything export() checks before it writes: check_inputs, then the weights (names, shapes,
+    dtypes, finite values) loaded into the reference modules. Returns (target, drafter)."""
+    check_inputs(drafter_dir, target_dir, Path(out).absolute(), dtype, max_seq_len, force, beyond_max_positions)
+    return load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype), use_draft_vocab=not full_vocab)
 
 
 def _draft_vocab_entry(drafter, drafter_dir) -> mf.DraftVocab | None:

@@ -18,11 +18,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dflash2 import dtypes
+from dflash2.errors import Dflash2Error
 from dflash2.manifest import ModelFacts
 from dflash2.runtime.engines import Backend
 
 
-class CapacityError(ValueError):
+class CapacityError(Dflash2Error, ValueError):
     pass
 
 
