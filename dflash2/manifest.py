@@ -502,8 +502,10 @@ def load(folder: str | Path, kinds: type | tuple[type, ...] = (ExportManifest, E
                         f"{stored!r}: {NAME} was edited after it was written; re-export / rebuild the folder")
     manifest = _convert(KINDS[data["format"]], data, "", problems)
     problems += manifest.check()
-    if check_files:
-        problems += file_problems(folder, manifest.files or {})
+    if check_files:  # a deleted tokenizer file is not a broken folder: only text in / out needs it (and says so)
+        optional = set((manifest.tokenizer.files or []) if manifest.tokenizer is not None else [])
+        problems += file_problems(folder, {n: f for n, f in (manifest.files or {}).items()
+                                           if n not in optional or (folder / n).exists()})
     if problems:
         raise ManifestError(path, problems)
     return manifest

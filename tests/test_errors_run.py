@@ -113,11 +113,15 @@ def test_read_only_filesystem_is_named(tmp_path, capsys, nan_pair, monkeypatch):
     assert list((tmp_path / "ro").iterdir()) == []
 
 
-def test_tokenizer_message_names_what_needs_it(tmp_path, exports):
-    from dflash2.runtime.text import Text, TokenizerError
-
+def test_deleted_tokenizer_refuses_only_what_needs_it(tmp_path, exports, capsys):
     copy = tmp_path / "copy"
     shutil.copytree(exports[("llama", 1)], copy)
     (copy / "tokenizer.json").unlink()
-    with pytest.raises(TokenizerError, match=r"text prompts, --stop and text output need it \(--prompt-ids"):
-        Text(copy)
+    assert run_cli.main([str(copy), "--prompt-ids", "1,2", "--max-new-tokens", "3", "--json"]) == 0
+    capsys.readouterr()
+    for args in (["--prompt", "the model"], ["--prompt-ids", "1,2", "--stop", "x"]):
+        msg = _run(capsys, copy, *args, "--max-new-tokens", "3")
+        assert "expected tokenizer.json (copied from the target at export), found none; text prompts, --stop" in msg
+    (copy / "tokenizer_config.json").write_text("{}")  # changed, not deleted: still refused
+    msg = _run(capsys, copy, "--prompt-ids", "1,2")
+    assert "files.tokenizer_config.json: expected " in msg and " bytes, found 2" in msg

@@ -13,7 +13,6 @@ import copy
 import json
 import random
 import shutil
-from pathlib import Path
 
 import pytest
 
