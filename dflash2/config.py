@@ -106,6 +106,42 @@ def read_config(folder: str | Path) -> tuple[Path, dict]:
     return path, raw
 
 
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                  "chat_template.json")
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; every other content named (file, expected, found)."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, "file", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(path, "file", "UTF-8 JSON text", "undecodable bytes") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(path, "file", "a JSON object {...}", f"a JSON {_json_type(doc)}")
+    return doc
+
+
+def check_tokenizer_files(folder: str | Path) -> None:
+    """The tokenizer files export copies are JSON objects and the chat template is text: a broken one
+    is refused at export, naming it, instead of surfacing when dflash2-run first encodes a prompt."""
+    folder = Path(folder)
+    for name in TOKENIZER_JSON:
+        if (folder / name).is_file():
+            doc = read_json_object(folder / name)
+            if name == "tokenizer_config.json" and doc.get("chat_template") is not None and \
+                    not isinstance(doc["chat_template"], str):
+                raise CheckpointError(folder / name, "chat_template", "a string (a jinja template)",
+                                      f"a JSON {_json_type(doc['chat_template'])}")
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            jinja.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(jinja, "file", "UTF-8 text (a jinja template)", "undecodable bytes") from None
+
+
 def _json_type(v) -> str:
     return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number",
             type(None): "null"}.get(type(v), type(v).__name__)

@@ -155,6 +155,13 @@ CASES = {
                          "format: expected 'dflash2-draft-vocab', found 'list'"),
     "draft_vocab_string_ids": (lambda d, t: draft_vocab.write(d, list(range(16)), 384, "t") and edit_json(
         d / draft_vocab.FILE, set_key("ids", ["1"] * 16)), draft_vocab.FILE, "ids: expected a list of integer"),
+    # tokenizer files export copies (checked before any weight loads)
+    "tokenizer_config_not_json": (lambda d, t: (t / "tokenizer_config.json").write_text("{oops"),
+                                  "target/tokenizer_config.json", "file: expected valid JSON, found a parse error"),
+    "tokenizer_json_a_list": (lambda d, t: (t / "tokenizer.json").write_text("[]"), "target/tokenizer.json",
+                              "file: expected a JSON object {...}, found a JSON list"),
+    "chat_template_not_text": (lambda d, t: edit_json(t / "tokenizer_config.json", set_key("chat_template", 5)),
+                               "target/tokenizer_config.json", "chat_template: expected a string (a jinja template)"),
     # weights
     "integer_weights": (lambda d, t: edit_tensor(d, "norm.weight", lambda x: x.to(torch.int64)), "drafter",
                         "weights: expected float tensors (F32, F16, BF16, F64), found 1 of another dtype: "

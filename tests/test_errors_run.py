@@ -125,3 +125,29 @@ def test_deleted_tokenizer_refuses_only_what_needs_it(tmp_path, exports, capsys)
     (copy / "tokenizer_config.json").write_text("{}")  # changed, not deleted: still refused
     msg = _run(capsys, copy, "--prompt-ids", "1,2")
     assert "files.tokenizer_config.json: expected " in msg and " bytes, found 2" in msg
+
+
+def test_chat_template_syntax_error_is_named(tmp_path, exports):
+    from dflash2.runtime.text import Text, TokenizerError
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(exports[("qwen3", 2)] / "tokenizer.json", folder)
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "{% for m in messages %}{{ m"}')
+    with pytest.raises(TokenizerError, match=r"tok: chat template: expected a jinja template, found a syntax error"):
+        Text(folder).encode("hi", chat=True)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--print-trtexec", "--manifest-only"], "--print-trtexec and --manifest-only: give one"),
+    (["--print-trtexec", "--force"], "--force: no effect with --print-trtexec"),
+    (["--manifest-only", "--timing-cache", "t.cache", "--workspace", "64"],
+     "--timing-cache, --workspace: no effect with --manifest-only"),
+])
+def test_build_flags_without_effect_are_errors(tmp_path, capsys, args, message):
+    from dflash2.cli import build as build_cli
+
+    before = snapshot(tmp_path)
+    assert build_cli.main([str(tmp_path / "export"), "--out", str(tmp_path / "eng"), *args]) == 2
+    assert message in one_line_error(capsys.readouterr().err, "dflash2-build")
+    assert snapshot(tmp_path) == before

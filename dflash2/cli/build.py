@@ -17,6 +17,19 @@ from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
 
+def check_flags(a: argparse.Namespace) -> None:
+    """Flags without effect in this combination are errors, not silently ignored."""
+    if a.print_trtexec and a.manifest_only:
+        raise Dflash2Error("--print-trtexec and --manifest-only: give one (print the commands, or adopt their engines)")
+    mode = "--print-trtexec" if a.print_trtexec else "--manifest-only"
+    unused = {"--force": a.force and (a.print_trtexec or a.manifest_only),
+              "--timing-cache": a.timing_cache is not None and a.manifest_only,
+              "--workspace": a.workspace is not None and a.manifest_only}
+    bad = [flag for flag, hit in unused.items() if hit]
+    if bad:
+        raise Dflash2Error(f"{', '.join(bad)}: no effect with {mode} (nothing is built or replaced)")
+
+
 @interruptible("dflash2-build")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-build", description=__doc__,
@@ -41,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "print" if a.print_trtexec else "adopt" if a.manifest_only else "build"
     t0 = time.perf_counter()
     try:
+        check_flags(a)
         plan = plan_build(a.export_dir, a.out, a.precision, a.max_seq_len, a.max_prefill, a.plugin, a.timing_cache,
                           a.workspace, a.force, mode=mode)
         if mode == "print":

@@ -13,7 +13,7 @@ import torch
 
 from dflash2 import __version__, draft_vocab, dtypes
 from dflash2 import manifest as mf
-from dflash2.config import check_pair, load_drafter_config, load_target_config
+from dflash2.config import check_pair, check_tokenizer_files, load_drafter_config, load_target_config
 from dflash2.export import deviation
 from dflash2.export import quantize as qz
 from dflash2.export import trace as tr
@@ -88,6 +88,7 @@ def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dty
     check_output(out, force, {"--model": drafter_dir, "--target": target_dir})
     dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
+    check_tokenizer_files(target_dir)
     if max_seq_len < dc.block_size + 2:
         raise OutputError(f"--max-seq-len: expected >= block_size + 2 = {dc.block_size + 2}, found {max_seq_len}")
     if max_seq_len > tc.max_position_embeddings and not beyond_max_positions:

@@ -3,9 +3,9 @@ No transformers: this runs on edge boards."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from dflash2.config import check_tokenizer_files, read_json_object
 from dflash2.errors import Dflash2Error
 
 
@@ -21,13 +21,14 @@ class Text:
         if not path.is_file():
             raise TokenizerError(f"{folder}: expected tokenizer.json (copied from the target at export), found none; "
                                  f"text prompts, --stop and text output need it (--prompt-ids without --stop do not)")
+        check_tokenizer_files(folder)  # checked at export too; this also covers hand-made folders
         self.tok = Tokenizer.from_file(str(path))
         cfg_path = folder / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config = read_json_object(cfg_path) if cfg_path.is_file() else {}
         template = self.config.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
-        self.chat_template = template
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        self.chat_template, self.folder = template, folder
 
     def _special(self, key: str) -> str:
         v = self.config.get(key)
@@ -43,6 +44,7 @@ class Text:
         return self.tok.encode(text).ids
 
     def render(self, messages: list[dict]) -> str:
+        from jinja2 import TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg):
@@ -50,7 +52,12 @@ class Text:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
+        try:
+            template = env.from_string(self.chat_template)
+        except TemplateSyntaxError as e:
+            raise TokenizerError(f"{self.folder}: chat template: expected a jinja template, found a syntax error at "
+                                 f"line {e.lineno}: {e.message}") from None
+        return template.render(
             messages=messages, add_generation_prompt=True, bos_token=self._special("bos_token"),
             eos_token=self._special("eos_token"))
 
