@@ -43,6 +43,7 @@ fi
 "$PY" -m dflash2.cli.plugins find
 
 step "tiny pair, fp32 + fp16 exports"
+rm -rf "$WORK/pair"  # make-tiny writes only new folders
 "$PY" -m dflash2.cli.make_tiny --out "$WORK/pair" --family qwen3 --drafter v2
 for dt in float32 float16; do
   "$PY" -m dflash2.cli.export --model "$WORK/pair/drafter" --target "$WORK/pair/target" \

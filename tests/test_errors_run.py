@@ -151,3 +151,41 @@ def test_build_flags_without_effect_are_errors(tmp_path, capsys, args, message):
     assert build_cli.main([str(tmp_path / "export"), "--out", str(tmp_path / "eng"), *args]) == 2
     assert message in one_line_error(capsys.readouterr().err, "dflash2-build")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--repeats", "0"], "--repeats: expected >= 1, found 0"),
+    (["--json", "{export}/manifest.json"], "--json {export}/manifest.json lies inside the FOLDER folder"),
+    (["--json", "{tmp}/missing/r.json"], "--json {tmp}/missing/r.json: expected an existing folder {tmp}/missing"),
+    (["--plot", "{tmp}"], "--plot {tmp}: expected a file name, found a folder"),
+])
+def test_bench_output_files_checked_before_the_run(tmp_path, exports, capsys, args, message):
+    from dflash2.cli import bench as bench_cli
+
+    export = exports[("llama", 1)]
+    fill = {"export": export, "tmp": tmp_path}
+    before = snapshot(export, tmp_path)
+    assert bench_cli.main([str(export), "--max-new-tokens", "2", *(x.format(**fill) for x in args)]) == 2
+    assert message.format(**fill) in one_line_error(capsys.readouterr().err, "dflash2-bench")
+    assert snapshot(export, tmp_path) == before
+
+
+def test_compare_negative_tolerance(exports, capsys):
+    from dflash2.cli import compare as compare_cli
+
+    assert compare_cli.main([str(exports[("llama", 1)]), "--atol", "-1"]) == 2
+    assert "--atol: expected a tolerance >= 0, found -1.0" in one_line_error(capsys.readouterr().err, "dflash2-compare")
+
+
+def test_make_tiny_never_writes_over_a_folder(tmp_path, capsys):
+    from dflash2.cli import make_tiny
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text('{"mine": true}')
+    before = snapshot(tmp_path)
+    assert make_tiny.main(["--out", str(tmp_path)]) == 2
+    assert "target: exists; dflash2-make-tiny writes only new folders" in one_line_error(
+        capsys.readouterr().err, "dflash2-make-tiny")
+    assert make_tiny.main(["--out", str(tmp_path / "new"), "--block-size", "1"]) == 2
+    assert "--block-size / --layers: expected >= 2 / >= 1, found 1 / 1" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.folders import check_apart, check_writable
 
 
 def parse_ids(s: str) -> list[int]:
@@ -46,3 +48,17 @@ def negative_ids_joined(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def check_output_file(path: Path | None, flag: str, inputs: dict[str, Path]) -> None:
+    """A file a CLI writes when its work is done (--json, --plot): checked before the work, so a bad
+    path does not waste a run, and never inside an input folder (e.g. over an export's manifest)."""
+    if path is None:
+        return
+    check_apart(path, inputs, out_flag=flag)
+    if path.is_dir():
+        raise Dflash2Error(f"{flag} {path}: expected a file name, found a folder")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise Dflash2Error(f"{flag} {path}: expected an existing folder {parent}, found none")
+    check_writable(path, parent)

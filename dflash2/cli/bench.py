@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from dflash2.cli.args import check_output_file
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2.runtime import bench as b
 
     try:
+        if a.repeats < 1:
+            raise Dflash2Error(f"--repeats: expected >= 1, found {a.repeats}")
+        for flag, path in (("--json", a.json), ("--plot", a.plot)):
+            check_output_file(path, flag, {"FOLDER": a.folder})
         r = b.bench(a.folder, parse_spec(a.prompts, default_split="eval", log=print), a.max_new_tokens, chat=not a.raw, policies=a.policies,
                     repeats=a.repeats, draft_len=a.draft_len, sweep=a.sweep_draft_len)
     except (Dflash2Error, ValueError) as e:

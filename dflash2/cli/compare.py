@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2.engines.compare import compare
 
     try:
+        for flag, tol in (("--atol", a.atol), ("--rtol", a.rtol)):
+            if tol is not None and not tol >= 0:
+                raise Dflash2Error(f"{flag}: expected a tolerance >= 0, found {tol}")
         report = compare(a.folder, a.engines, a.atol, a.rtol, a.graph)
     except Dflash2Error as e:
         print(f"dflash2-compare: error: {e}", file=sys.stderr)

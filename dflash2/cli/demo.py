@@ -44,7 +44,7 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt ('-': read it from stdin)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("out/smollm2-135m-dflash2"), help="export folder")
     p.add_argument("--drafter", type=Path, default=None, help="default: the drafter shipped in the package")
@@ -52,15 +52,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="drafts verified per round (default all 7; 2 is fastest on a 2-core CPU, docs/smollm2.md)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    from dflash2.cli.args import read_prompt
     from dflash2.cli.run import stats_table
     from dflash2.models import smollm2
     from dflash2.runtime.api import Runtime
 
     try:
+        prompt = read_prompt(a.prompt)  # before the model is prepared: a bad prompt costs nothing
+        if a.max_new_tokens < 1:
+            raise Dflash2Error(f"--max-new-tokens: expected >= 1, found {a.max_new_tokens}")
         target = smollm2.prepare()
         ensure_export(a.drafter or default_drafter(), target, a.out, a.quiet)
         rt = Runtime(a.out)
-        ids = rt.prompt_ids(text=a.prompt, chat=True)
+        ids = rt.prompt_ids(text=prompt, chat=True)
         for spec_on in (True, False):  # warm-up: first runs of each graph shape allocate, keep them untimed
             rt.generate(ids, 8, speculative=spec_on, draft_len=a.draft_len)
         print(f"\n>>> {a.prompt}\n")

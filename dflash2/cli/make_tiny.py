@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from dflash2 import tiny
+from dflash2.errors import Dflash2Error
+from dflash2.folders import OutputError, check_output
 from dflash2.interrupts import interruptible
 
 
@@ -19,9 +22,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=1, help="drafter layers")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    target = tiny.make_target(a.out / "target", family=a.family, seed=a.seed)
-    drafter = tiny.make_drafter(a.out / "drafter", target, version=int(a.drafter[1]), num_layers=a.layers,
-                                block_size=a.block_size, seed=a.seed + 1)
+    try:
+        if a.block_size < 2 or a.layers < 1:
+            raise Dflash2Error(f"--block-size / --layers: expected >= 2 / >= 1, found {a.block_size} / {a.layers}")
+        for sub in (a.out / "target", a.out / "drafter"):  # it writes into them: never over a real checkpoint
+            if sub.exists():
+                raise OutputError(f"{sub}: exists; dflash2-make-tiny writes only new folders (choose another --out)")
+            check_output(sub, force=False)
+        target = tiny.make_target(a.out / "target", family=a.family, seed=a.seed)
+        drafter = tiny.make_drafter(a.out / "drafter", target, version=int(a.drafter[1]), num_layers=a.layers,
+                                    block_size=a.block_size, seed=a.seed + 1)
+    except Dflash2Error as e:
+        print(f"dflash2-make-tiny: error: {e}", file=sys.stderr)
+        return 2
     print(f"target:  {target}\ndrafter: {drafter}")
     return 0
 
