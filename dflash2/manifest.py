@@ -173,6 +173,7 @@ class QuantizedGraph:
     weight_mb_before: float
     weight_mb_after: float
     gemm_rewritten: int = 0
+    fused: dict[str, int] = field(default_factory=dict)  # rewrite -> count (dflash2.export.fuse)
 
 
 @dataclass
@@ -190,6 +191,7 @@ class Quantization:
     symmetric: bool | None = None
     lm_head: bool = True  # LM heads quantized too
     drafter: bool = True  # drafter graph quantized too
+    fuse: bool = False  # ONNX Runtime fusions applied before quantizing (dflash2.export.fuse)
     calibration: str | None = None  # what calibrated activation ranges (Q/DQ methods)
     lossless_against: str = "the quantized target: speculative ids == its own greedy ids"
 

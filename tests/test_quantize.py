@@ -14,6 +14,7 @@ from dflash2 import manifest as mf
 from dflash2 import tiny
 from dflash2.errors import Dflash2Error
 from dflash2.engines.plan import PrecisionError, plan_build
+from dflash2.export import fuse
 from dflash2.export import quantize as qz
 from dflash2.export.api import OutputError, export
 from dflash2.onnxrt import open_session
@@ -75,14 +76,22 @@ def test_graphs_and_manifest(quantized, method):
     assert not any(p.name.startswith(".") for p in out.iterdir())  # the temporary logits probe is gone
 
 
-def test_weights_as_matmul_is_the_same_graph(quantized):
-    """The Gemm / Transpose rewrite alone changes no output (fp32, before any quantization)."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_rewrites_keep_the_graph(quantized, fused):
+    """The Gemm / Transpose rewrite, the MatMul merge and the norm fusion change no output (fp32, before
+    any quantization)."""
     src = quantized["fp32"] / "target.onnx"
     model = onnx.load(str(src))
     n = qz.weights_as_matmul(model)
     assert n > 0 and not any(node.op_type in ("Gemm", "Transpose") and node.input[0] in
                              {t.name for t in model.graph.initializer} for node in model.graph.node)
-    rewritten = quantized["fp32"].parent / "rewritten.onnx"
+    if fused:
+        heads = qz.head_nodes(model)
+        assert fuse.merge_parallel_matmuls(model, keep=set(heads)) == 4 * 3  # per layer: q,k,v -> 1; gate,up -> 1
+        # two per layer, the final norm, and the drafter's hidden_norm of the fused context
+        assert fuse.fuse_norms(model)["SimplifiedLayerNormalization"] == 2 * 4 + 2
+        assert Counter(x.op_type for x in model.graph.node)["Split"] >= 8
+    rewritten = quantized["fp32"].parent / f"rewritten-{fused}.onnx"
     onnx.save_model(model, str(rewritten))
     feeds = {"input_ids": np.array([3, 9, 27, 81, 243], np.int32),
              "past_kv": np.random.default_rng(0).standard_normal((2, 4, 2, 2, 16)).astype(np.float32)}
@@ -173,3 +182,19 @@ def test_compare_reports_quantized_deviation(quantized):
     assert rows[("target", "context")].max_abs > 0 and "not judged" in rows[("target", "context")].note
     assert all("not judged" not in r.note for r in report.rows if r.graph == "selector")  # fp32, judged
     assert any("reported, not judged" in n for n in report.notes)
+
+
+def test_quant_bench_against_onnxruntime_genai(quantized, pairs, tmp_path):
+    """onnxruntime-genai's own builder makes an int4 model of the same tiny target; the bench runs it greedily
+    on the same prompt ids in the same interleaved loop."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai (the dflash2[genai] extra) not installed")
+    target = pairs[("llama", 2)][1]
+    r = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target), "-o",
+                        str(tmp_path / "genai"), "-p", "int4", "-e", "cpu", "-c", str(tmp_path / "cache")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = bench_quant([quantized["fp32"], quantized["int4"]], PROMPTS[:2], genai=tmp_path / "genai",
+                      max_new_tokens=16, draft_len=2, threads=1)
+    assert res["tokens_per_second"]["onnxruntime-genai int4"] > 0 and res["genai"]["version"] == "0.18.0"
+    assert 0.0 <= res["genai_prefix_agreement_vs_first"] <= 1.0 and "vs_genai_int4" in res["best"]
+    assert all(res["lossless"].values()) and "onnxruntime-genai int4" in table(res)

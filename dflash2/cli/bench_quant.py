@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-len", type=int, default=2, metavar="K", help="drafts verified per round (default 2)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, help="intra-op threads of every session (dflash2's and genai's)")
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     a = p.parse_args(argv)
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         r = qb.bench_quant(a.folders, parse_spec(a.prompts, default_split="eval", log=print), a.genai,
-                           a.max_new_tokens, not a.raw, a.draft_len, a.repeats)
+                           a.max_new_tokens, not a.raw, a.draft_len, a.repeats, a.threads)
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench-quant: error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="MatMulNBits compute: 4 int8 activations (default, fastest on VNNI CPUs), 1 fp32, 0 unset")
     q.add_argument("--quant-keep-head", action="store_true", help="keep the LM heads fp32")
     q.add_argument("--quant-target-only", action="store_true", help="keep the drafter fp32")
+    q.add_argument("--quant-no-fuse", action="store_true",
+                   help="skip the MatMul merge and RMSNorm fusion done before quantizing (measured faster)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         quant = None if a.quantize is None else OrtQuant(a.quantize, a.quant_block_size, a.quant_accuracy_level,
                                                          lm_head=not a.quant_keep_head,
-                                                         drafter=not a.quant_target_only)
+                                                         drafter=not a.quant_target_only, fuse=not a.quant_no_fuse)
         m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, a.logits, not a.no_fuse_context, a.quiet,
                    a.full_vocab, a.beyond_max_positions, quantize=quant)
     except Dflash2Error as e:

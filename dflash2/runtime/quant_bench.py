@@ -15,6 +15,7 @@ onnxruntime-genai is an optional extra (`pip install dflash2[genai]`), imported 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from dflash2.speculative import check_draft_len, generate
 class GenaiRunner:
     """onnxruntime-genai's greedy generator over a folder written by its model builder."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, threads: int | None = None):
         try:
             import onnxruntime_genai as og
         except ImportError as e:
@@ -37,7 +38,10 @@ class GenaiRunner:
             raise Dflash2Error(f"--genai {folder}: expected genai_config.json (a folder written by "
                                f"`python -m onnxruntime_genai.models.builder ... -o {folder}`), found none")
         self.og, self.folder = og, Path(folder)
-        self.model = og.Model(str(folder))
+        config = og.Config(str(folder))
+        if threads:  # the same intra-op thread count as dflash2's sessions
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
         self.version = og.__version__
 
     def generate(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
@@ -79,11 +83,13 @@ def _labels(runtimes: list[Runtime]) -> list[str]:
 
 
 def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path | None = None,
-                max_new_tokens: int = 128, chat: bool = True, draft_len: int | None = 2, repeats: int = 1) -> dict:
-    """folders: export folders of the same target; the first is the reference (normally fp32)."""
+                max_new_tokens: int = 128, chat: bool = True, draft_len: int | None = 2, repeats: int = 1,
+                threads: int | None = None) -> dict:
+    """folders: export folders of the same target; the first is the reference (normally fp32).
+    threads: intra-op threads of every session, dflash2's and onnxruntime-genai's (default: ONNX Runtime's)."""
     if not folders:
         raise Dflash2Error("give at least one export folder")
-    runtimes = [Runtime(f) for f in folders]
+    runtimes = [Runtime(f, threads=threads) for f in folders]
     labels = _labels(runtimes)
     ref = runtimes[0]
     for rt, f in zip(runtimes[1:], folders[1:]):
@@ -91,7 +97,7 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
             raise Dflash2Error(f"{f}: vocab_size {rt.manifest.vocab_size} != {ref.manifest.vocab_size} of "
                                f"{folders[0]}: the exports must share one target")
     K = check_draft_len(draft_len, ref.manifest.block_size)
-    runner = GenaiRunner(Path(genai)) if genai is not None else None
+    runner = GenaiRunner(Path(genai), threads) if genai is not None else None
     names = [f"{lab} {mode}" for lab in labels for mode in ("autoregressive", "speculative")]
     names += ["onnxruntime-genai int4"] if runner else []
     tokens = {n: 0 for n in names}
@@ -136,6 +142,7 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
     tau = {lab: a / r if r else 0.0 for lab, (a, r) in acc.items()}
     result = {
         "prompts": len(prompts), "max_new_tokens": max_new_tokens, "draft_len": K, "repeats": repeats,
+        "threads": threads,
         "exports": {lab: {"folder": str(f), "describe": describe(rt.manifest),
                           "quantization": None if rt.manifest.quantization is None else
                           {"method": rt.manifest.quantization.method, "bits": rt.manifest.quantization.bits,
@@ -161,7 +168,8 @@ def table(r: dict) -> str:
     g = r["tokens_per_second"].get("onnxruntime-genai int4")
     head = f"{'configuration':<34}{'tok/s':>9}{'vs genai':>10}{'tau':>7}  lossless"
     lines = [f"{r['prompts']} prompts, {r['max_new_tokens']} new tokens, greedy, speculative with K={r['draft_len']} "
-             f"drafts verified per round", head, "-" * len(head)]
+             f"drafts verified per round, intra-op threads {r.get('threads') or 'ONNX Runtime default'}",
+             head, "-" * len(head)]
     for name, v in r["tokens_per_second"].items():
         lab, _, mode = name.rpartition(" ")
         tau = f"{r['acceptance_length'][lab]:.2f}" if mode == "speculative" else "-"
