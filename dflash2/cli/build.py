@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     took = f" in {time.perf_counter() - t0:.1f} s" if mode == "build" else ""
     print(f"engines in {a.out}{took} (TensorRT {m.tensorrt_version}, precision {m.precision}, "
           f"max_seq_len {m.max_seq_len}, max_prefill {m.max_prefill})")
+    if m.quantization:  # strongly typed: the Q/DQ graph's int4 / fp8 / int8 types come from the export
+        from dflash2.quantization import describe
+
+        print(describe(m))
     print_files(m.files)
     return 0
 

@@ -30,9 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-vocab", action="store_true",
                    help="ignore the drafter's draft_vocab.json: its LM head covers the whole vocabulary")
     q = p.add_argument_group("quantization (docs/quantization.md)")
-    q.add_argument("--quantize", choices=["int4", "int8"],
-                   help="weight-only int4 / int8 MatMuls for ONNX Runtime (MatMulNBits; the TensorRT flavour is dropped)")
-    q.add_argument("--quant-block-size", type=int, default=32, metavar="N", help="weights per scale (default 32)")
+    q.add_argument("--quantize", choices=["int4", "int8", "int4_awq", "fp8", "int8_qdq"],
+                   help="int4 / int8: weight-only MatMulNBits graphs for ONNX Runtime (the TensorRT flavour is "
+                        "dropped); int4_awq / fp8 / int8_qdq: a Q/DQ TensorRT flavour of the target (nvidia-modelopt)")
+    q.add_argument("--quant-block-size", type=int, metavar="N",
+                   help="weights per scale (default 32 for int4/int8, 128 for int4_awq)")
     q.add_argument("--quant-accuracy-level", type=int, default=4, metavar="L",
                    help="MatMulNBits compute: 4 int8 activations (default, fastest on VNNI CPUs), 1 fp32, 0 unset")
     q.add_argument("--quant-keep-head", action="store_true", help="keep the LM heads fp32")
@@ -43,14 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     from dflash2.export.api import export  # heavy imports after argument parsing
+    from dflash2.export.qdq import TRT_METHODS, TrtQuant
     from dflash2.export.quantize import OrtQuant
     from dflash2.runtime.session import buffer_bytes
 
     t0 = time.perf_counter()
     try:
-        quant = None if a.quantize is None else OrtQuant(a.quantize, a.quant_block_size, a.quant_accuracy_level,
-                                                         lm_head=not a.quant_keep_head,
-                                                         drafter=not a.quant_target_only, fuse=not a.quant_no_fuse)
+        quant = None
+        if a.quantize in TRT_METHODS:
+            quant = TrtQuant(a.quantize, a.quant_block_size or 128)
+        elif a.quantize is not None:
+            quant = OrtQuant(a.quantize, a.quant_block_size or 32, a.quant_accuracy_level, lm_head=not a.quant_keep_head,
+                             drafter=not a.quant_target_only, fuse=not a.quant_no_fuse)
         m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, a.logits, not a.no_fuse_context, a.quiet,
                    a.full_vocab, a.beyond_max_positions, quantize=quant)
     except Dflash2Error as e:

@@ -6,15 +6,18 @@ validation, so a failure leaves nothing behind and an existing folder is replace
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from dflash2 import __version__, draft_vocab, dtypes
 from dflash2 import manifest as mf
 from dflash2.config import check_pair, check_tokenizer_files, load_drafter_config, load_target_config
-from dflash2.export import deviation
+from dflash2.errors import Dflash2Error
+from dflash2.export import deviation, qdq
 from dflash2.export import quantize as qz
 from dflash2.export import trace as tr
 from dflash2.export.graphs import graph_specs
@@ -52,16 +55,19 @@ def tool_versions() -> dict[str, str]:
 def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
            max_seq_len: int = 2048, force: bool = False, emit_logits: bool = False, fuse_context: bool = True,
            quiet: bool = False, full_vocab: bool = False, beyond_max_positions: bool = False,
-           quantize: qz.OrtQuant | None = None) -> mf.ExportManifest:
+           quantize: qz.OrtQuant | qdq.TrtQuant | None = None) -> mf.ExportManifest:
     """Returns the manifest written. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
     full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary).
     beyond_max_positions: allow max_seq_len past the target's max_position_embeddings.
-    quantize: weight-only int4 / int8 target (and drafter) graphs for ONNX Runtime (dflash2.export.quantize)."""
+    quantize: weight-only int4 / int8 target (and drafter) graphs for ONNX Runtime (dflash2.export.quantize), or
+    a Q/DQ TensorRT flavour of the target (dflash2.export.qdq)."""
     if quantize is not None and dtype != "float32":
         raise OutputError(f"--quantize {quantize.method}: expected --dtype float32 (weights are quantized from "
                           f"fp32; activations stay fp32), found {dtype}")
     out = Path(out_dir).absolute()
     dc, tc = check_inputs(drafter_dir, target_dir, out, dtype, max_seq_len, force, beyond_max_positions)
+    if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
+        quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
     progress = Progress(1 + 2 * specs_count + 1 + (len(quantize.graphs()) if quantize else 0), quiet)
     with progress.step("loading and checking the checkpoints"):
@@ -127,8 +133,9 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fu
             f, report = validate_graph(spec, tmp / files["portable"], dtype, save_dir=tmp)
         validation[spec.name] = mf.Validation(ok=not f, failures=f, skipped=report.pop("skipped", None), steps=report)
         if quantize is not None and spec.name in quantize.graphs() and not f:
-            with progress.step(f"{spec.name}.onnx: {quantize.method} weights (MatMulNBits), deviation from PyTorch"):
-                files, quantized[spec.name], validation[spec.name] = _quantize_graph(tmp, spec, files, quantize)
+            with progress.step(f"{spec.name}.onnx: {quantize.method} weights, deviation from PyTorch"):
+                quantizer = _qdq_graph if isinstance(quantize, qdq.TrtQuant) else _quantize_graph
+                files, quantized[spec.name], validation[spec.name] = quantizer(tmp, spec, files, quantize)
         io = tr.io_spec(tmp / files["portable"])
         graphs[spec.name] = mf.Graph(flavours=mf.Flavours(**files), data=f"{spec.name}.onnx.data",
                                      inputs=[mf.IoSpec(**d) for d in io["inputs"]],
@@ -152,6 +159,24 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fu
                  dtype=dtype, binding=KV_BINDING),
         selector=selector, target_config=tc.to_dict(), drafter_config=dc.to_dict(), graphs=graphs,
         validation=validation, quantization=quantize.manifest_entry(quantized) if quantize is not None else None)
+
+
+def _qdq_graph(tmp: Path, spec, files: dict, q: qdq.TrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:
+    """ModelOpt's Q/DQ target becomes the TensorRT flavour; the portable fp32 target stays for ONNX Runtime.
+    Calibration: prefill steps of the shipped prompts (else of the validation feed's random ids)."""
+    kv_row = list(spec.example[1].shape[1:])
+    feeds = (qdq.calibration_feeds([list(p) for p in q.prompts], kv_row) if q.prompts else
+             [{k: v.numpy() for k, v in f.items()} for f in spec.feeds()[:1]])
+    name, report = qdq.quantize_target(tmp / files["portable"], q, feeds)
+    try:
+        failures, steps, dev = deviation.measure(spec, tmp / name)
+        skipped = None
+    except (Dflash2Error, ort_state.Fail, ort_state.NotImplemented) as e:  # e.g. blocked int4 DQ on the CPU
+        failures, steps, dev = [], {}, mf.Deviation(judged="not run")
+        skipped = f"ONNX Runtime's CPU provider cannot run {name}: {str(e).splitlines()[0][:300]}"
+    dev.judged = f"deviation from fp32 ({q.method} Q/DQ, TensorRT flavour)"
+    return ({**files, "tensorrt": name}, report,
+            mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev, skipped=skipped))
 
 
 def _quantize_graph(tmp: Path, spec, files: dict, q: qz.OrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:
