@@ -24,19 +24,22 @@ def default_drafter() -> Path:
     return Path(str(resources.files("dflash2.data").joinpath("drafters/smollm2-135m-dflash2")))
 
 
-def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool) -> None:
-    """Export unless OUT already holds an export of exactly these checkpoints."""
+def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize: str = "none") -> None:
+    """Export unless OUT already holds an export of exactly these checkpoints (and quantization)."""
     from dflash2 import manifest as mf
 
     files = ("model.safetensors", "config.json", "draft_vocab.json")
     stamp = {"drafter": {f: mf.sha256(drafter / f) for f in files if (drafter / f).is_file()}, "target": str(target),
              "format_version": mf.FORMAT_VERSION}  # an export of an older format is redone
+    if quantize != "none":
+        stamp["quantize"] = quantize
     if (out / "demo.json").is_file() and json.loads((out / "demo.json").read_text()) == stamp:
         return
     from dflash2.export.api import export
+    from dflash2.export.quantize import OrtQuant
 
     print(f"exporting {drafter.name} + {target.name} -> {out}", file=sys.stderr)
-    export(drafter, target, out, force=True, quiet=quiet)
+    export(drafter, target, out, force=True, quiet=quiet, quantize=None if quantize == "none" else OrtQuant(quantize))
     (out / "demo.json").write_text(json.dumps(stamp))
 
 
@@ -50,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", type=Path, default=None, help="default: the drafter shipped in the package")
     p.add_argument("--draft-len", type=int, metavar="K",
                    help="drafts verified per round (default all 7; 2 is fastest on a 2-core CPU, docs/smollm2.md)")
+    p.add_argument("--quantize", choices=["int4", "int8", "none"], default="int4",
+                   help="weight-only target + drafter for ONNX Runtime (default int4: the fastest here, "
+                        "docs/quantization.md; 'none' exports fp32)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     from dflash2.cli.args import read_prompt
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.max_new_tokens < 1:
             raise Dflash2Error(f"--max-new-tokens: expected >= 1, found {a.max_new_tokens}")
         target = smollm2.prepare()
-        ensure_export(a.drafter or default_drafter(), target, a.out, a.quiet)
+        ensure_export(a.drafter or default_drafter(), target, a.out, a.quiet, a.quantize)
         rt = Runtime(a.out)
         ids = rt.prompt_ids(text=prompt, chat=True)
         for spec_on in (True, False):  # warm-up: first runs of each graph shape allocate, keep them untimed
