@@ -30,5 +30,6 @@ def describe(manifest) -> str:
     head = "" if q.lm_head else ", LM heads kept fp32"
     target = (getattr(manifest, "validation", None) or {}).get("target")
     top1 = target.deviation.top1_agreement if target is not None and target.deviation else None
-    dev = f"; top-1 agreement with fp32 {100 * top1:.0f}% on the validation feeds" if top1 is not None else ""
+    dev = (f"; top-1 agreement with fp32 {100 * top1:.0f}% on the export's random-id validation feeds"
+           if top1 is not None else "")
     return f"quantization: {q.method} ({', '.join(parts)}) in {', '.join(q.graphs)}{head}{dev}"
