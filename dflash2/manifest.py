@@ -134,12 +134,26 @@ class Flavours:
 
 
 @dataclass
+class GraphIo:
+    inputs: list[IoSpec]
+    outputs: list[IoSpec]
+
+
+@dataclass
 class Graph:
     flavours: Flavours
     data: str
-    inputs: list[IoSpec]
+    inputs: list[IoSpec]  # of the portable flavour
     outputs: list[IoSpec]
     seconds: float = 0.0
+    # the TensorRT flavour's own inputs/outputs where it is a separate, fixed-shape graph (target, drafter:
+    # whole KV buffer + past_len instead of the prefix view); None: the portable ones
+    tensorrt_io: GraphIo | None = None
+
+    @property
+    def tensorrt(self) -> GraphIo:
+        """Inputs / outputs of the file TensorRT parses."""
+        return self.tensorrt_io or GraphIo(self.inputs, self.outputs)
 
 
 @dataclass

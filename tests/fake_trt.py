@@ -25,13 +25,13 @@ class FakeCudart:
     """cuda-python runtime calls return (err, *values); err 0 is success."""
 
     cudaError_t = SimpleNamespace(cudaSuccess=0)
-    cudaMemcpyKind = SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2)
+    cudaMemcpyKind = SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2, cudaMemcpyDeviceToDevice=3)
     cudaStreamCaptureMode = SimpleNamespace(cudaStreamCaptureModeThreadLocal=1)
 
     def __init__(self):
         self.blocks: dict[int, ctypes.Array] = {}
         self.capture: list | None = None  # closures recorded while a stream captures
-        self.copies = self.launches = 0
+        self.copies = self.launches = self.syncs = 0
 
     def _alloc(self, n):
         block = ctypes.create_string_buffer(n)
@@ -65,6 +65,7 @@ class FakeCudart:
         return (0,)
 
     def cudaStreamSynchronize(self, stream):
+        self.syncs += 1
         return (0,)
 
     def cudaStreamBeginCapture(self, stream, mode):
@@ -293,10 +294,18 @@ class _Engine:
         import onnx
         import onnxruntime as ort
 
-        path = Path(data["onnx"])
-        portable = path.with_name(path.name.replace(".trt.onnx", ".onnx"))  # the "plugin": ORT runs the function
-        self.session = ort.InferenceSession(str(portable), providers=["CPUExecutionProvider"])
-        m = onnx.load(str(portable), load_external_data=False)
+        path = Path(data["onnx"])  # the file TensorRT parsed (a .trt.onnx flavour: fixed step shapes)
+        m = onnx.load(str(path), load_external_data=False)
+        if any(node.op_type == "DFlash2Selector" for node in m.graph.node) and not m.functions:
+            # the "plugin": the selector's ONNX function, attached in memory with the weights
+            from dflash2.export import selector_onnx as so
+
+            m = onnx.load(str(path))
+            out = next(o for o in m.graph.output if o.name == "draft_ids")
+            so.add_flavour(m, "portable", out.type.tensor_type.shape.dim[-1].dim_value)
+            self.session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        else:
+            self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
         def one(v):
             t = v.type.tensor_type

@@ -62,6 +62,9 @@ class _HostOnly:
     name = "host"
 
     def engine(self, graph):
+        return type("NoEngine", (), {"inputs": []})()
+
+    def max_rows(self, graph):
         return None
 
     device_buffer = host_buffer = staticmethod(HostBuffer)
@@ -81,6 +84,6 @@ def test_tensorrt_binding_checks_the_element_type(fake_engines, fake):
     from dflash2.runtime.trt import EngineError
 
     s = Runtime(fake_engines).session
-    wrong = HostBuffer((4, *s.kv.row_shape), np.int32)
-    with pytest.raises(EngineError, match="input past_kv expected float32, bound int32"):
-        s.backend.engine("target").run({"input_ids": s.ids.rows(0, 1), "past_kv": wrong.rows(0, 0)}, {})
+    wrong = HostBuffer(s.kv.shape, np.int32)
+    with pytest.raises(EngineError, match="input kv_cache expected float32, bound int32"):
+        s.backend.engine("target").run({"input_ids": s.ids.rows(0, 1), "kv_cache": wrong.whole(), "past_len": s.kv_len.whole()}, {})

@@ -38,18 +38,18 @@ def _export_manifest(export_dir: Path) -> mf.ExportManifest:
 
 def test_profiles_golden(export_dir):
     plan = {g: [p.to_dict() for p in ps] for g, ps in pr.plan_profiles(_export_manifest(export_dir), 64, 32).items()}
-    kv, ckv = [4, 2, 2, 16], [1, 2, 2, 16]
+    kv, ckv = [64, 4, 2, 2, 16], [64, 1, 2, 2, 16]  # fixed-shape flavours: the whole buffer, always
     assert plan["target"] == [
-        {"name": "prefill", "dims": {"n": [1, 32, 32], "past": [0, 0, 63]},
+        {"name": "prefill", "dims": {"n": [1, 32, 32], "cap": [64, 64, 64]},
          "shapes": {"input_ids": {"min": [1], "opt": [32], "max": [32]},
-                    "past_kv": {"min": [0, *kv], "opt": [0, *kv], "max": [63, *kv]}}},
-        {"name": "decode", "dims": {"n": [1, 8, 8], "past": [0, 32, 63]},
+                    "kv_cache": {"min": kv, "opt": kv, "max": kv}}},
+        {"name": "decode", "dims": {"n": [1, 8, 8], "cap": [64, 64, 64]},
          "shapes": {"input_ids": {"min": [1], "opt": [8], "max": [8]},
-                    "past_kv": {"min": [0, *kv], "opt": [32, *kv], "max": [63, *kv]}}}]
+                    "kv_cache": {"min": kv, "opt": kv, "max": kv}}}]
     assert plan["drafter"] == [
-        {"name": "draft", "dims": {"n": [1, 8, 32], "past": [0, 32, 63]},
+        {"name": "draft", "dims": {"n": [1, 8, 32], "cap": [64, 64, 64]},
          "shapes": {"context": {"min": [1, 64], "opt": [8, 64], "max": [32, 64]},
-                    "past_ctx_kv": {"min": [0, *ckv], "opt": [32, *ckv], "max": [63, *ckv]}}}]
+                    "ctx_kv_cache": {"min": ckv, "opt": ckv, "max": ckv}}}]
     assert plan["selector"] == [
         {"name": "batch", "dims": {"batch": [1, 1, 8]},
          "shapes": {"cand_logits": {"min": [1, 7, 8], "opt": [1, 7, 8], "max": [8, 7, 8]},
@@ -64,7 +64,7 @@ def test_profiles_defaults_and_small_prefill(export_dir):
     assert default["target"][0].dims["n"] == pr.DimRange(1, T, T)  # max_prefill defaults to max_seq_len
     small = pr.plan_profiles(m, 40, 4)  # drafter rows still cover a whole verify block (S + 1 = 8)
     assert small["drafter"][0].dims["n"] == pr.DimRange(1, 8, 8)
-    assert small["target"][1].dims["past"] == pr.DimRange(0, 20, 39)
+    assert small["target"][1].dims["cap"] == pr.DimRange(40, 40, 40)
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -97,15 +97,15 @@ def test_trtexec_golden(export_dir, tmp_path):
         f"# {L} is not built yet: run `bash plugins/build.sh` first",
         f"mkdir -p {O}",
         "# target.engine: profiles prefill, decode",
-        f"trtexec --onnx={E}/target.onnx --saveEngine={O}/target.engine --stronglyTyped "
-        "--minShapes=input_ids:1,past_kv:0x4x2x2x16 --optShapes=input_ids:32,past_kv:0x4x2x2x16 "
-        "--maxShapes=input_ids:32,past_kv:63x4x2x2x16 "
-        "--minShapes=input_ids:1,past_kv:0x4x2x2x16 --optShapes=input_ids:8,past_kv:32x4x2x2x16 "
-        f"--maxShapes=input_ids:8,past_kv:63x4x2x2x16 {tail}",
+        f"trtexec --onnx={E}/target.trt.onnx --saveEngine={O}/target.engine --stronglyTyped "
+        "--minShapes=input_ids:1,kv_cache:64x4x2x2x16 --optShapes=input_ids:32,kv_cache:64x4x2x2x16 "
+        "--maxShapes=input_ids:32,kv_cache:64x4x2x2x16 "
+        "--minShapes=input_ids:1,kv_cache:64x4x2x2x16 --optShapes=input_ids:8,kv_cache:64x4x2x2x16 "
+        f"--maxShapes=input_ids:8,kv_cache:64x4x2x2x16 {tail}",
         "# drafter.engine: profiles draft",
         f"trtexec --onnx={E}/drafter.trt.onnx --saveEngine={O}/drafter.engine --stronglyTyped "
-        "--minShapes=context:1x64,past_ctx_kv:0x1x2x2x16 --optShapes=context:8x64,past_ctx_kv:32x1x2x2x16 "
-        f"--maxShapes=context:32x64,past_ctx_kv:63x1x2x2x16 {tail}",
+        "--minShapes=context:1x64,ctx_kv_cache:64x1x2x2x16 --optShapes=context:8x64,ctx_kv_cache:64x1x2x2x16 "
+        f"--maxShapes=context:32x64,ctx_kv_cache:64x1x2x2x16 {tail}",
         "# selector.engine: profiles batch",
         f"trtexec --onnx={E}/selector.trt.onnx --saveEngine={O}/selector.engine --stronglyTyped "
         "--minShapes=cand_logits:1x7x8,cand_ids:1x7x8,gate:1x7x16,anchor:1 "
@@ -232,7 +232,7 @@ def test_engine_manifest_roundtrip(adopted, export_dir, fake_plugin):
     assert set(m.engines) == {"target", "drafter", "selector"}
     assert m.engines["drafter"].onnx == "drafter.trt.onnx"
     assert [p.name for p in m.engines["target"].profiles] == ["prefill", "decode"]
-    assert m.engines["target"].profiles[0].dims["past"] == [0, 0, 47]
+    assert m.engines["target"].profiles[0].dims["cap"] == [48, 48, 48]
     assert {"tokenizer.json", "target.engine"} <= set(m.files)
     assert (adopted / "tokenizer.json").is_file()
 

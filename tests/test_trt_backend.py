@@ -19,6 +19,7 @@ from dflash2.native import cudart as ncudart
 from dflash2.runtime import cuda as rcuda
 from dflash2.runtime import trt as rtrt
 from dflash2.runtime.api import Runtime
+from dflash2.runtime.session import CapacityError
 
 from tests.exports import PROMPT
 
@@ -30,8 +31,10 @@ def test_fake_build_writes_engines_profiles_cache(fake_engines, fake, fake_plugi
     assert m.tensorrt_version == fake.__version__ and m.build.workspace_mb == 256
     assert fake.REGISTRY.libraries == [str(fake_plugin.resolve())]  # loaded before parsing
     target = json.loads((fake_engines / "target.engine").read_bytes())
-    assert target["onnx"].endswith("target.onnx")
+    assert target["onnx"].endswith("target.trt.onnx")  # the fixed-shape flavour
     assert target["profiles"][1]["input_ids"] == [[1], [8], [8]]  # decode profile reached the builder
+    lo, opt, hi = target["profiles"][1]["kv_cache"]
+    assert lo == opt == hi and lo[0] == 48  # the whole KV buffer: max_seq_len rows in every profile
     assert json.loads((fake_engines / "drafter.engine").read_bytes())["onnx"].endswith("drafter.trt.onnx")
     assert (tmp_path / "cache" / "timing.cache").read_bytes() == b"fake timing cache"
 
@@ -42,7 +45,7 @@ def test_fake_build_parse_error_names_node(export_dir, tmp_path, fake_plugin, fa
     with pytest.raises(eb.OnnxParseError) as e:
         eb.build(plan, quiet=True)
     msg = str(e.value)
-    assert "target.onnx: TensorRT's ONNX parser reported 1 error(s)" in msg
+    assert "target.trt.onnx: TensorRT's ONNX parser reported 1 error(s)" in msg
     assert "node /layers.0/attn/MatMul (MatMul): Unsupported operator DFlash2Selector" in msg
     assert not (tmp_path / "eng").exists()  # nothing half-written
 
@@ -65,25 +68,30 @@ def test_fake_tensorrt_binding_checks_and_spare_output(fake_engines, fake):
     s = Runtime(fake_engines).session
     s.ids.host[:3] = [5, 6, 7]
     s.ids.push(3)
+    s.kv_len.host[0] = 0
+    s.kv_len.push(1)
     eng = s.backend.engine("target")
-    feeds = {"input_ids": s.ids.rows(0, 3), "past_kv": s.kv.rows(0, 0)}
-    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "context": s.context.rows(0, 3), "new_kv": s.kv.rows(0, 3)})
+    feeds = {"input_ids": s.ids.rows(0, 3), "kv_cache": s.kv.whole(), "past_len": s.kv_len.whole()}
+    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "context": s.context.rows(0, 3), "new_kv": s.kv_new.rows(0, 3)})
     want = s.next_ids.pull(3).tolist()
     s.next_ids.host[:] = 0
     s.next_ids.push(3)
-    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "new_kv": s.kv.rows(0, 3)})  # context unbound
+    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "new_kv": s.kv_new.rows(0, 3)})  # context unbound
     assert s.next_ids.pull(3).tolist() == want
     assert set(eng.spare) == {"context"} and eng.spare["context"].nbytes == 16 * 64 * 4  # max n 16 x width x fp32
     with pytest.raises(rtrt.EngineError, match=r"output next_ids expected shape \[3\].*bound \[2\]"):
-        eng.run(feeds, {"next_ids": s.next_ids.rows(0, 2), "new_kv": s.kv.rows(0, 3)})
-    with pytest.raises(rtrt.EngineError, match=r"missing \['past_kv'\]"):
+        eng.run(feeds, {"next_ids": s.next_ids.rows(0, 2), "new_kv": s.kv_new.rows(0, 3)})
+    with pytest.raises(rtrt.EngineError, match=r"missing \['kv_cache', 'past_len'\]"):
         eng.run({"input_ids": s.ids.rows(0, 3)}, {})
 
 
 def test_fake_tensorrt_prompt_beyond_max_prefill(fake_engines, fake):
     rt = Runtime(fake_engines)
-    with pytest.raises(rtrt.EngineError, match="fit no optimization profile.*--max-prefill"):
+    with pytest.raises(CapacityError, match="a step of 20 rows exceeds the 16 rows .*--max-prefill"):
         rt.generate(list(range(3, 23)), 4)  # 20 tokens > max_prefill 16
+    s = rt.session  # the engine's own check, where a caller binds past the staging buffer's rows
+    with pytest.raises(rtrt.EngineError, match="fit no optimization profile.*--max-prefill"):
+        s.target.run({"input_ids": s.ids.rows(0, 20), "kv_cache": s.kv.whole(), "past_len": s.kv_len.whole()}, {})
 
 
 def test_fake_tensorrt_cuda_graphs(fake_engines, export_dir, fake):
@@ -177,3 +185,49 @@ def test_one_buffer_protocol_on_both_backends(fake_engines, export_dir, fake):
         s.ids.push(2)  # the engine-side memory at ptr now holds the rows (the fake's device memory is host)
         assert ctypes.string_at(s.ids.ptr, 8) == np.array([3, 4], np.int32).tobytes()
         assert s.ids.pull(2).tolist() == [3, 4] and s.ids.rows(1, 2).ptr == s.ids.ptr + 4
+
+
+@pytest.fixture(scope="module")
+def long_export(tmp_path_factory):
+    """A tiny export with room for a 300-token generation."""
+    from dflash2 import tiny
+    from dflash2.export.api import export
+
+    root = tmp_path_factory.mktemp("long")
+    drafter, target = tiny.make_pair(root / "pair", family="qwen3", version=2)
+    export(drafter, target, root / "export", max_seq_len=336, quiet=True)
+    return root / "export"
+
+
+class _Rows:
+    """Records the row count of every step an engine runs."""
+
+    def __init__(self, engine, seen: list):
+        self.engine, self.seen, self.inputs = engine, seen, engine.inputs
+
+    def run(self, inputs, outputs):
+        self.seen.append((self.engine.name, next(iter(inputs.values())).shape[0]))
+        self.engine.run(inputs, outputs)
+
+
+def test_fake_tensorrt_cuda_graphs_replay_in_a_300_token_generation(long_export, tmp_path, fake_plugin, fake):
+    """Fixed step shapes: at most one graph per (engine, row count) is captured, every later step of that
+    row count replays it; the tokens equal ONNX Runtime's."""
+    from dflash2.runtime.session import SpecSession
+
+    out = tmp_path / "engines"
+    eb.build(ep.plan_build(long_export, out, max_prefill=16, plugin=fake_plugin), quiet=True)
+    want = Runtime(long_export).generate(PROMPT, 300)
+    rt = Runtime(out)
+    backend = rtrt.TrtBackend(out, rt.manifest, cuda_graphs=True)
+    rt.session = s = SpecSession(rt.manifest, backend)
+    steps: list = []
+    s.target, s.drafter = _Rows(s.target, steps), _Rows(s.drafter, steps)
+    got = rt.generate(PROMPT, 300)
+    assert got.ids == want.ids and len(got.ids) == len(want.ids) > 200
+    g, keys = backend.graphs, set(steps)
+    assert g.direct + g.captures + g.replays == len(steps)
+    assert g.captures <= len(keys) + 2  # distinct row counts (per engine) + 2
+    assert g.direct == len(keys) and g.replays >= len(steps) - 2 * len(keys)  # all but 2 steps per key replay
+    assert g.replays > 0.9 * len(steps)
+

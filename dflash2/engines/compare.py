@@ -133,16 +133,25 @@ def _summarize_ids(graph: str, ran, reference, share: float, report: Report, jud
 
 
 def compare_graph(export_dir: Path, graph: str, runners: list, atol: float, rtol: float,
-                  report: Report, id_share: float = 0.0, judged: bool = True) -> None:
+                  report: Report, id_share: float = 0.0, judged: bool = True, files: str | None = None,
+                  rows: dict[str, int] | None = None) -> None:
+    """files: the saved feeds / references to replay (default the graph's; `<graph>.trt` for the
+    fixed-shape TensorRT flavour, whose inputs differ); rows: inputs whose axis 0 is padded to this
+    many rows (a fixed-shape engine's whole KV buffer; the padding is past `past_len`, masked)."""
     from polygraphy.comparator import Comparator, RunResults
     from polygraphy.exception import PolygraphyException
     from polygraphy.json import load_json
 
-    inputs_path, ref_path = export_dir / f"{graph}.inputs.json", export_dir / f"{graph}.reference.json"
+    files = files or graph
+    inputs_path, ref_path = export_dir / f"{files}.inputs.json", export_dir / f"{files}.reference.json"
     for p in (inputs_path, ref_path):
         if not p.is_file():
             raise mf.ManifestError(p, ["expected the Polygraphy file dflash2-export saves, found none"])
     feeds = load_json(str(inputs_path))
+    for name, n in (rows or {}).items():
+        for feed in feeds:
+            a = feed[name]
+            feed[name] = np.concatenate([a, np.zeros((n - a.shape[0], *a.shape[1:]), a.dtype)])
     reference = RunResults.load(str(ref_path))
     if REFERENCE not in reference.keys():
         raise mf.ManifestError(ref_path, [f"expected runner {REFERENCE!r}, found {list(reference.keys())}"])
@@ -201,17 +210,18 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
     for graph, g in export.graphs.items():
         if graphs and graph not in graphs:
             continue
-        runners = []
+        share, judged = ID_MISMATCH_SHARE.get(dtype, 0.0), graph not in quantized
         if dtype == "bfloat16":
             report.notes.append(f"{graph}: onnxrt skipped (ONNX Runtime's CPU provider has no bfloat16 kernels)")
         else:
-            runners.append(onnxrt_runner(export_dir / g.flavours.portable))
+            compare_graph(export_dir, graph, [onnxrt_runner(export_dir / g.flavours.portable)], atol, rtol, report,
+                          share, judged)
         if engines is not None and trt_skip is None:
-            if graph in engines.engines:
-                runners.append(trt_runner(Path(engines_dir) / engines.engines[graph].file, plugin))
+            if graph in engines.engines:  # the engine was built from the TensorRT flavour: its own feeds
+                fixed = g.tensorrt_io is not None
+                cache = {s.name: engines.max_seq_len for s in g.tensorrt.inputs if s.shape[:1] == ["cap"]}
+                compare_graph(export_dir, graph, [trt_runner(Path(engines_dir) / engines.engines[graph].file, plugin)],
+                              atol, rtol, report, share, judged, files=f"{graph}.trt" if fixed else None, rows=cache)
             else:
                 report.notes.append(f"{graph}: no engine in {engines_dir}")
-        if runners:
-            compare_graph(export_dir, graph, runners, atol, rtol, report, ID_MISMATCH_SHARE.get(dtype, 0.0),
-                          judged=graph not in quantized)
     return report

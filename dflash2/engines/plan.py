@@ -145,6 +145,7 @@ def plan_build(export_dir: str | Path, out: str | Path, precision: str | None = 
     profiles = pr.plan_profiles(export, T, P)
     for graph, g in export.graphs.items():
         flavour = g.flavours.tensorrt or g.flavours.portable
+        io = g.tensorrt  # the TensorRT flavour's own inputs (fixed-shape target / drafter)
         plan.jobs.append(EngineJob(graph, export_dir / flavour, graph + ENGINE_SUFFIX, profiles[graph],
-                                   g.inputs, g.outputs))
+                                   io.inputs, io.outputs))
     return plan

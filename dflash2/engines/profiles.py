@@ -2,13 +2,15 @@
 
 Every dynamic input dim of every graph is one of the export's symbolic dims (manifest io specs):
     n     rows of this step (prompt tokens, verify block, context rows)
-    past  rows already in the KV cache (prefix view of the preallocated buffer)
+    past  rows already in the KV cache (prefix view of the preallocated buffer: portable flavour)
+    cap   rows of the whole KV buffer (the fixed-shape TensorRT flavour): max_seq_len, always
     batch selector batch
 A profile is a box of (min, opt, max) per symbolic dim; an input's min/opt/max shapes substitute
 those ranges into its io spec. TensorRT tunes kernels at `opt`, so the target gets two profiles:
 prefill (long n, empty cache) and decode/verify (n <= S+1, the steady state), as in Edge-LLM.
 
-Bounds: rows past + n must fit the max_seq_len buffer and n >= 1, so past <= max_seq_len - 1.
+Bounds: rows past + n must fit the max_seq_len buffer and n >= 1, so past <= max_seq_len - 1. A
+profile records only the dims its graph's inputs use.
 """
 
 from __future__ import annotations
@@ -68,12 +70,13 @@ def dim_boxes(graph: str, export: ModelFacts, T: int, P: int) -> list[tuple[str,
     """Named profiles of one graph as ranges of its symbolic dims."""
     S1 = export.block_size  # S + 1 = num_drafts + 1 rows in a verify step
     mid = T // 2  # opt past: the middle of the cache, where decode spends most of its steps
+    cap = {"cap": DimRange(T, T, T)}  # the fixed-shape flavours bind the whole KV buffer: T rows, always
     if graph == "target":
-        return [("prefill", {"n": DimRange(1, P, P), "past": DimRange(0, 0, T - 1)}),
-                ("decode", {"n": DimRange(1, S1, S1), "past": DimRange(0, mid, T - 1)})]
+        return [("prefill", {"n": DimRange(1, P, P), "past": DimRange(0, 0, T - 1), **cap}),
+                ("decode", {"n": DimRange(1, S1, S1), "past": DimRange(0, mid, T - 1), **cap})]
     if graph == "drafter":
         # n: the prompt after prefill (<= max_prefill), then acc + 1 <= S + 1 rows per round
-        return [("draft", {"n": DimRange(1, S1, max(P, S1)), "past": DimRange(0, mid, T - 1)})]
+        return [("draft", {"n": DimRange(1, S1, max(P, S1)), "past": DimRange(0, mid, T - 1), **cap})]
     if graph == "selector":
         return [("batch", {"batch": DimRange(1, 1, SELECTOR_MAX_BATCH)})]
     raise ProfileError(f"graph {graph!r}: no profile rule (expected one of target, drafter, selector)")
@@ -101,7 +104,9 @@ def plan_profiles(export: ExportManifest, max_seq_len: int | None = None,
     T, P = limits(export, max_seq_len, max_prefill)
     plan = {}
     for graph, g in export.graphs.items():
-        plan[graph] = [Profile(name, dims, input_shapes(graph, g.inputs, dims))
+        inputs = g.tensorrt.inputs  # of the file TensorRT parses
+        used = {d for spec in inputs for d in spec.shape if isinstance(d, str)}
+        plan[graph] = [Profile(name, {d: r for d, r in dims.items() if d in used}, input_shapes(graph, inputs, dims))
                        for name, dims in dim_boxes(graph, export, T, P)]
     return plan
 

@@ -69,7 +69,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
-    progress = Progress(1 + 2 * specs_count + 1 + (len(quantize.graphs()) if quantize else 0), quiet)
+    progress = Progress(1 + 2 * specs_count + 2 + 1 + (len(quantize.graphs()) if quantize else 0), quiet)  # + 2 fixed-shape
     with progress.step("loading and checking the checkpoints"):
         target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype), use_draft_vocab=not full_vocab)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
@@ -128,19 +128,38 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fu
         with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
             t0 = time.perf_counter()
             model = tr.trace(spec, max_seq_len)
-            files = tr.write_graph(model, tmp, spec, dc.num_drafts)
+            fixed = tr.trace(spec.tensorrt, max_seq_len) if spec.tensorrt is not None else None
+            files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
         with progress.step(f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime"):
             f, report = validate_graph(spec, tmp / files["portable"], dtype, save_dir=tmp)
         validation[spec.name] = mf.Validation(ok=not f, failures=f, skipped=report.pop("skipped", None), steps=report)
+        tensorrt_io = None
+        if spec.tensorrt is not None:
+            with progress.step(f"{spec.name}.trt.onnx: fixed step shapes, validating on ONNX Runtime"):
+                f, report = validate_graph(spec.tensorrt, tmp / files["tensorrt"], dtype, save_dir=tmp,
+                                           name=f"{spec.name}.trt",
+                                           selector_drafts=dc.num_drafts if spec.has_selector else None)
+            validation[f"{spec.name}.trt"] = mf.Validation(ok=not f, failures=f, skipped=report.pop("skipped", None),
+                                                         steps=report)
+            trt_io = tr.io_spec(tmp / files["tensorrt"])
+            tensorrt_io = mf.GraphIo(inputs=[mf.IoSpec(**d) for d in trt_io["inputs"]],
+                                     outputs=[mf.IoSpec(**d) for d in trt_io["outputs"]])
         if quantize is not None and spec.name in quantize.graphs() and not f:
             with progress.step(f"{spec.name}.onnx: {quantize.method} weights, deviation from PyTorch"):
                 quantizer = _qdq_graph if isinstance(quantize, qdq.TrtQuant) else _quantize_graph
+                fixed_file = files.get("tensorrt") if spec.tensorrt is not None else None
                 files, quantized[spec.name], validation[spec.name] = quantizer(tmp, spec, files, quantize)
+            if fixed_file is not None and files.get("tensorrt") != fixed_file:
+                # the fixed-shape flavour shared the float weights: a quantized graph (or none) replaces it
+                validation.pop(f"{spec.name}.trt", None)
+                tensorrt_io = None
+                for name in (fixed_file, f"{spec.name}.trt.inputs.json", f"{spec.name}.trt.reference.json"):
+                    (tmp / name).unlink(missing_ok=True)
         io = tr.io_spec(tmp / files["portable"])
         graphs[spec.name] = mf.Graph(flavours=mf.Flavours(**files), data=f"{spec.name}.onnx.data",
                                      inputs=[mf.IoSpec(**d) for d in io["inputs"]],
                                      outputs=[mf.IoSpec(**d) for d in io["outputs"]],
-                                     seconds=time.perf_counter() - t0)
+                                     seconds=time.perf_counter() - t0, tensorrt_io=tensorrt_io)
     selector = None
     if dc.version == 2:
         selector = mf.Selector(op=C.OP_NAME, domain=C.ONNX_DOMAIN, plugin_version=C.PLUGIN_VERSION,

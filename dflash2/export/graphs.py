@@ -24,8 +24,9 @@ class TargetGraph(nn.Module):
         super().__init__()
         self.target, self.drafter, self.fuse, self.emit_logits = target, drafter, fuse_context, emit_logits
 
-    def forward(self, input_ids: torch.Tensor, past_kv: torch.Tensor):
-        logits, taps, new_kv = self.target(input_ids.long(), past_kv)
+    def forward(self, input_ids: torch.Tensor, past_kv: torch.Tensor, past_len: torch.Tensor | None = None):
+        # past_len given (the TensorRT flavour): past_kv is the whole KV buffer, rows >= past_len masked
+        logits, taps, new_kv = self.target(input_ids.long(), past_kv, past_len)
         logits = logits.float()  # argmax over fp32: one rule whatever the graph dtype
         context = self.drafter.context(taps) if self.fuse else taps
         out = (logits.argmax(-1).to(torch.int32), context, new_kv)
@@ -40,13 +41,28 @@ class DrafterGraph(nn.Module):
         super().__init__()
         self.drafter, self.fused = drafter, fused_context
 
-    def forward(self, context: torch.Tensor, past_ctx_kv: torch.Tensor, anchor: torch.Tensor):
+    def forward(self, context: torch.Tensor, past_ctx_kv: torch.Tensor, anchor: torch.Tensor,
+                past_len: torch.Tensor | None = None):
         c = context if self.fused else self.drafter.context(context)
-        hidden, new_kv = self.drafter(c, past_ctx_kv, anchor.long())
+        if past_len is None:
+            hidden, new_kv = self.drafter(c, past_ctx_kv, anchor.long())
+        else:
+            hidden, new_kv = self._fixed(c, past_ctx_kv, anchor.long(), past_len.reshape(1).long())
         out = self.drafter.propose(hidden, anchor)
         if self.drafter.config.version == 1:
             return out["draft_ids"], new_kv
         return out["draft_ids"], out["cand_ids"], new_kv
+
+    def _fixed(self, c, cache, anchor, start):
+        """Drafter.forward over the whole context-KV buffer [cap, ...]: rows >= start are stale and get a
+        position past every query, so the context mask (position < block start) hides them."""
+        d, cap, n = self.drafter, cache.shape[0], c.shape[0]
+        new_kv = d.append_context(c, start)  # positions start .. start+n-1
+        rows = torch.arange(cap)
+        ctx_pos = torch.cat([torch.where(rows < start, rows, rows + cap + n), start + torch.arange(n)])
+        block = start + n  # the block sits after the new context rows, as in Drafter.forward
+        hidden = d.run_blocks(d.block_embeddings(anchor), torch.cat([cache, new_kv]), ctx_pos, block, block)
+        return hidden[0, 1:], new_kv
 
 
 class SelectorGraph(nn.Module):
@@ -74,6 +90,7 @@ class GraphSpec:
     example: tuple  # tracing example
     feeds: Callable[[], list[dict[str, torch.Tensor]]]  # deterministic validation steps
     has_selector: bool = False
+    tensorrt: GraphSpec | None = None  # a separate TensorRT flavour with fixed step shapes (fixed_shapes())
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -118,6 +135,8 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True,
                   (torch.zeros(5, ctx_width, dtype=dtype), ckv(3), torch.tensor([1], dtype=torch.int32)),
                   drafter_feeds, has_selector=dc.version == 2),
     ]
+    for spec in specs:
+        spec.tensorrt = fixed_shapes(spec)
     if dc.version == 2:
         K, R = dc.selector_top_k, dc.selector_rank
 
@@ -138,3 +157,33 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True,
                                {"cand_logits": {0: "batch"}, "cand_ids": {0: "batch"}, "gate": {0: "batch"},
                                 "anchor": {0: "batch"}}, tuple(ex.values()), selector_feeds, has_selector=True))
     return specs
+
+
+FIXED = {"target": ("past_kv", "kv_cache"), "drafter": ("past_ctx_kv", "ctx_kv_cache")}
+STALE_ROWS = 3  # rows past the valid ones in the validation feeds: garbage the in-graph mask must hide
+
+
+def fixed_shapes(spec: GraphSpec) -> GraphSpec:
+    """The TensorRT flavour of the target / drafter: the whole KV buffer `kv_cache [cap, ...]` plus
+    `past_len [1]` instead of the prefix view `past_kv [past, ...]`. A step of n rows then binds the
+    same shapes and addresses wherever it is in the sequence, so a CUDA graph captured once per row
+    count replays (the prefix view gives every step a new past length, hence a new graph). Outputs
+    are unchanged (new_kv [n, ...] goes to a staging buffer the runtime copies into place).
+    Feeds: the portable feeds with the past padded by STALE_ROWS random rows, same reference outputs."""
+    past, cache = FIXED[spec.name]
+    inputs = [cache if n == past else n for n in spec.inputs] + ["past_len"]
+    dynamic = {(cache if k == past else k): ({0: "cap"} if k == past else v) for k, v in spec.dynamic.items()}
+    dynamic["past_len"] = {}
+
+    def convert(feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        p = feed[past]
+        g = torch.Generator().manual_seed(p.shape[0])
+        stale = torch.randn(STALE_ROWS, *p.shape[1:], generator=g).to(p.dtype)
+        out = {(cache if k == past else k): (torch.cat([p, stale]) if k == past else v) for k, v in feed.items()}
+        out["past_len"] = torch.tensor([p.shape[0]], dtype=torch.int32)
+        return out
+
+    ex = dict(zip(spec.inputs, spec.example))
+    example = tuple(convert(ex)[n] for n in inputs)
+    return GraphSpec(spec.name, spec.module, inputs, spec.outputs, dynamic, example,
+                     lambda: [convert(f) for f in spec.feeds()], spec.has_selector)

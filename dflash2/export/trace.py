@@ -11,6 +11,7 @@ import logging
 import warnings
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxscript
 import torch
@@ -36,11 +37,12 @@ def trace(spec: GraphSpec, max_seq_len: int) -> onnx.ModelProto:
 
     so.register_schema()
     dims: dict[str, torch.export.Dim] = {}
-    limits = {"n": (1, max_seq_len), "past": (0, max_seq_len), "batch": (1, 64)}
+    limits = {"n": (1, max_seq_len), "past": (0, max_seq_len), "cap": (2, max_seq_len), "batch": (1, 64)}
     for axes in spec.dynamic.values():
         for name in axes.values():
             dims.setdefault(name, torch.export.Dim(name, min=limits[name][0], max=limits[name][1]))
-    dynamic = {inp: {ax: dims[name] for ax, name in axes.items()} or None for inp, axes in spec.dynamic.items()}
+    # positional, in input order: the TensorRT flavour renames inputs the module's forward calls otherwise
+    dynamic = tuple({ax: dims[name] for ax, name in spec.dynamic[inp].items()} or None for inp in spec.inputs)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -53,28 +55,53 @@ def trace(spec: GraphSpec, max_seq_len: int) -> onnx.ModelProto:
     return model
 
 
-def flavour_files(name: str, has_selector: bool) -> dict[str, str]:
+def flavour_files(name: str, has_tensorrt: bool) -> dict[str, str]:
     files = {"portable": f"{name}.onnx"}
-    if has_selector:
+    if has_tensorrt:
         files["tensorrt"] = f"{name}.trt.onnx"
     return files
 
 
-def write_graph(model: onnx.ModelProto, folder: Path, spec: GraphSpec, num_drafts: int) -> dict[str, str]:
-    """Write the portable file (+ external data), then the TensorRT flavour pointing at the same data."""
-    files = flavour_files(spec.name, spec.has_selector)
+def write_graph(model: onnx.ModelProto, folder: Path, spec: GraphSpec, num_drafts: int,
+                fixed: onnx.ModelProto | None = None) -> dict[str, str]:
+    """Write the portable file (+ external data), then the TensorRT flavour: `fixed` (the fixed-shape
+    trace of spec.tensorrt) or the same graph, with a bare selector node, reading the same data file."""
+    files = flavour_files(spec.name, spec.has_selector or fixed is not None)
     data = f"{spec.name}.onnx.data"
     if spec.has_selector:
         so.add_flavour(model, "portable", num_drafts)
     onnx.save_model(model, str(folder / files["portable"]), save_as_external_data=True,
                     all_tensors_to_one_file=True, location=data, size_threshold=1024)
     if "tensorrt" in files:
-        trt = onnx.load(str(folder / files["portable"]), load_external_data=False)
-        so.add_flavour(trt, "tensorrt", num_drafts)
+        trt = fixed if fixed is not None else onnx.load(str(folder / files["portable"]), load_external_data=False)
+        if spec.has_selector:
+            so.add_flavour(trt, "tensorrt", num_drafts)
+        if fixed is not None:
+            share_weights(trt, folder / files["portable"], data)
         onnx.save_model(trt, str(folder / files["tensorrt"]))
     for f in files.values():
         onnx.checker.check_model(str(folder / f), full_check=True)
     return files
+
+
+def share_weights(model: onnx.ModelProto, portable: Path, data: str) -> None:
+    """Point every initializer of `model` that the portable file stores with the same name and bytes at
+    the portable file's external data (both flavours trace one module: the weights are the same)."""
+    stored = {t.name: t for t in onnx.load(str(portable), load_external_data=False).graph.initializer
+              if t.data_location == onnx.TensorProto.EXTERNAL}
+    blob = np.memmap(portable.parent / data, dtype=np.uint8, mode="r")
+    for t in model.graph.initializer:
+        ref = stored.get(t.name)
+        if ref is None or list(ref.dims) != list(t.dims) or ref.data_type != t.data_type or not t.HasField("raw_data"):
+            continue
+        info = {e.key: e.value for e in ref.external_data}
+        offset, length = int(info.get("offset", 0)), int(info["length"])
+        if length != len(t.raw_data) or blob[offset:offset + length].tobytes() != t.raw_data:
+            continue
+        t.ClearField("raw_data")
+        t.data_location = onnx.TensorProto.EXTERNAL
+        del t.external_data[:]
+        t.external_data.extend(ref.external_data)
 
 
 def io_spec(path: Path) -> dict:

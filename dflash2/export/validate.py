@@ -8,6 +8,7 @@ replays the check.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -76,16 +77,24 @@ def providers_for(dtype: str) -> list[str] | None:
     return None
 
 
-def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | None = None) -> tuple[list[str], dict]:
+def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | None = None, name: str | None = None,
+                   selector_drafts: int | None = None) -> tuple[list[str], dict]:
+    """name: of the saved Polygraphy files (default the graph's); selector_drafts: the file is a TensorRT
+    flavour with a bare selector node, run here with the node's function attached (S drafts)."""
+    name = name or spec.name
     feeds = spec.feeds()
     refs = reference_outputs(spec, feeds)
     if save_dir is not None:
-        save_polygraphy(save_dir, spec.name, [{k: np_of(v) for k, v in f.items()} for f in feeds], refs)
+        save_polygraphy(save_dir, name, [{k: np_of(v) for k, v in f.items()} for f in feeds], refs)
     providers = providers_for(dtype)
     if providers is None:
         return [], {"skipped": "ONNX Runtime's CPU provider has no bfloat16 kernels; validate with "
                                "`dflash2-compare --engines` on a GPU"}
-    sess = open_session(path, providers)
+    if selector_drafts is not None:
+        with _with_function(path, selector_drafts) as runnable:
+            sess = open_session(runnable, providers)
+    else:
+        sess = open_session(path, providers)
     failures, report = [], {}
     for step, (feed, ref) in enumerate(zip(feeds, refs)):
         got = run(sess, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # fed in the graph's dtype
@@ -93,6 +102,23 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
         failures += f
         report[f"step{step}"] = r
     return failures, report
+
+
+@contextmanager
+def _with_function(path: Path, S: int):
+    """A copy of a TensorRT-flavour file next to it (same external data) with the selector's function."""
+    import onnx
+
+    from dflash2.export import selector_onnx as so
+
+    model = onnx.load(str(path), load_external_data=False)
+    so.add_flavour(model, "portable", S)
+    copy = path.with_name(f".{path.name}.check.onnx")
+    onnx.save_model(model, str(copy))
+    try:
+        yield copy
+    finally:
+        copy.unlink(missing_ok=True)
 
 
 def raise_if_failed(failures: list[str]) -> None:

@@ -53,11 +53,19 @@ class Target(nn.Module):
         c = self.config
         return (c.num_layers, 2, c.num_kv_heads, c.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, past_kv: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor, past_kv: torch.Tensor, past_len: torch.Tensor | None = None):
+        """past_len None: past_kv holds exactly the P rows before this step. past_len [1]: past_kv is the
+        whole [cap, ...] buffer, rows >= past_len are stale and masked by position (fixed step shapes)."""
         n, P = input_ids.shape[0], past_kv.shape[0]
-        pos = torch.arange(n) + P  # [n]
+        if past_len is None:
+            start, k_pos = P, torch.arange(P + n)
+        else:
+            start, rows = past_len.reshape(1).long(), torch.arange(P)
+            stale = rows + P + n  # a position after every query of this step: never visible
+            k_pos = torch.cat([torch.where(rows < start, rows, stale), start + torch.arange(n)])
+        pos = torch.arange(n) + start  # [n]
         cos, sin = rope_cos_sin(pos, self.inv_freq)
-        visible = torch.arange(P + n)[None, :] <= pos[:, None]  # [n, P+n] causal
+        visible = k_pos[None, :] <= pos[:, None]  # [n, P+n] causal
         h = self.embed_tokens(input_ids)  # [n, H]
         taps, new_kv = {}, []
         for i, layer in enumerate(self.layers):

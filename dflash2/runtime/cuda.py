@@ -84,15 +84,23 @@ class DeviceBuffer(Buffer):
         self._copy(n, to_device=False)
         return self.host[:n]
 
+    def copy_rows(self, src: Buffer, n: int, at: int) -> None:
+        """Device -> device on the stream (no sync: the next engine on the stream reads the rows)."""
+        self._check_copy(src, n, at)
+        rt = cudart()
+        call(rt.cudaMemcpyAsync(self.ptr + at * self.row_bytes, src.ptr, n * self.row_bytes,
+                                rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream.handle), "cudaMemcpyAsync")
+
 
 class GraphCache:
     """CUDA graphs keyed by (graph, profile, input shapes, I/O addresses), as in Edge-LLM.
 
     First sighting of a key: a plain enqueue (the warm-up TensorRT needs after a shape change).
-    Second: capture that enqueue into a graph, instantiate, launch. Later: launch only. With the
-    prefix-view KV binding every decode step has a new past length, so keys repeat only for
-    repeated shapes + positions (benchmarks, the same prompt again); `limit` bounds the graphs kept.
-    A key whose capture fails is remembered and runs uncaptured from then on.
+    Second: capture that enqueue into a graph, instantiate, launch. Later: replay only. The engines'
+    fixed-shape flavours bind the same shapes and addresses for every step of n rows, so a generation
+    captures at most one graph per (engine, row count) and replays it afterwards; `limit` bounds the
+    graphs kept. A key whose capture fails is remembered and runs uncaptured from then on.
+    Counters: direct (plain enqueues), captures, replays, launches (= captures + replays).
     """
 
     def __init__(self, stream: Stream, limit: int = 64, seen_limit: int = 4096):
@@ -100,7 +108,7 @@ class GraphCache:
         self.graphs: OrderedDict[Hashable, tuple] = OrderedDict()
         self.seen: OrderedDict[Hashable, None] = OrderedDict()
         self.failed: set[Hashable] = set()
-        self.captures = self.launches = 0
+        self.direct = self.captures = self.replays = self.launches = 0
 
     def launch(self, key: Hashable, enqueue: Callable[[], None]) -> None:
         rt = cudart()
@@ -109,11 +117,13 @@ class GraphCache:
             self.graphs.move_to_end(key)
             call(rt.cudaGraphLaunch(hit[1], self.stream.handle), "cudaGraphLaunch")
             self.launches += 1
+            self.replays += 1
             return
         if key not in self.seen or key in self.failed:
             self.seen[key] = None
             if len(self.seen) > self.seen_limit:
                 self.seen.popitem(last=False)
+            self.direct += 1
             enqueue()
             return
         mode = rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
@@ -128,6 +138,7 @@ class GraphCache:
         except CudaError as e:
             self.failed.add(key)
             warnings.warn(f"CUDA graph capture failed, running this shape uncaptured: {e}", RuntimeWarning)
+            self.direct += 1
             enqueue()
             return
         self.graphs[key] = (graph, exe)

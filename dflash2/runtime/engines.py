@@ -20,6 +20,7 @@ from dflash2.runtime.memory import Buffer, HostBuffer, View
 
 class Engine(Protocol):
     name: str
+    inputs: list[str]  # input names: the session binds by them (fixed-shape graphs have `past_len`)
 
     def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None: ...
 
@@ -35,6 +36,9 @@ class Backend(Protocol):
     def host_buffer(self, shape: tuple[int, ...], dtype) -> Buffer:
         """Small I/O the host fills or reads every step (token ids, drafts)."""
 
+    def max_rows(self, graph: str) -> int | None:
+        """The most rows one step of `graph` may have (engine profiles); None: no limit but the buffers."""
+
 
 class OrtEngine:
     def __init__(self, name: str, path: Path, providers: list[str], threads: int | None = None,
@@ -43,6 +47,7 @@ class OrtEngine:
         self.session = open_session(path, providers, threads, spin)
         self.binding = self.session.io_binding()
         self.output_names = {o.name for o in self.session.get_outputs()}
+        self.inputs = [i.name for i in self.session.get_inputs()]
 
     def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         b = self.binding
@@ -84,3 +89,6 @@ class OrtBackend:
 
     def host_buffer(self, shape, dtype) -> HostBuffer:
         return HostBuffer(shape, dtype)
+
+    def max_rows(self, graph: str) -> None:
+        return None

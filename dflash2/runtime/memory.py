@@ -62,6 +62,15 @@ class Buffer:
         """Engine memory -> host rows for the first n rows; returns host[:n] (no allocation of data)."""
         raise NotImplementedError
 
+    def copy_rows(self, src: Buffer, n: int, at: int) -> None:
+        """Rows [0, n) of `src` (same row layout) -> rows [at, at+n) of this buffer, in engine memory."""
+        raise NotImplementedError
+
+    def _check_copy(self, src: Buffer, n: int, at: int) -> None:
+        if src.row_bytes != self.row_bytes or not (0 <= n <= src.capacity and 0 <= at and at + n <= self.capacity):
+            raise IndexError(f"copy of {n} rows into [{at}, {at + n}) of a {self.capacity}-row buffer from a "
+                             f"{src.capacity}-row one (row bytes {src.row_bytes} vs {self.row_bytes})")
+
 
 class HostBuffer(Buffer):
     """A C-contiguous numpy array: engines read and write the host rows themselves."""
@@ -80,3 +89,7 @@ class HostBuffer(Buffer):
 
     def pull(self, n: int) -> np.ndarray:
         return self._host[:n]
+
+    def copy_rows(self, src: Buffer, n: int, at: int) -> None:
+        self._check_copy(src, n, at)
+        self._host[at:at + n] = src.host[:n]

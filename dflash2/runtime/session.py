@@ -74,6 +74,17 @@ class SpecSession:
         self.has_lattice = m.drafter_version == 2
         K = m.selector.top_k if self.has_lattice else 1
         self.cand_ids = backend.host_buffer((S, K), np.int32)
+        # Fixed step shapes (the TensorRT flavour): the engines read the whole KV buffer plus its valid
+        # length and write their new rows to a staging buffer, copied into place after the step; so every
+        # step of n rows binds the same addresses and its CUDA graph replays.
+        # Per engine: a Q/DQ-quantized target engine, for one, is built from a prefix-view graph.
+        self.kv_new = self.ctx_kv_new = None
+        if "past_len" in self.target.inputs:
+            self.kv_new = backend.device_buffer((min(T, backend.max_rows("target") or T), *m.kv.rows.target), dt)
+            self.kv_len = backend.host_buffer((1,), np.int32)
+        if "past_len" in self.drafter.inputs:
+            self.ctx_kv_new = backend.device_buffer((min(T, backend.max_rows("drafter") or T), *m.kv.rows.drafter), dt)
+            self.ctx_kv_len = backend.host_buffer((1,), np.int32)
         self.reset()
 
     def reset(self) -> None:
@@ -96,11 +107,24 @@ class SpecSession:
             raise CapacityError(f"KV cache full: {self.pos} + {n} > max_seq_len {self.max_seq_len}")
         self.ids.host[:n] = tokens
         self.ids.push(n)
-        self.target.run(
-            {"input_ids": self.ids.rows(0, n), "past_kv": self.kv.rows(0, self.pos)},
-            {"next_ids": self.next_ids.rows(0, n), "context": self.context.rows(0, n),
-             "new_kv": self.kv.rows(self.pos, self.pos + n)})
+        past, new = self._kv("kv_cache", "past_kv", self.kv, self.kv_new, self.pos, n)
+        self.target.run({"input_ids": self.ids.rows(0, n), **past},
+                        {"next_ids": self.next_ids.rows(0, n), "context": self.context.rows(0, n), "new_kv": new})
+        if self.kv_new is not None:
+            self.kv.copy_rows(self.kv_new, n, self.pos)
         return self.next_ids.pull(n)
+
+    def _kv(self, cache: str, prefix: str, kv, staging, pos: int, n: int) -> tuple[dict, object]:
+        """(KV inputs, new-rows output view) of a step of n rows at pos, for either binding."""
+        if staging is None:  # prefix view: past rows [0, pos) in, new rows written in place at [pos, pos+n)
+            return {prefix: kv.rows(0, pos)}, kv.rows(pos, pos + n)
+        if n > staging.capacity:
+            raise CapacityError(f"a step of {n} rows exceeds the {staging.capacity} rows the engines take per step "
+                                f"(rebuild them with a larger dflash2-build --max-prefill)")
+        length = self.kv_len if cache == "kv_cache" else self.ctx_kv_len
+        length.host[0] = pos
+        length.push(1)
+        return {cache: kv.whole(), "past_len": length.whole()}, staging.rows(0, n)
 
     # --- SpecBackend ---------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> int:
@@ -113,11 +137,13 @@ class SpecSession:
         n, p = self.pending, self.ctx_pos
         self.anchor.host[0] = anchor
         self.anchor.push(1)
-        outputs = {"draft_ids": self.draft_ids.whole(), "new_ctx_kv": self.ctx_kv.rows(p, p + n)}
+        past, new = self._kv("ctx_kv_cache", "past_ctx_kv", self.ctx_kv, self.ctx_kv_new, p, n)
+        outputs = {"draft_ids": self.draft_ids.whole(), "new_ctx_kv": new}
         if self.has_lattice:
             outputs["cand_ids"] = self.cand_ids.whole()
-        self.drafter.run({"context": self.context.rows(0, n), "past_ctx_kv": self.ctx_kv.rows(0, p),
-                          "anchor": self.anchor.whole()}, outputs)
+        self.drafter.run({"context": self.context.rows(0, n), **past, "anchor": self.anchor.whole()}, outputs)
+        if self.ctx_kv_new is not None:
+            self.ctx_kv.copy_rows(self.ctx_kv_new, n, p)
         self.ctx_pos, self.pending = p + n, 0
         return self.draft_ids.pull(self.block_size - 1)
 

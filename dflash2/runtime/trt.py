@@ -4,9 +4,11 @@ Follows Edge-LLM's runtime design: every buffer is allocated once in the constru
 buffers, pinned mirrors, one execution-context scratch shared by all contexts since the engines run
 one after another on one stream); per step only `set_input_shape` / `set_tensor_address` (skipped
 when unchanged) and `execute_async_v3`. One execution context per optimization profile, so a step
-picks a context instead of switching profiles. KV "past" and "new" views point into the same
-preallocated buffer (the session computes them). Optional CUDA graphs per (graph, shapes,
-addresses) after one warm-up run: `TrtBackend(..., cuda_graphs=True)` or DFLASH2_CUDA_GRAPHS=1.
+picks a context instead of switching profiles. The engines are built from the fixed-shape flavours
+(whole KV buffer + `past_len` in, new rows to a staging buffer the session copies into place), so a
+step of n rows binds the same shapes and addresses anywhere in the sequence. Optional CUDA graphs
+per (graph, shapes, addresses) after one warm-up run, replayed for every later step of that row
+count: `TrtBackend(..., cuda_graphs=True)` or DFLASH2_CUDA_GRAPHS=1.
 
 Importing this module never fails; constructing `TrtBackend` without TensorRT raises
 `dflash2.native.tensorrt.TensorRTMissingError` saying what to install. No torch.
@@ -199,3 +201,7 @@ class TrtBackend:
 
     def host_buffer(self, shape: tuple[int, ...], dtype) -> DeviceBuffer:
         return DeviceBuffer(shape, dtype, self.stream, pinned=True)
+
+    def max_rows(self, graph: str) -> int:
+        """Largest `n` (rows of one step) over the engine's optimization profiles."""
+        return max(p.dims["n"][2] for p in self.manifest.engines[graph].profiles)
