@@ -231,3 +231,12 @@ def test_fake_tensorrt_cuda_graphs_replay_in_a_300_token_generation(long_export,
     assert g.direct == len(keys) and g.replays >= len(steps) - 2 * len(keys)  # all but 2 steps per key replay
     assert g.replays > 0.9 * len(steps)
 
+
+def test_no_stream_sync_after_host_to_device_copies(fake_engines, fake):
+    """One stream: a round waits for the GPU only where the host reads results (draft ids, target ids)."""
+    rt = Runtime(fake_engines)
+    rt.generate(PROMPT, 4)
+    before = fake.CUDART.syncs
+    gen = rt.generate(PROMPT, 24)
+    rounds = gen.stats.rounds
+    assert fake.CUDART.syncs - before == 2 * rounds + 1  # + the prefill's pull

@@ -73,15 +73,18 @@ class DeviceBuffer(Buffer):
         kind = rt.cudaMemcpyKind.cudaMemcpyHostToDevice if to_device else rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
         dst, src = (self.ptr, host.ctypes.data) if to_device else (host.ctypes.data, self.ptr)
         call(rt.cudaMemcpyAsync(dst, src, n * self.row_bytes, kind, self.stream.handle), "cudaMemcpyAsync")
-        self.stream.sync()
 
     def push(self, n: int) -> None:
-        """Host mirror -> device for the first n rows (the session wrote host[:n])."""
+        """Host mirror -> device for the first n rows (the session wrote host[:n]). No sync: everything
+        runs on one stream, so the engine that reads the rows runs after the copy; and the session
+        writes host rows again only after a pull, which waits for the stream."""
         self._copy(n, to_device=True)
 
     def pull(self, n: int) -> np.ndarray:
-        """Device -> host mirror for the first n rows; returns host[:n] (no allocation of data)."""
+        """Device -> host mirror for the first n rows; returns host[:n] (no allocation of data). Waits for
+        the stream: the host reads the rows next."""
         self._copy(n, to_device=False)
+        self.stream.sync()
         return self.host[:n]
 
     def copy_rows(self, src: Buffer, n: int, at: int) -> None:
