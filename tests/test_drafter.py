@@ -24,7 +24,7 @@ def _rope(x, pos, theta, hd):  # x [hd] one head at one position
 
 
 def naive_round(d, taps, anchor):
-    """One drafter round straight from algorithm.md section 3, on the whole context at once."""
+    """One drafter round straight from docs/algorithm.md section 3, on the whole context at once."""
     c_cfg, sd = d.config, d.state_dict()
     H, hd, nh, nkv, B = c_cfg.hidden_size, c_cfg.head_dim, c_cfg.num_heads, c_cfg.num_kv_heads, c_cfg.block_size
     theta = c_cfg.rope.theta

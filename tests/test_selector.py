@@ -15,7 +15,7 @@ op = torch.ops.dflash2.select_path
 
 
 def naive(cand_logits, cand_ids, gate, anchor, P, Q, mult=1.0, cap=0.0):
-    """Scalar loops, straight from algorithm.md section 4."""
+    """Scalar loops, straight from docs/algorithm.md section 4."""
     B, S, K = cand_ids.shape
     R = gate.shape[-1]
     draft, index, rows = [], [], []

@@ -55,7 +55,7 @@ def test_prefill_decode_verify_match_transformers(tmp_path, family, tied):
 
 
 def test_taps_are_layer_outputs_not_final_norm(tmp_path):
-    """Pitfall in algorithm.md: tap k = output of layer k = HF hidden_states[k + 1], never post-norm."""
+    """Pitfall in docs/algorithm.md section 2: tap k = output of layer k = HF hidden_states[k + 1], never post-norm."""
     folder = tiny.make_target(tmp_path / "t", family="qwen3", num_layers=3)
     last = 2
     ours = load_target(folder, (last,))

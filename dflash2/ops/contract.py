@@ -5,7 +5,7 @@ The torch custom op (`dflash2.reference.selector`), the ONNX schema and node
 (`plugins/dflash2Selector/`) are all tested against this file.  Plain Python: the
 runtime imports it on edge boards, so no torch here.
 
-Math (see algorithm.md section 4), all in fp32 whatever the input dtypes:
+Math (see docs/algorithm.md section 4), all in fp32 whatever the input dtypes:
     u[b,s,c]      = softcap(output_multiplier * cand_logits[b,s,c])
     pred[b,0,:]   = anchor[b];  pred[b,s,:] = cand_ids[b,s-1,:]
     score[b,s,p,c] = u[b,s,c] + sum_r P[pred[b,s,p],r] * gate[b,s,r] * Q[cand_ids[b,s,c],r]

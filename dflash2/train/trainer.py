@@ -1,6 +1,6 @@
 """Train a DFlash2 drafter (and its candidate selector) for a target, on the CPU at small scale.
 
-Recipe (algorithm.md section 4): the target's embedding and LM head are frozen; each training
+Recipe (docs/algorithm.md section 4): the target's embedding and LM head are frozen; each training
 sequence is a target-generated answer with the target's taps; random anchors a (in the answer)
 give blocks [tok_a, MASK x S] that see the context rows < a and predict tok_{a+1..a+S};
 loss = depth-decayed cross-entropy (weight exp(-k/gamma)) + a K-way cross-entropy for the
