@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompts to generate the corpus from: 'sharegpt[:N]' (first human turns of ShareGPT "
                         "conversations 0..14,999; 15,000+ are held out), 'templated[:N]' (dflash2.train.data), "
                         "or a file (JSON list / one per line)")
+    p.add_argument("--vocab-words", type=int, default=0, metavar="N",
+                   help="templated prompts also get one for each of N words of the target's vocabulary (the shipped "
+                        "recipe: templated:10000 --vocab-words 5000 --seed 1)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length when generating the corpus")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (chat template included)")
     p.add_argument("--gen-batch", type=int, default=32, help="prompts per generation batch")
@@ -93,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             raise Dflash2Error(f"{corpora[0]}: expected a complete corpus under torchrun; generate it first in one "
                                "process (the same command with --corpus-only, without torchrun)")
         if not corpus_complete(corpora[0]) and not a.partial_corpus:
-            generate_corpus(a.target, corpus_prompts(a.prompts, a.seed), corpora[0], list(taps), a.max_new_tokens,
+            from dflash2.train.data import vocab_words
+
+            words = vocab_words(a.target / "tokenizer.json", a.vocab_words) if a.vocab_words else None
+            generate_corpus(a.target, corpus_prompts(a.prompts, a.seed, words), corpora[0], list(taps), a.max_new_tokens,
                             batch_size=a.gen_batch, shard_size=a.shard_size, dtype=a.gen_dtype,
                             max_prompt_tokens=a.max_prompt_tokens, device=a.device)
         if a.corpus_only:

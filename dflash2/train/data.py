@@ -103,7 +103,7 @@ def make_prompts(n: int, seed: int = 0, exclude: set[str] = frozenset(),
     return pool[:n]
 
 
-def corpus_prompts(spec: str, seed: int = 0) -> list[str]:
+def corpus_prompts(spec: str, seed: int = 0, words: list[str] | None = None) -> list[str]:
     """The training prompts a --prompts spec names; the benchmark's own prompts are never trained on."""
     from dflash2.prompts import default_prompts, parse_spec
 
@@ -112,7 +112,7 @@ def corpus_prompts(spec: str, seed: int = 0) -> list[str]:
         n = spec.split(":", 1)[1] if ":" in spec else "1200"
         if not n.isdigit():
             raise Dflash2Error(f"--prompts {spec!r}: expected 'templated[:N]' with an integer N, found {n!r}")
-        return make_prompts(int(n), seed, exclude=bench)
+        return make_prompts(int(n), seed, exclude=bench, words=words)
     if spec.startswith("sharegpt") and ":eval" in spec:
         raise Dflash2Error(f"--prompts {spec!r}: ShareGPT conversations >= 15,000 are reserved for evaluation")
     return [p for p in parse_spec(spec, default_split="train", log=print) if p not in bench]
