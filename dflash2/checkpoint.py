@@ -162,7 +162,7 @@ def _block_shapes(p, H, I, q, kv, hd, qk_norm, attn_bias, mlp_bias) -> dict:
         s.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     if attn_bias:
         s.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                  p + "self_attn.v_proj.bias": (kv,)})
+                  p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (H,)})
     if mlp_bias:
         s.update({p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,), p + "mlp.down_proj.bias": (H,)})
     return s

@@ -92,7 +92,7 @@ def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], shards: in
 def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384, hidden_size: int = 64,
                 num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                 tie_word_embeddings: bool = False, shards: int = 1, seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> Path:
+                dtype: torch.dtype = torch.float32, attention_bias: bool = False) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(folder, vocab_size)
@@ -104,7 +104,7 @@ def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
         "head_dim": hidden_size // num_heads, "vocab_size": vocab, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": tie_word_embeddings,
-        "attention_bias": False, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": eos,
+        "attention_bias": attention_bias, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": eos,
         "pad_token_id": 0, "torch_dtype": str(dtype).replace("torch.", ""),
     }
     if family == "llama":

@@ -26,10 +26,18 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("tied", [False, True])
-def test_prefill_decode_verify_match_transformers(tmp_path, family, tied):
-    folder = tiny.make_target(tmp_path / "t", family=family, tie_word_embeddings=tied, num_layers=3, seed=7)
+@pytest.mark.parametrize("family, tied, bias", [("llama", False, False), ("llama", True, False),
+                                                ("qwen3", False, False), ("qwen3", True, False),
+                                                ("llama", False, True), ("qwen3", False, True)])
+def test_prefill_decode_verify_match_transformers(tmp_path, family, tied, bias):
+    """bias: attention_bias true, a bias on q/k/v/o as transformers' Llama / Qwen3 have it."""
+    folder = tiny.make_target(tmp_path / "t", family=family, tie_word_embeddings=tied, num_layers=3, seed=7,
+                              attention_bias=bias)
+    if bias:  # the tiny factory's biases are random, not zero: the test sees them
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            assert f.get_tensor("model.layers.0.self_attn.o_proj.bias").abs().max() > 0
     taps = (0, 1, 2)
     ours = load_target(folder, taps)
     hf = HF[family].from_pretrained(folder, dtype=torch.float32).eval()

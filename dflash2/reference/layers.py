@@ -94,7 +94,8 @@ class MLP(nn.Module):
 
 
 class Projections(nn.Module):
-    """q/k/v/o projections (+ optional per-head q/k RMSNorm) with HF parameter names."""
+    """q/k/v/o projections (+ optional per-head q/k RMSNorm) with HF parameter names; `bias` (the config's
+    attention_bias) puts a bias on all four, as transformers' Llama and Qwen3 do."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool,
                  qk_norm: bool, eps: float):
@@ -103,7 +104,7 @@ class Projections(nn.Module):
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)  # transformers' Llama / Qwen3: q, k, v and o
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
