@@ -2,7 +2,9 @@
 what the runtime needs to run the engines without reopening the export folder, plus where they came from.
 
     engines      graph -> engine file, the ONNX file it was parsed from, io names/dtypes/shapes,
-                 optimization profiles (the session's shapes must fall inside one of them)
+                 optimization profiles (the session's shapes must fall inside one of them); the
+                 runtime loads target and drafter (the selector runs inside drafter.engine), and
+                 dflash2-compare also selector.engine (the plugin alone vs the PyTorch op)
     export_dir   absolute path of the export (ONNX Runtime on an engine folder runs that export)
     ModelFacts   block_size, num_drafts, max_seq_len (possibly reduced), dtype, kv rows, context
                  width, vocab_size, eos_token_ids, drafter_version, selector ... copied from the export

@@ -90,13 +90,6 @@ def output_names() -> list[str]:
     return [t.name for t in OUTPUTS]
 
 
-def attribute(name: str) -> AttributeSpec:
-    for a in ATTRIBUTES:
-        if a.name == name:
-            return a
-    raise KeyError(f"{OP_NAME} has no attribute {name!r}; it has {[a.name for a in ATTRIBUTES]}")
-
-
 def check_attributes(attrs: dict) -> dict:
     """Fill defaults and validate values; raise ValueError naming the attribute."""
     out = {}
