@@ -45,7 +45,8 @@ def test_cli_choices_come_from_the_table():
 
 def test_numpy_onnx_and_tensorrt_types():
     for d in dtypes.TABLE:
-        assert d.onnx == getattr(onnx.TensorProto, {"float32": "FLOAT", "float16": "FLOAT16"}.get(d.name, d.name.upper()))
+        proto_name = {"float32": "FLOAT", "float16": "FLOAT16"}.get(d.name, d.name.upper())
+        assert d.onnx == getattr(onnx.TensorProto, proto_name)
         assert dtypes.from_onnx(d.onnx) is d and dtypes.get(d.numpy) is d
         assert d.numpy.itemsize == d.itemsize
     bf16 = dtypes.numpy_dtype("bfloat16")

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             from dflash2.train.data import vocab_words
 
             words = vocab_words(a.target / "tokenizer.json", a.vocab_words) if a.vocab_words else None
-            generate_corpus(a.target, corpus_prompts(a.prompts, a.seed, words), corpora[0], list(taps), a.max_new_tokens,
+            generate_corpus(a.target, corpus_prompts(a.prompts, a.seed, words), corpora[0], list(taps),
+                            a.max_new_tokens,
                             batch_size=a.gen_batch, shard_size=a.shard_size, dtype=a.gen_dtype,
                             max_prompt_tokens=a.max_prompt_tokens, device=a.device)
         if a.corpus_only:

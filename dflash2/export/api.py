@@ -69,7 +69,8 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
-    progress = Progress(1 + 2 * specs_count + 2 + 1 + (len(quantize.graphs()) if quantize else 0), quiet)  # + 2 fixed-shape
+    steps = 1 + 2 * specs_count + 2 + 1  # + the validations of the two fixed-shape TensorRT flavours
+    progress = Progress(steps + (len(quantize.graphs()) if quantize else 0), quiet)
     with progress.step("loading and checking the checkpoints"):
         target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype), use_draft_vocab=not full_vocab)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)

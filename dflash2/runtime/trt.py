@@ -95,7 +95,8 @@ class TrtEngine:
             self.spare[name] = DeviceBuffer((rows,), dtypes.numpy_dtype(self.dtype[name]), self.stream)
         buf = self.spare[name]
         if int(np.prod(shape)) > buf.capacity:
-            raise EngineError(f"{self.name}: output {name} shape {list(shape)} exceeds its {buf.capacity}-element buffer")
+            raise EngineError(f"{self.name}: output {name} shape {list(shape)} exceeds its {buf.capacity}-element "
+                              f"buffer")
         return View(buf.ptr, shape, buf.dtype, buf.device)
 
     def _set(self, ctx, bound: dict, name: str, view: View, is_input: bool) -> None:
