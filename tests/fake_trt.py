@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from dflash2.ops import contract as C
+
 # ---------------------------------------------------------------------------------------------- cudart
 
 
@@ -137,11 +139,11 @@ class _Registry:
         return object()
 
     def get_creator(self, name, version, namespace=""):
-        return object() if self.libraries and (name, version) == ("DFlash2Selector", "1") else None
+        return object() if self.libraries and (name, version) == (C.OP_NAME, C.PLUGIN_VERSION) else None
 
     @property
     def all_creators(self):
-        return [SimpleNamespace(name="DFlash2Selector", plugin_version="1")] if self.libraries else []
+        return [SimpleNamespace(name=C.OP_NAME, plugin_version=C.PLUGIN_VERSION)] if self.libraries else []
 
 
 class _Profile:

@@ -35,6 +35,6 @@ def test_node_builder_fills_defaults_and_plugin_attributes():
     node = so.selector_node(C.input_names(), C.output_names(), {"top_k": 16, "rank": 256})
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert attrs["output_multiplier"] == 1.0 and attrs["logit_softcap"] == 0.0 and attrs["mode"] == b"greedy"
-    assert attrs["plugin_version"] == b"1" and attrs["plugin_namespace"] == b""
+    assert attrs["plugin_version"] == C.PLUGIN_VERSION.encode() and attrs["plugin_namespace"] == b""
     int_types = {a.name: a.type for a in node.attribute}
     assert int_types["top_k"] == onnx.AttributeProto.INT  # TensorRT's parser passes INT as int32 fields

@@ -13,6 +13,7 @@ import pytest
 
 from dflash2 import manifest as mf
 from dflash2.native import library
+from dflash2.ops import contract as C
 from dflash2.cli import build as build_cli
 from dflash2.engines import build as eb
 from dflash2.engines import manifest as em
@@ -176,8 +177,8 @@ def test_plugin_abi_version_mismatch(export_dir, tmp_path):
 def test_export_selector_version_mismatch(export_dir, tmp_path, fake_plugin):
     copy = tmp_path / "export"
     shutil.copytree(export_dir, copy)
-    edit_manifest(copy, lambda m: m["selector"].update(plugin_version="2"))
-    with pytest.raises(ep.PluginVersionError, match="plugin_version: export has '2', this dflash2 builds '1'"):
+    edit_manifest(copy, lambda m: m["selector"].update(plugin_version="1"))  # from before the confidence output
+    with pytest.raises(ep.PluginVersionError, match="plugin_version: export has '1', this dflash2 builds '2'"):
         ep.plan_build(copy, tmp_path / "eng", plugin=fake_plugin)
 
 
@@ -225,7 +226,7 @@ def test_engine_manifest_roundtrip(adopted, export_dir, fake_plugin):
     assert m.export_dir == str(export_dir.absolute())
     assert (m.max_seq_len, m.export_max_seq_len, m.max_prefill) == (48, T, 16)
     assert m.plugin.path == str(fake_plugin) and m.plugin.sha256 == mf.sha256(fake_plugin)
-    assert m.plugin.op == "DFlash2Selector" and m.plugin.plugin_version == "1"
+    assert m.plugin.op == "DFlash2Selector" and m.plugin.plugin_version == C.PLUGIN_VERSION
     e = _export_manifest(export_dir)
     for k in em.COPIED:
         assert getattr(m, k) == getattr(e, k), k

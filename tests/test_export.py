@@ -59,7 +59,7 @@ def test_flavours(exports):
     sel = onnx.load(str(out / "selector.trt.onnx"), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in sel.graph.output}
     assert types == {"draft_ids": onnx.TensorProto.INT32, "path_index": onnx.TensorProto.INT32,
-                     "path_scores": onnx.TensorProto.FLOAT}
+                     "path_scores": onnx.TensorProto.FLOAT, "confidence": onnx.TensorProto.FLOAT}
 
 
 def test_manifest_contents(exports):
@@ -212,3 +212,23 @@ def test_portable_selector_function_matches_torch_op():
     np.testing.assert_array_equal(got[0], want[0].numpy())
     np.testing.assert_array_equal(got[1], want[1].numpy())
     np.testing.assert_allclose(got[2], want[2].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[3], want[3].numpy(), rtol=1e-5, atol=1e-7)
+    plain = [[C.path_confidence(got[2][b, s].tolist(), int(got[1][b, s])) for s in range(7)] for b in range(3)]
+    np.testing.assert_allclose(got[3], plain, rtol=1e-5, atol=1e-7)
+
+
+def test_portable_selector_confidence_special_rows():
+    """Zero codebooks, no softcap: each row is its logits, so the contract's edge rules show."""
+    import onnxruntime as ort
+
+    so.register_schema()
+    m = so.selector_model(4, 4, 3, 50, "portable")
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    nan, inf = np.nan, np.inf
+    logits = np.array([[[1, 3, 3, 2], [nan, -inf, -inf, nan], [1, inf, 5, inf], [0, 0, np.log(2), 0]]], np.float32)
+    feeds = dict(cand_logits=logits, cand_ids=np.arange(16, dtype=np.int32).reshape(1, 4, 4),
+                 gate=np.ones((1, 4, 3), np.float32), anchor=np.array([5], np.int32),
+                 pred_codebook=np.zeros((50, 3), np.float32), succ_codebook=np.zeros((50, 3), np.float32))
+    conf = sess.run(None, feeds)[3]
+    want = [1 / (2 + np.exp(-1) + np.exp(-2)), 0.0, 0.5, 2 / 5]  # tie of two 3s; nothing scored; two +inf; 2/(2+3)
+    np.testing.assert_allclose(conf[0], want, rtol=1e-6)

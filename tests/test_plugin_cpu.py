@@ -75,6 +75,13 @@ def assert_matches(got, want, exact_scores: bool = False) -> None:
         np.testing.assert_array_equal(got[2], want[2], err_msg="path_scores")
     else:
         np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-5, err_msg="path_scores")
+    assert len(got) == len(want) == len(C.OUTPUTS)
+    assert got[3].dtype == np.float32 and got[3].shape == want[3].shape
+    # expf and the summation order differ between implementations: a few ulp, never exact
+    np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-7, err_msg="confidence")
+    K = got[2].shape[-1]
+    plain = [C.path_confidence(r.tolist(), int(i)) for r, i in zip(got[2].reshape(-1, K), got[1].ravel())]
+    np.testing.assert_allclose(got[3].ravel(), plain, rtol=1e-5, atol=1e-7, err_msg="confidence vs contract")
 
 
 def case_inputs(case) -> tuple[dict, dict]:
@@ -96,7 +103,8 @@ def special_inputs() -> tuple[dict, dict, dict]:
          "anchor": np.array([5], np.int32), "pred_codebook": np.zeros((50, 3), np.float32),
          "succ_codebook": np.zeros((50, 3), np.float32)}
     want = {"draft_ids": [[11, 20, 31, 42]], "path_index": [[1, 0, 1, 2]],
-            "path_scores": np.where(np.isnan(logits), -inf, logits)}
+            "path_scores": np.where(np.isnan(logits), -inf, logits),
+            "confidence": [[1 / (2 + np.exp(-1) + np.exp(-2)), 0.0, 0.5, 0.5]]}  # tie; none scored; 2 x +inf; tie
     return x, {"top_k": 4, "rank": 3}, want
 
 
@@ -112,6 +120,7 @@ def test_hand_built_known_path():
     np.testing.assert_array_equal(got[0], [[3, 2, 1]])
     np.testing.assert_array_equal(got[1], [[1, 0, 0]])
     np.testing.assert_array_equal(got[2], [[[0, 3], [0, 0], [3.5, 3]]])
+    np.testing.assert_allclose(got[3], [[1 / (1 + np.exp(-3)), 0.5, 1 / (1 + np.exp(-0.5))]], rtol=1e-6)
     assert_matches(got, reference(x, top_k=2, rank=2), exact_scores=True)
 
 
@@ -128,6 +137,7 @@ def test_naive_float64_loop():
             idx = int(np.argmax(row))
             assert got[1][b, s] == idx and got[0][b, s] == x["cand_ids"][b, s, idx]
             np.testing.assert_allclose(got[2][b, s], row, rtol=1e-5, atol=1e-5)
+            assert got[3][b, s] == pytest.approx(1 / np.exp(row - row.max()).sum(), rel=1e-5)
             prev_tok = x["cand_ids"][b, s, idx]
 
 
@@ -143,6 +153,7 @@ def test_special_values_nan_inf_ties():
     np.testing.assert_array_equal(got[0], want["draft_ids"])
     np.testing.assert_array_equal(got[1], want["path_index"])
     np.testing.assert_array_equal(got[2][0], want["path_scores"][0])
+    np.testing.assert_allclose(got[3], want["confidence"], rtol=1e-6)
     assert_matches(got, reference(x, **attrs), exact_scores=True)
 
 
@@ -150,7 +161,7 @@ def test_empty_batch():
     x, attrs = case_inputs(("empty", 1, 3, 4, 8, 10, "float32", "float32", 1.0, 0.0))
     x = {k: (v if k.endswith("codebook") else v[:0]) for k, v in x.items()}
     got = selector.select_path_cpu(**x, **attrs)
-    assert [g.shape for g in got] == [(0, 3), (0, 3), (0, 3, 4)]
+    assert [g.shape for g in got] == [(0, 3), (0, 3), (0, 3, 4), (0, 3)]
 
 
 _GRID = st.integers(-16, 16).map(lambda i: np.float32(i / 4))  # exact in bf16/fp16; sums stay exact in fp32

@@ -28,8 +28,9 @@ def cuda():
 def test_kernel_matches_cpu_twin(cuda, case):
     x, attrs = case_inputs(case)
     cpu = selector.select_path_cpu(**x, **attrs)
-    gpu = selector.select_path_cuda(**x, **attrs)[:3]
-    # Same per-element code and summation order, no FMA contraction: bit-identical unless softcap's tanhf differs.
+    gpu = selector.select_path_cuda(**x, **attrs)[:4]
+    # Same per-element code and summation order, no FMA contraction: scores bit-identical unless softcap's
+    # tanhf differs; confidence to a few ulp (device expf).
     assert_matches(gpu, cpu, exact_scores=attrs["logit_softcap"] == 0.0)
     assert_matches(gpu, reference(x, **attrs))
 
@@ -40,6 +41,7 @@ def test_kernel_special_values(cuda):
     np.testing.assert_array_equal(gpu[0], want["draft_ids"])
     np.testing.assert_array_equal(gpu[1], want["path_index"])
     np.testing.assert_array_equal(gpu[2], want["path_scores"])
+    np.testing.assert_allclose(gpu[3], want["confidence"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -80,6 +82,6 @@ def test_tensorrt_engine_matches_reference(trt, dtypes):
     x, _ = case_inputs(("trt", B, S, K, R, V, tl, tc, 1.25, 0.0))
     with TrtRunner(engine) as runner:
         out = runner.infer(feed_dict=x)
-    got = [np.asarray(out[n]) for n in ("draft_ids", "path_index", "path_scores")]
+    got = [np.asarray(out[n]) for n in ("draft_ids", "path_index", "path_scores", "confidence")]
     assert_matches(got, reference(x, **attrs))
     assert_matches(got, selector.select_path_cpu(**x, **attrs), exact_scores=True)

@@ -18,10 +18,10 @@ def naive(cand_logits, cand_ids, gate, anchor, P, Q, mult=1.0, cap=0.0):
     """Scalar loops, straight from docs/algorithm.md section 4."""
     B, S, K = cand_ids.shape
     R = gate.shape[-1]
-    draft, index, rows = [], [], []
+    draft, index, rows, conf = [], [], [], []
     for b in range(B):
         prev_id, prev_idx = int(anchor[b]), 0
-        d, ix, rr = [], [], []
+        d, ix, rr, cc = [], [], [], []
         for s in range(S):
             row = []
             pred = prev_id if s == 0 else int(cand_ids[b, s - 1, prev_idx])
@@ -40,10 +40,11 @@ def naive(cand_logits, cand_ids, gate, anchor, P, Q, mult=1.0, cap=0.0):
             d.append(int(cand_ids[b, s, best]))
             ix.append(best)
             rr.append(row)
+            cc.append(C.path_confidence(row, best))
             prev_idx = best
             prev_id = d[-1]
-        draft.append(d), index.append(ix), rows.append(rr)
-    return np.array(draft), np.array(index), np.array(rows)
+        draft.append(d), index.append(ix), rows.append(rr), conf.append(cc)
+    return np.array(draft), np.array(index), np.array(rows), np.array(conf)
 
 
 def random_case(B, S, K, R, V, seed=0, dtype=torch.float32):
@@ -63,21 +64,24 @@ def run(case, **attrs):
                                        (1, 15, 5, 3, 40), (2, 4, 64, 8, 100)])
 def test_matches_naive_loops(B, S, K, R, V):
     case = random_case(B, S, K, R, V, seed=B * 100 + S)
-    d, i, r = run(case, output_multiplier=0.7, logit_softcap=4.0)
-    nd, ni, nr = naive(*[t.float() if t.is_floating_point() else t for t in case], mult=0.7, cap=4.0)
+    d, i, r, c = run(case, output_multiplier=0.7, logit_softcap=4.0)
+    nd, ni, nr, nc = naive(*[t.float() if t.is_floating_point() else t for t in case], mult=0.7, cap=4.0)
     np.testing.assert_array_equal(d, nd)
     np.testing.assert_array_equal(i, ni)
     np.testing.assert_allclose(r, nr, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(c, nc, rtol=1e-4, atol=1e-6)
+    assert c.dtype == np.float32 and ((0 < c) & (c <= 1)).all()
 
 
 @settings(max_examples=25, deadline=None)
 @given(B=st.integers(1, 3), S=st.integers(1, 8), K=st.integers(1, 12), R=st.integers(1, 9), seed=st.integers(0, 999))
 def test_property_matches_naive(B, S, K, R, seed):
     case = random_case(B, S, K, R, V=K + 7, seed=seed)
-    d, i, _ = run(case)
-    nd, ni, _ = naive(*case)
+    d, i, _, c = run(case)
+    nd, ni, _, nc = naive(*case)
     np.testing.assert_array_equal(d, nd)
     np.testing.assert_array_equal(i, ni)
+    np.testing.assert_allclose(c, nc, rtol=1e-4, atol=1e-6)
 
 
 def test_hand_built_path_is_known():
@@ -91,9 +95,11 @@ def test_hand_built_path_is_known():
     Q[4] = torch.tensor([2.0, 0.0])  # 4 after 1: pair 2.0 -> score 2.0 > 1.0
     P[4] = torch.tensor([0.0, 1.0])
     Q[2] = torch.tensor([0.0, 3.0])  # 2 after 4: 3.0 > 1.0
-    d, i, r = run((logits, ids, gate, torch.tensor([1], dtype=torch.int32), P, Q))
+    d, i, r, c = run((logits, ids, gate, torch.tensor([1], dtype=torch.int32), P, Q))
     assert d.tolist() == [[4, 2]] and i.tolist() == [[1, 1]]
     np.testing.assert_allclose(r, [[[1.0, 2.0], [1.0, 3.0]]])
+    # softmax of the walked candidate: e^2 / (e^1 + e^2), e^3 / (e^1 + e^3)
+    np.testing.assert_allclose(c, [[1 / (1 + math.exp(-1)), 1 / (1 + math.exp(-2))]], rtol=1e-6)
     # top-1 path (what DFlash v1 drafts) differs: the selector changed the path
     assert ids[0, :, 0].tolist() == [3, 5]
 
@@ -106,24 +112,37 @@ def test_nan_inf_and_ties():
                             [1.0, float("inf"), 2.0, float("inf")],  # first +inf wins
                             [-float("inf")] * 4,  # all -inf -> index 0
                             [float("nan")] * 4]])  # all NaN -> all -inf -> index 0
-    d, i, r = run((logits, ids, torch.zeros(1, 4, R), torch.tensor([0], dtype=torch.int32), zero, zero))
+    d, i, r, c = run((logits, ids, torch.zeros(1, 4, R), torch.tensor([0], dtype=torch.int32), zero, zero))
     assert i.tolist() == [[0, 1, 0, 0]]
     assert np.isneginf(r[0, 0, 1]) and np.isneginf(r[0, 3]).all() and not np.isnan(r).any()
+    # tie of two at 0.5 (NaN entry counts 0): e^.5 / (2 e^.5 + e^.1); two +inf -> 1/2; nothing scored -> 0
+    np.testing.assert_allclose(c[0], [1 / (2 + math.exp(-0.4)), 0.5, 0.0, 0.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("row,index,want", [([0.0], 0, 1.0), ([1.0, 1.0, 1.0, 1.0], 0, 0.25),
+                                            ([3.0, -math.inf], 0, 1.0), ([-math.inf, -math.inf], 0, 0.0),
+                                            ([math.inf, 2.0, math.inf], 0, 0.5),
+                                            ([0.0, math.log(3.0)], 1, 0.75)])
+def test_contract_confidence_rule(row, index, want):
+    assert C.path_confidence(row, index) == pytest.approx(want, rel=1e-12)
+    got = sel.path_confidence(torch.tensor([row], dtype=torch.float32))
+    assert got.item() == pytest.approx(want, rel=1e-6)
 
 
 def test_softcap_and_multiplier_change_unary():
     case = random_case(1, 3, 4, 2, 20, seed=3)
-    _, _, r1 = run(case, output_multiplier=1.0)
-    _, _, r2 = run(case, output_multiplier=2.0, logit_softcap=1.0)
+    _, _, r1, _ = run(case, output_multiplier=1.0)
+    _, _, r2, _ = run(case, output_multiplier=2.0, logit_softcap=1.0)
     assert np.abs(r2).max() <= 1.0 + np.abs(r1 - case[0].numpy()).max() + 1e-4  # unary capped at 1
     assert not np.allclose(r1, r2)
 
 
 def test_low_precision_codebooks_computed_in_fp32():
     case = random_case(2, 7, 16, 64, 200, seed=5, dtype=torch.bfloat16)
-    d, i, _ = run(case)
-    nd, ni, _ = naive(*[t.float() if t.is_floating_point() else t for t in case])
+    d, i, _, c = run(case)
+    nd, ni, _, nc = naive(*[t.float() if t.is_floating_point() else t for t in case])
     np.testing.assert_array_equal(d, nd)
+    np.testing.assert_allclose(c, nc, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("mutate,match", [

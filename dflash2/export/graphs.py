@@ -35,7 +35,9 @@ class TargetGraph(nn.Module):
 
 class DrafterGraph(nn.Module):
     """context [n, C], past_ctx_kv [P, Ld, 2, kv, hd], anchor [1] int32
-    -> draft_ids [S] int32 (, cand_ids [S, K] int32 for DFlash2), new_ctx_kv [n, Ld, 2, kv, hd]."""
+    -> draft_ids [S] int32 (, cand_ids [S, K] int32 for DFlash2), confidence [S] fp32,
+       new_ctx_kv [n, Ld, 2, kv, hd].  confidence: v2 the selector's (walked candidate's softmax
+       probability in its score row), v1 the top-1 probability; the runtime's draft-length policy reads it."""
 
     def __init__(self, drafter: Drafter, fused_context: bool = True):
         super().__init__()
@@ -50,8 +52,8 @@ class DrafterGraph(nn.Module):
             hidden, new_kv = self._fixed(c, past_ctx_kv, anchor.long(), past_len.reshape(1).long())
         out = self.drafter.propose(hidden, anchor)
         if self.drafter.config.version == 1:
-            return out["draft_ids"], new_kv
-        return out["draft_ids"], out["cand_ids"], new_kv
+            return out["draft_ids"], out["confidence"], new_kv
+        return out["draft_ids"], out["cand_ids"], out["confidence"], new_kv
 
     def _fixed(self, c, cache, anchor, start):
         """Drafter.forward over the whole context-KV buffer [cap, ...]: rows >= start are stale and get a
@@ -125,7 +127,8 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True,
                 {"context": c1, "past_ctx_kv": past, "anchor": anchor + 1}]
 
     t_out = ["next_ids", "context", "new_kv"] + (["logits"] if emit_logits else [])
-    d_out = ["draft_ids", "new_ctx_kv"] if dc.version == 1 else ["draft_ids", "cand_ids", "new_ctx_kv"]
+    d_out = (["draft_ids", "confidence", "new_ctx_kv"] if dc.version == 1
+             else ["draft_ids", "cand_ids", "confidence", "new_ctx_kv"])
     specs = [
         GraphSpec("target", TargetGraph(target, drafter, fuse_context, emit_logits), ["input_ids", "past_kv"], t_out,
                   {"input_ids": {0: "n"}, "past_kv": {0: "past"}},
@@ -153,7 +156,7 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True,
 
         ex = selector_feeds()[1]
         specs.append(GraphSpec("selector", SelectorGraph(drafter), list(ex),
-                               ["draft_ids", "path_index", "path_scores"],
+                               ["draft_ids", "path_index", "path_scores", "confidence"],
                                {"cand_logits": {0: "batch"}, "cand_ids": {0: "batch"}, "gate": {0: "batch"},
                                 "anchor": {0: "batch"}}, tuple(ex.values()), selector_feeds, has_selector=True))
     return specs

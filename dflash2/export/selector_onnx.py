@@ -124,10 +124,21 @@ def selector_function(S: int, opset: int = 18) -> onnx.FunctionProto:
         rows.append(row)
         prev = n("Expand", [idx, b_1_k], f"prev{s + 1}")
     sq = const("ax2c", np.array([2], np.int64))
-    out_d, out_i, out_s = C.output_names()
+    out_d, out_i, out_s, out_c = C.output_names()
     n("Cast", [n("Squeeze", [n("Concat", drafts, "d_cat", axis=1), sq], "d_sq")], out_d, to=TensorProto.INT32)
     n("Cast", [n("Squeeze", [n("Concat", idxs, "i_cat", axis=1), sq], "i_sq")], out_i, to=TensorProto.INT32)
-    n("Concat", rows, out_s, axis=1)
+    n("Concat", rows, out_s, axis=1)  # [B, S, K]
+    # confidence = softmax(row)[walked] = 1 / sum_c exp(row_c - max): contract.path_confidence
+    m = n("ReduceMax", [out_s, sq], "row_max", keepdims=1)  # [B, S, 1]; the walked score
+    total = n("ReduceSum", [n("Exp", [n("Sub", [out_s, m], "row_sub")], "row_exp"), sq], "row_sum", keepdims=0)
+    one_f = const("one_f", np.float32(1.0))
+    pinf = const("pinf", np.float32(np.inf))
+    n_inf = n("ReduceSum", [n("Cast", [n("Equal", [out_s, pinf], "is_pinf")], "pinf_f", to=TensorProto.FLOAT), sq],
+              "n_pinf", keepdims=0)  # [B, S]
+    m2 = n("Squeeze", [m, sq], "row_max_sq")  # [B, S]
+    finite = n("Div", [one_f, total], "conf_finite")  # NaN when the max is infinite: replaced next
+    top_inf = n("Where", [n("Equal", [m2, pinf], "max_pinf"), n("Div", [one_f, n_inf], "conf_inf"), finite], "conf_a")
+    n("Where", [n("Equal", [m2, ninf], "max_ninf"), zero, top_inf], out_c)
     attrs = [a.name for a in C.ATTRIBUTES] + ["plugin_version", "plugin_namespace"]
     return helper.make_function(C.ONNX_DOMAIN, C.OP_NAME, C.input_names(), C.output_names(), nodes,
                                 opset_imports=[helper.make_opsetid("", opset)], attributes=attrs)

@@ -23,7 +23,7 @@ class _Args(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "cand_logits", "cand_ids", "gate", "anchor", "pred_codebook", "succ_codebook",
-        "draft_ids", "path_index", "path_scores")] + [
+        "draft_ids", "path_index", "path_scores", "confidence")] + [
         (n, ctypes.c_int64) for n in "BSKRV"] + [
         ("logits_dtype", ctypes.c_int32), ("codebook_dtype", ctypes.c_int32),
         ("output_multiplier", ctypes.c_float), ("logit_softcap", ctypes.c_float)]
@@ -83,7 +83,8 @@ def _prepare(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, 
     dims = C.check_io({n: v.shape for n, v in arrays.items()}, {n: v.dtype.name for n, v in arrays.items()},
                       a, ranges)
     B, S, K = dims["B"], dims["S"], dims["K"]
-    outs = (np.empty((B, S), np.int32), np.empty((B, S), np.int32), np.empty((B, S, K), np.float32))
+    outs = (np.empty((B, S), np.int32), np.empty((B, S), np.int32), np.empty((B, S, K), np.float32),
+            np.empty((B, S), np.float32))
     ptr = {k: v.ctypes.data for k, v in arrays.items()}
     args = _Args(*[ptr[n] for n in C.input_names()], *[o.ctypes.data for o in outs],
                  B, S, K, dims["R"], dims["V"], _DTYPE_CODES[arrays["cand_logits"].dtype.name],
@@ -92,7 +93,8 @@ def _prepare(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, 
 
 
 def select_path_cpu(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, **attrs):
-    """The op on numpy arrays through the CPU twin -> (draft_ids [B,S], path_index [B,S], path_scores [B,S,K]).
+    """The op on numpy arrays through the CPU twin
+    -> (draft_ids [B,S], path_index [B,S], path_scores [B,S,K], confidence [B,S]).
 
     Float inputs: float32, float16 or bfloat16 (ml_dtypes); ids int32. Attributes as in the contract.
     """
@@ -107,7 +109,7 @@ def select_path_cuda(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_co
                      timing_iters: int = 0, **attrs):
     """Same through the CUDA kernel (host arrays copied to the GPU and back; for tests/benchmarks).
 
-    Returns (draft_ids, path_index, path_scores, microseconds per launch or None).
+    Returns (draft_ids, path_index, path_scores, confidence, microseconds per launch or None).
     """
     args, outs, _keep = _prepare(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, attrs)
     err = ctypes.create_string_buffer(512)

@@ -12,19 +12,21 @@ Math (see docs/algorithm.md section 4), all in fp32 whatever the input dtypes:
     NaN -> -inf;  idx_0 = argmax_c score[b,0,0,c];  idx_s = argmax_c score[b,s,idx_{s-1},c]
     ties -> lowest index (a +inf wins, the first +inf if several; all -inf -> 0)
     draft_ids[b,s] = cand_ids[b,s,idx_s]; path_index[b,s] = idx_s; path_scores[b,s,:] = walked row
+    confidence[b,s] = softmax(walked row)[idx_s]  (see `path_confidence`: the one definition)
 Ids outside [0, V) are invalid input: the torch op and the CPU twin raise; the CUDA kernel never
 reads out of bounds and scores such a candidate -inf.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # 2: + the confidence output
 OP_NAME = "DFlash2Selector"  # ONNX op_type == TensorRT plugin name; no ONNX op has this name
 ONNX_DOMAIN = "dflash2"
 ONNX_OPSET = 1
-PLUGIN_VERSION = "1"
+PLUGIN_VERSION = "2"  # an engine built against version 1 has 3 outputs, not 4
 PLUGIN_NAMESPACE = ""
 TORCH_NAMESPACE = "dflash2"
 TORCH_OP_NAME = "select_path"  # torch.ops.dflash2.select_path
@@ -32,7 +34,7 @@ TORCH_OP_NAME = "select_path"  # torch.ops.dflash2.select_path
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 MAX_TOP_K = 64
 MAX_RANK = 1024
-MODES = ("greedy",)
+MODES = ("greedy",)  # a sampling mode would add a row to this and keep the outputs
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("path_index", ("B", "S"), ("int32",), "TI", "index of the walked candidate in K"),
     TensorSpec("path_scores", ("B", "S", "K"), ("float32",), "TF",
                "fp32 score row the walk chose from at each position (NaN already -inf)"),
+    TensorSpec("confidence", ("B", "S"), ("float32",), "TF",
+               "probability of the walked candidate under the softmax of its score row (path_confidence)"),
 )
 
 ATTRIBUTES: tuple[AttributeSpec, ...] = (
@@ -80,6 +84,23 @@ ATTRIBUTES: tuple[AttributeSpec, ...] = (
     AttributeSpec("logit_softcap", "float", 0.0, "tanh(v/cap)*cap on the unary logits; 0 = off"),
     AttributeSpec("mode", "string", "greedy", "path rule", allowed=MODES),
 )
+
+
+def path_confidence(row: list[float], index: int) -> float:
+    """confidence of one position: softmax(row)[index] in fp32, with index the row's first argmax.
+
+    The walked candidate is the row's maximum m, so the value is 1 / sum_c exp(row[c] - m):
+        m == -inf (nothing scored)  -> 0.0
+        m == +inf                   -> 1 / (number of +inf entries)
+        else                        -> 1 / sum_c exp(row[c] - m), summed c = 0..K-1, exp(-inf) = 0
+    Plain Python (float64 here; the implementations sum in fp32 and agree to ~1e-6 relative).
+    Every implementation (torch op, ONNX function, CPU twin, CUDA kernel) is tested against this."""
+    m = row[index]
+    if m == -math.inf:
+        return 0.0
+    if m == math.inf:
+        return 1.0 / sum(1 for v in row if v == math.inf)
+    return 1.0 / sum(math.exp(v - m) for v in row)
 
 
 def input_names() -> list[str]:

@@ -176,11 +176,14 @@ class Drafter(nn.Module):
         return hidden @ self.draft_head.T, self.draft_ids
 
     def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """hidden [S, H] -> draft_ids [S] int32 (+ the selector's lattice for v2)."""
+        """hidden [S, H] -> draft_ids [S] int32, confidence [S] fp32 (+ the selector's lattice for v2)."""
         if self.config.version == 1:
             logits, ids = self.draft_logits(hidden)  # [S, N]
-            best = _scaled(logits.float(), self.config).argmax(-1)  # [S]
-            return {"draft_ids": (best if ids is None else ids[best]).int()}
+            scaled = _scaled(logits.float(), self.config)  # [S, N]
+            best = scaled.argmax(-1)  # [S]
+            # confidence = top-1 probability; NaN-free softmax of finite logits (the v2 rule is the op's)
+            conf = torch.softmax(scaled, dim=-1).amax(-1)  # [S] fp32
+            return {"draft_ids": (best if ids is None else ids[best]).int(), "confidence": conf}
         return {k: v[0] for k, v in self.propose_batch(hidden[None], anchor.reshape(1)).items()}
 
     def propose_batch(self, hidden: torch.Tensor, anchor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ def select_path(
     output_multiplier: float = 1.0,
     logit_softcap: float = 0.0,
     mode: str = "greedy",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook,
                  top_k=top_k, rank=rank, output_multiplier=output_multiplier,
                  logit_softcap=logit_softcap, mode=mode)
@@ -53,7 +53,7 @@ def select_path(
         index[:, s] = idx.int()
         draft[:, s] = ids[torch.arange(B), s, idx].int()
         prev = idx
-    return draft, index, rows
+    return draft, index, rows, path_confidence(rows)
 
 
 @select_path.register_fake
@@ -61,7 +61,18 @@ def _(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, top_k, 
       output_multiplier=1.0, logit_softcap=0.0, mode="greedy"):
     B, S, K = cand_ids.shape
     return (cand_ids.new_empty(B, S), cand_ids.new_empty(B, S),
-            cand_logits.new_empty(B, S, K, dtype=torch.float32))
+            cand_logits.new_empty(B, S, K, dtype=torch.float32), cand_logits.new_empty(B, S, dtype=torch.float32))
+
+
+def path_confidence(rows: torch.Tensor) -> torch.Tensor:
+    """[..., K] fp32 walked score rows -> [...] softmax probability of each row's maximum
+    (dflash2.ops.contract.path_confidence: -inf max -> 0, +inf max -> 1 / number of +inf)."""
+    m = rows.max(dim=-1, keepdim=True).values  # [..., 1]
+    finite = 1.0 / torch.exp(rows - m).sum(dim=-1)  # NaN where m is infinite: replaced below
+    n_inf = (rows == float("inf")).sum(dim=-1).clamp(min=1).float()
+    m = m[..., 0]
+    return torch.where(m == float("-inf"), torch.zeros_like(finite),
+                       torch.where(m == float("inf"), 1.0 / n_inf, finite))
 
 
 def first_argmax(row: torch.Tensor) -> torch.Tensor:
@@ -99,11 +110,11 @@ def select_candidates(
     if id_map is not None:  # ascending ids: the lowest-index tie rule still means the lowest token id
         cand_ids = id_map[cand_ids]
     gate = hidden.to(hidden_projection.dtype) @ hidden_projection.T  # [B, S, R]
-    draft, index, rows = select_path(
+    draft, index, rows, conf = select_path(
         cand_logits, cand_ids.int(), gate.to(pred_codebook.dtype), anchor.int(), pred_codebook,
         succ_codebook, top_k=top_k, rank=pred_codebook.shape[1],
         output_multiplier=float(output_multiplier), logit_softcap=float(logit_softcap))
-    return {"draft_ids": draft, "path_index": index, "path_scores": rows,
+    return {"draft_ids": draft, "path_index": index, "path_scores": rows, "confidence": conf,
             "cand_ids": cand_ids.int(), "cand_logits": cand_logits}
 
 

@@ -67,6 +67,7 @@ void selectPath(Df2SelectArgs const& a)
             for (int32_t c = 0; c < a.K; ++c)
                 a.path_scores[bs * a.K + c] = row[c];
             a.path_index[bs] = best;
+            a.confidence[bs] = pathConfidence(row, a.K, best);
             a.draft_ids[bs] = a.cand_ids[bs * a.K + best];
             prev = best;
         }
@@ -88,7 +89,7 @@ void dispatchCodebook(Df2SelectArgs const& a)
 
 extern "C" DF2_API int32_t dflash2_selector_abi_version(void)
 {
-    return 1;
+    return 2; /* 2: Df2SelectArgs gained `confidence` */
 }
 
 extern "C" DF2_API int32_t dflash2_check_select_args(Df2SelectArgs const* a, char* err, size_t errLen)
@@ -115,11 +116,11 @@ extern "C" DF2_API int32_t dflash2_check_select_args(Df2SelectArgs const* a, cha
         return fail(err, errLen, "DFlash2Selector: logit_softcap expected >= 0, found %g",
             static_cast<double>(a->logit_softcap));
     void const* ptrs[] = {a->cand_logits, a->cand_ids, a->gate, a->anchor, a->pred_codebook, a->succ_codebook,
-        a->draft_ids, a->path_index, a->path_scores};
+        a->draft_ids, a->path_index, a->path_scores, a->confidence};
     char const* names[] = {"cand_logits", "cand_ids", "gate", "anchor", "pred_codebook", "succ_codebook",
-        "draft_ids", "path_index", "path_scores"};
+        "draft_ids", "path_index", "path_scores", "confidence"};
     if (a->B > 0 && a->S > 0)
-        for (int i = 0; i < 9; ++i)
+        for (int i = 0; i < 10; ++i)
             if (ptrs[i] == nullptr)
                 return fail(err, errLen, "DFlash2Selector: tensor %s is NULL", names[i]);
     return 0;

@@ -4,7 +4,8 @@
  * Grid: one block per batch element. Block: min(K, 16) warps. For each draft position s, in
  * order (the walk is sequential): the block forms w = P[pred] * gate_s in shared memory, each
  * warp scores its candidates c (dot(w, Q[cand_c]) over 32 lanes + unary), warp 0 takes the
- * first argmax, and the chosen index becomes the next predecessor. Only the S walked rows of
+ * first argmax and the walked candidate's softmax confidence, and the chosen index becomes the
+ * next predecessor. Only the S walked rows of
  * K dot products are computed, never the S*K*K lattice.
  */
 #include "dflash2SelectorCpu.h"
@@ -85,6 +86,7 @@ __global__ void selectPathKernel(Df2SelectArgs a)
                 chosen = bestI;
                 a.path_index[bs] = bestI;
                 a.draft_ids[bs] = a.cand_ids[bs * a.K + bestI];
+                a.confidence[bs] = pathConfidence(row, a.K, bestI); // K <= 64 terms: one lane, CPU twin's order
             }
         }
         for (int c = threadIdx.x; c < a.K; c += blockDim.x)
@@ -177,7 +179,7 @@ char const* runOnDevice(Df2SelectArgs const& h, int32_t timingIters, float* usPe
         {h.gate, nullptr, bs * h.R * tc, nullptr}, {h.anchor, nullptr, static_cast<size_t>(h.B) * 4, nullptr},
         {h.pred_codebook, nullptr, vr * tc, nullptr}, {h.succ_codebook, nullptr, vr * tc, nullptr},
         {nullptr, h.draft_ids, bs * 4, nullptr}, {nullptr, h.path_index, bs * 4, nullptr},
-        {nullptr, h.path_scores, bs * h.K * 4, nullptr}};
+        {nullptr, h.path_scores, bs * h.K * 4, nullptr}, {nullptr, h.confidence, bs * 4, nullptr}};
     for (DeviceCall::Buf& buf : call.bufs)
     {
         if ((st = cudaMalloc(&buf.dev, buf.bytes > 0 ? buf.bytes : 1)) != cudaSuccess)
@@ -196,6 +198,7 @@ char const* runOnDevice(Df2SelectArgs const& h, int32_t timingIters, float* usPe
     d.draft_ids = static_cast<int32_t*>(call.bufs[6].dev);
     d.path_index = static_cast<int32_t*>(call.bufs[7].dev);
     d.path_scores = static_cast<float*>(call.bufs[8].dev);
+    d.confidence = static_cast<float*>(call.bufs[9].dev);
     if ((st = dflash2::launchSelectPath(d, nullptr)) != cudaSuccess || (st = cudaDeviceSynchronize()) != cudaSuccess)
         return "kernel";
     for (DeviceCall::Buf& buf : call.bufs)

@@ -7,6 +7,8 @@
  *   pair   = sum_r (P[pred, r] * gate[r]) * Q[cand, r]   in fp32, fixed 32-lane summation order
  *   score  = unary + pair, NaN -> -inf
  *   argmax = first maximum (ties: lowest index; all -inf: index 0)
+ *   confidence = softmax(row)[argmax] = 1 / sum_c exp(row[c] - max), c in order
+ *                (max -inf -> 0; max +inf -> 1 / number of +inf entries)
  * No fast-math anywhere: the NaN rule and the tie rule need IEEE comparisons, and products are
  * rounded separately (no FMA contraction) so host and device sums are bit-identical.
  */
@@ -37,7 +39,7 @@ enum { DF2_MAX_TOP_K = 64, DF2_MAX_RANK = 1024, DF2_LANES = 32 };
 /* One call of the op. Pointers are host pointers for the CPU twin and device pointers for the
    kernel launcher. Layouts are dense row-major as in the contract:
    cand_logits/cand_ids [B,S,K], gate [B,S,R], anchor [B], codebooks [V,R],
-   draft_ids/path_index [B,S], path_scores [B,S,K]. */
+   draft_ids/path_index [B,S], path_scores [B,S,K], confidence [B,S]. */
 typedef struct Df2SelectArgs {
     void const* cand_logits;
     int32_t const* cand_ids;
@@ -48,6 +50,7 @@ typedef struct Df2SelectArgs {
     int32_t* draft_ids;
     int32_t* path_index;
     float* path_scores;
+    float* confidence;
     int64_t B, S, K, R, V;
     int32_t logits_dtype;   /* DF2_* code of cand_logits */
     int32_t codebook_dtype; /* DF2_* code shared by gate, pred_codebook, succ_codebook */
@@ -155,6 +158,25 @@ DF2_HD bool isBetter(float v, int32_t i, float bestV, int32_t bestI)
 DF2_HD bool validId(int32_t id, int64_t V)
 {
     return id >= 0 && static_cast<int64_t>(id) < V;
+}
+
+/* contract.path_confidence of one walked row (best = its first argmax); sequential in c so host and
+   device add in the same order (expf itself may differ by an ulp between the two). */
+DF2_HD float pathConfidence(float const* row, int64_t K, int32_t best)
+{
+    float const m = row[best];
+    if (m == -INFINITY)
+        return 0.0f;
+    float sum = 0.0f;
+    int32_t nInf = 0;
+    for (int64_t c = 0; c < K; ++c)
+    {
+        if (m == INFINITY)
+            nInf += row[c] == INFINITY ? 1 : 0;
+        else
+            sum = addNoFma(sum, expf(row[c] - m)); /* exp(-inf) = 0 */
+    }
+    return m == INFINITY ? 1.0f / static_cast<float>(nInf) : 1.0f / sum;
 }
 
 /* Lane `lane`'s share of dot(w, Q[row]) : r = lane, lane + 32, ... summed in that order. */

@@ -47,6 +47,13 @@ T guarded(IErrorRecorder* recorder, char const* where, T onError, F&& body) noex
     throw std::invalid_argument(msg);
 }
 
+void checkCounts(int32_t nbInputs, int32_t nbOutputs)
+{
+    if (nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS)
+        fail("expected " + std::to_string(kNB_INPUTS) + " inputs / " + std::to_string(kNB_OUTPUTS) + " outputs, found "
+            + std::to_string(nbInputs) + " / " + std::to_string(nbOutputs));
+}
+
 int32_t dtypeCode(DataType t)
 {
     return t == DataType::kFLOAT ? DF2_FLOAT32 : t == DataType::kHALF ? DF2_FLOAT16 : DF2_BFLOAT16;
@@ -138,8 +145,7 @@ int32_t DFlash2SelectorPlugin::configurePlugin(
     DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
     return guarded<int32_t>(mRecorder, "configurePlugin", -1, [&] {
-        if (nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS)
-            fail("expected 6 inputs / 3 outputs, found " + std::to_string(nbInputs) + " / " + std::to_string(nbOutputs));
+        checkCounts(nbInputs, nbOutputs);
         Dims dims[kNB_INPUTS];
         DataType types[kNB_INPUTS];
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
@@ -161,13 +167,14 @@ int32_t DFlash2SelectorPlugin::getOutputDataTypes(
 {
     return guarded<int32_t>(mRecorder, "getOutputDataTypes", -1, [&] {
         if (nbOutputs != kNB_OUTPUTS)
-            fail("expected 3 outputs, found " + std::to_string(nbOutputs));
+            fail("expected " + std::to_string(kNB_OUTPUTS) + " outputs, found " + std::to_string(nbOutputs));
         std::string const problem = typeProblem(inputTypes, nbInputs);
         if (!problem.empty())
             fail(problem);
         outputTypes[0] = DataType::kINT32;
         outputTypes[1] = DataType::kINT32;
         outputTypes[2] = DataType::kFLOAT;
+        outputTypes[3] = DataType::kFLOAT;
         return 0;
     });
 }
@@ -177,8 +184,7 @@ int32_t DFlash2SelectorPlugin::getOutputShapes(DimsExprs const* inputs, int32_t 
     IExprBuilder& exprBuilder) noexcept
 {
     return guarded<int32_t>(mRecorder, "getOutputShapes", -1, [&] {
-        if (nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS)
-            fail("expected 6 inputs / 3 outputs, found " + std::to_string(nbInputs) + " / " + std::to_string(nbOutputs));
+        checkCounts(nbInputs, nbOutputs);
         // Build-time extents: constants where known, -1 otherwise, checked like runtime shapes.
         Dims dims[kNB_INPUTS];
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
@@ -193,7 +199,7 @@ int32_t DFlash2SelectorPlugin::getOutputShapes(DimsExprs const* inputs, int32_t 
         IDimensionExpr const* k = exprBuilder.constant(mAttrs.topK);
         for (int32_t o = 0; o < kNB_OUTPUTS; ++o)
         {
-            outputs[o].nbDims = o < 2 ? 2 : 3; // [B, S] / [B, S] / [B, S, K]
+            outputs[o].nbDims = o == 2 ? 3 : 2; // [B, S] / [B, S] / [B, S, K] / [B, S]
             outputs[o].d[0] = inputs[0].d[0];
             outputs[o].d[1] = inputs[0].d[1];
         }
@@ -219,7 +225,8 @@ bool DFlash2SelectorPlugin::supportsFormatCombination(
             return isFloatType(d.type);
         case 4:
         case 5: return d.type == inOut[2].desc.type;
-        case 8: return d.type == DataType::kFLOAT; // path_scores
+        case 8: // path_scores
+        case 9: return d.type == DataType::kFLOAT; // confidence
         default: return d.type == DataType::kINT32; // cand_ids, anchor, draft_ids, path_index
         }
     });
@@ -229,8 +236,7 @@ int32_t DFlash2SelectorPlugin::onShapeChange(
     PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
     return guarded<int32_t>(mRecorder, "onShapeChange", -1, [&] {
-        if (nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS)
-            fail("expected 6 inputs / 3 outputs, found " + std::to_string(nbInputs) + " / " + std::to_string(nbOutputs));
+        checkCounts(nbInputs, nbOutputs);
         Dims dims[kNB_INPUTS];
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
             dims[i] = in[i].dims;
@@ -261,6 +267,7 @@ int32_t DFlash2SelectorPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugin
         a.draft_ids = static_cast<int32_t*>(outputs[0]);
         a.path_index = static_cast<int32_t*>(outputs[1]);
         a.path_scores = static_cast<float*>(outputs[2]);
+        a.confidence = static_cast<float*>(outputs[3]);
         a.B = inputDesc[0].dims.d[0];
         a.S = inputDesc[0].dims.d[1];
         a.K = inputDesc[0].dims.d[2];

@@ -15,10 +15,10 @@ namespace dflash2
 {
 
 constexpr char const* kPLUGIN_NAME = "DFlash2Selector";
-constexpr char const* kPLUGIN_VERSION = "1";
+constexpr char const* kPLUGIN_VERSION = "2"; // 2: + confidence output
 constexpr char const* kPLUGIN_NAMESPACE = "";
 constexpr int32_t kNB_INPUTS = 6;  // cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook
-constexpr int32_t kNB_OUTPUTS = 3; // draft_ids, path_index, path_scores
+constexpr int32_t kNB_OUTPUTS = 4; // draft_ids, path_index, path_scores, confidence
 
 //! Attribute values after validation (names, kinds and defaults as in the contract).
 struct SelectorAttrs

@@ -268,17 +268,17 @@ std::string serialized(IPluginV3* p)
     return out;
 }
 
-struct Io // a full set of tensor descriptions for the 6 inputs + 3 outputs
+struct Io // a full set of tensor descriptions for the 6 inputs + 4 outputs
 {
-    DynamicPluginTensorDesc d[9]{};
+    DynamicPluginTensorDesc d[10]{};
     Io(int64_t B, int64_t S, int64_t K, int64_t R, int64_t V, DataType tl = DataType::kHALF,
         DataType tc = DataType::kBF16)
     {
         std::vector<std::vector<int64_t>> shapes
-            = {{B, S, K}, {B, S, K}, {B, S, R}, {B}, {V, R}, {V, R}, {B, S}, {B, S}, {B, S, K}};
-        DataType types[9] = {tl, DataType::kINT32, tc, DataType::kINT32, tc, tc, DataType::kINT32, DataType::kINT32,
-            DataType::kFLOAT};
-        for (int i = 0; i < 9; ++i)
+            = {{B, S, K}, {B, S, K}, {B, S, R}, {B}, {V, R}, {V, R}, {B, S}, {B, S}, {B, S, K}, {B, S}};
+        DataType types[10] = {tl, DataType::kINT32, tc, DataType::kINT32, tc, tc, DataType::kINT32, DataType::kINT32,
+            DataType::kFLOAT, DataType::kFLOAT};
+        for (int i = 0; i < 10; ++i)
         {
             d[i].desc.dims.nbDims = static_cast<int32_t>(shapes[i].size());
             for (size_t j = 0; j < shapes[i].size(); ++j)
@@ -359,7 +359,7 @@ int main(int argc, char** argv)
 
     // -- creator identity ------------------------------------------------------------------------
     check(std::strcmp(creator->getPluginName(), "DFlash2Selector") == 0, "creator name");
-    check(std::strcmp(creator->getPluginVersion(), "1") == 0, "creator version");
+    check(std::strcmp(creator->getPluginVersion(), "2") == 0, "creator version");
     check(std::strcmp(creator->getPluginNamespace(), "") == 0, "creator namespace");
 
     // -- a good plugin ---------------------------------------------------------------------------
@@ -377,24 +377,26 @@ int main(int argc, char** argv)
             && contains(logger.take(), "unknown capability type 7"),
         "unknown capability type: nullptr + message");
     check(std::strcmp(core->getPluginName(), "DFlash2Selector") == 0, "plugin name");
-    check(std::strcmp(core->getPluginVersion(), "1") == 0, "plugin version");
+    check(std::strcmp(core->getPluginVersion(), "2") == 0, "plugin version");
     check(std::strcmp(core->getPluginNamespace(), "") == 0, "plugin namespace");
     check(std::strcmp(build->getInterfaceInfo().kind, "PLUGIN_V3ONE_BUILD") == 0, "build interface kind");
-    check(build->getNbOutputs() == 3, "getNbOutputs == 3");
+    check(build->getNbOutputs() == 4, "getNbOutputs == 4");
 
     // -- output dtypes -----------------------------------------------------------------------------
-    DataType outT[3];
+    DataType outT[4];
     DataType inT[6] = {DataType::kHALF, DataType::kINT32, DataType::kBF16, DataType::kINT32, DataType::kBF16,
         DataType::kBF16};
-    check(build->getOutputDataTypes(outT, 3, inT, 6) == 0 && outT[0] == DataType::kINT32
-            && outT[1] == DataType::kINT32 && outT[2] == DataType::kFLOAT,
-        "getOutputDataTypes -> int32, int32, float32");
+    check(build->getOutputDataTypes(outT, 4, inT, 6) == 0 && outT[0] == DataType::kINT32
+            && outT[1] == DataType::kINT32 && outT[2] == DataType::kFLOAT && outT[3] == DataType::kFLOAT,
+        "getOutputDataTypes -> int32, int32, float32, float32");
+    check(build->getOutputDataTypes(outT, 3, inT, 6) != 0 && contains(logger.take(), "expected 4 outputs, found 3"),
+        "an engine expecting the 3 outputs of plugin version 1 is rejected");
     inT[4] = DataType::kFLOAT;
-    check(build->getOutputDataTypes(outT, 3, inT, 6) != 0, "mixed codebook dtypes rejected");
+    check(build->getOutputDataTypes(outT, 4, inT, 6) != 0, "mixed codebook dtypes rejected");
     check(contains(logger.take(), "must share a dtype"), "mixed dtype message");
     inT[4] = DataType::kBF16;
     inT[1] = DataType::kINT64;
-    check(build->getOutputDataTypes(outT, 3, inT, 6) != 0, "int64 cand_ids rejected");
+    check(build->getOutputDataTypes(outT, 4, inT, 6) != 0, "int64 cand_ids rejected");
     check(contains(logger.take(), "cand_ids dtype expected int32, found int64"), "cand_ids dtype message");
 
     // -- formats -----------------------------------------------------------------------------------
@@ -403,8 +405,8 @@ int main(int argc, char** argv)
         {
             Io io(2, 7, 16, 256, 1000, tl, tc);
             bool all = true;
-            for (int pos = 0; pos < 9; ++pos)
-                all = all && build->supportsFormatCombination(pos, io.d, 6, 3);
+            for (int pos = 0; pos < 10; ++pos)
+                all = all && build->supportsFormatCombination(pos, io.d, 6, 4);
             check(all, "every position supported for logits/codebook dtypes " + std::to_string(int(tl)) + "/"
                     + std::to_string(int(tc)));
         }
@@ -423,17 +425,18 @@ int main(int argc, char** argv)
              Bad{3, DataType::kINT64, TensorFormat::kLINEAR, "int64 anchor"},
              Bad{6, DataType::kFLOAT, TensorFormat::kLINEAR, "float draft_ids"},
              Bad{8, DataType::kHALF, TensorFormat::kLINEAR, "half path_scores"},
+             Bad{9, DataType::kINT32, TensorFormat::kLINEAR, "int32 confidence"},
              Bad{0, DataType::kHALF, TensorFormat::kCHW32, "non-linear format"}})
     {
         Io io(2, 7, 16, 256, 1000, DataType::kHALF, DataType::kBF16);
         io.d[b.pos].desc.type = b.type;
         io.d[b.pos].desc.format = b.format;
-        check(!build->supportsFormatCombination(b.pos, io.d, 6, 3), std::string("rejects ") + b.what);
+        check(!build->supportsFormatCombination(b.pos, io.d, 6, 4), std::string("rejects ") + b.what);
     }
     check(logger.take().empty(), "rejected combinations are not errors");
     Io io0(2, 7, 16, 256, 1000);
-    check(!build->supportsFormatCombination(9, io0.d, 6, 3), "out-of-range position rejected");
-    check(contains(logger.take(), "position 9 out of range"), "out-of-range position message");
+    check(!build->supportsFormatCombination(10, io0.d, 6, 4), "out-of-range position rejected");
+    check(contains(logger.take(), "position 10 out of range"), "out-of-range position message");
 
     // -- shapes ------------------------------------------------------------------------------------
     {
@@ -451,37 +454,38 @@ int main(int argc, char** argv)
                 for (size_t j = 0; j < d[i].size(); ++j)
                     in[i].d[j] = d[i][j];
             }
-            return build->getOutputShapes(in, 6, nullptr, 0, out, 3, eb);
+            return build->getOutputShapes(in, 6, nullptr, 0, out, 4, eb);
         };
-        DimsExprs out[3];
+        DimsExprs out[4];
         check(shapes(&k16, out) == 0, "getOutputShapes succeeds: " + logger.take());
         check(out[0].nbDims == 2 && out[0].d[0] == &batch && out[0].d[1] == &s7, "draft_ids is [B, S]");
         check(out[1].nbDims == 2 && out[1].d[0] == &batch && out[1].d[1] == &s7, "path_index is [B, S]");
         check(out[2].nbDims == 3 && out[2].d[0] == &batch && out[2].d[2]->isConstant()
                 && out[2].d[2]->getConstantValue() == 16,
             "path_scores is [B, S, 16]");
+        check(out[3].nbDims == 2 && out[3].d[0] == &batch && out[3].d[1] == &s7, "confidence is [B, S]");
         check(shapes(&k8, out) != 0, "K=8 inputs rejected by a top_k=16 plugin");
         check(contains(logger.take(), "K of the inputs expected top_k=16, found 8"), "K mismatch message");
     }
     Io good2(2, 7, 16, 256, 1000);
-    check(build->configurePlugin(good2.d, 6, good2.d + 6, 3) == 0, "configurePlugin good: " + logger.take());
+    check(build->configurePlugin(good2.d, 6, good2.d + 6, 4) == 0, "configurePlugin good: " + logger.take());
     Io dyn(-1, 7, 16, 256, 1000);
-    check(build->configurePlugin(dyn.d, 6, dyn.d + 6, 3) == 0, "configurePlugin dynamic batch: " + logger.take());
+    check(build->configurePlugin(dyn.d, 6, dyn.d + 6, 4) == 0, "configurePlugin dynamic batch: " + logger.take());
     Io badR(2, 7, 16, 128, 1000);
-    check(build->configurePlugin(badR.d, 6, badR.d + 6, 3) != 0, "configurePlugin R=128 vs rank=256 rejected");
+    check(build->configurePlugin(badR.d, 6, badR.d + 6, 4) != 0, "configurePlugin R=128 vs rank=256 rejected");
     check(contains(logger.take(), "R of the inputs expected rank=256, found 128"), "rank mismatch message");
     Io badS(2, 7, 16, 256, 1000);
     badS.d[2].desc.dims.d[1] = 6;
-    check(build->configurePlugin(badS.d, 6, badS.d + 6, 3) != 0, "inconsistent S rejected");
+    check(build->configurePlugin(badS.d, 6, badS.d + 6, 4) != 0, "inconsistent S rejected");
     check(contains(logger.take(), "dim S of input gate expected 7, found 6"), "inconsistent S message");
     std::vector<PluginTensorDesc> plain = good2.plain();
-    check(runtime->onShapeChange(plain.data(), 6, plain.data() + 6, 3) == 0, "onShapeChange good: " + logger.take());
+    check(runtime->onShapeChange(plain.data(), 6, plain.data() + 6, 4) == 0, "onShapeChange good: " + logger.take());
 
     // -- enqueue without touching a GPU: empty batch is a no-op, bad shapes are errors -------------
     Io empty(0, 7, 16, 256, 1000);
     std::vector<PluginTensorDesc> emptyDesc = empty.plain();
     void const* noIn[6] = {};
-    void* noOut[3] = {};
+    void* noOut[4] = {};
     check(runtime->enqueue(emptyDesc.data(), emptyDesc.data() + 6, noIn, noOut, nullptr, nullptr) == 0,
         "enqueue with B=0 is a no-op: " + logger.take());
     Io k65(1, 7, 65, 256, 1000);
@@ -514,7 +518,7 @@ int main(int argc, char** argv)
     {
         auto* art = static_cast<IPluginV3OneRuntime*>(attached->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
         std::vector<PluginTensorDesc> badDesc = badR.plain();
-        check(art->onShapeChange(badDesc.data(), 6, badDesc.data() + 6, 3) != 0, "attached plugin rejects bad R");
+        check(art->onShapeChange(badDesc.data(), 6, badDesc.data() + 6, 4) != 0, "attached plugin rejects bad R");
         check(recorder.descs.size() == 1 && contains(recorder.descs[0], "rank=256"), "error went to the recorder");
         check(logger.take().empty(), "no logger message once a recorder is attached");
         delete attached;
