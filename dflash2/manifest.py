@@ -333,6 +333,10 @@ class ExportManifest(ModelFacts, Sealed):
     validation: dict[str, Validation]
     sources: Sources | None = None
 
+    def output_names(self, graph: str) -> list[str]:
+        """A graph's output names (the runtime asks whether the drafter has `confidence`)."""
+        return [o.name for o in self.graphs[graph].outputs] if graph in self.graphs else []
+
     def check(self) -> list[str]:
         problems = super().check()
         want = ("target", "drafter") + (("selector",) if self.drafter_version == 2 else ())
@@ -353,6 +357,10 @@ class EngineManifest(ModelFacts, Sealed):
     plugin: Plugin | None
     build: BuildInfo = field(default_factory=BuildInfo)
     engines: dict[str, EngineEntry]
+
+    def output_names(self, graph: str) -> list[str]:
+        """A graph's output names, as its engine was built."""
+        return [o.name for o in self.engines[graph].outputs] if graph in self.engines else []
 
     def check(self) -> list[str]:
         problems = super().check()

@@ -2,11 +2,13 @@
 TensorRT). No torch: it moves token ids; the backend owns tensors, caches and write pointers.
 
     t = prefill(prompt)                              # first token + context rows of the prompt
-    loop: d = draft(anchor=t)                        # [S] from pending context rows
-          p = verify([t, *d])                        # [S+1] target argmax at start..start+S
+    loop: d = draft(anchor=t) if schedule.wants_draft() else []   # [S]; skipped: context rows pend
+          K = schedule.choose(confidence, len(d))    # drafts to verify, 0..S (0: a plain decode step)
+          p = verify([t, *d[:K]])                    # [K+1] target argmax at start..start+K
           acc = leading matches d[k] == p[k]
           commit(acc + 1)                            # KV keeps anchor + accepted; rest: pointer rollback
           emit d[:acc] + [p[acc]]; t = p[acc]        # the bonus becomes the next anchor
+Whatever the schedule chooses, the output is the target's greedy continuation (lossless).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from typing import Callable, Protocol, Sequence
 
 
 class SpecBackend(Protocol):
+    """draft() may also leave `confidence` [S] (the drafter's per-position confidence) on the backend.
+    verify + commit without a draft in between keep the context rows pending for the next draft."""
+
     block_size: int  # B; S = B - 1 drafts per round
 
     def prefill(self, ids: Sequence[int]) -> int: ...
@@ -30,11 +35,50 @@ class SpecBackend(Protocol):
     def decode(self, token: int) -> int: ...
 
 
+@dataclass(frozen=True)
+class Round:
+    """What a schedule learns from one round."""
+
+    drafted: bool  # the drafter ran
+    verified: int  # K drafts sent to the target
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+
+
+class DraftSchedule(Protocol):
+    name: str
+
+    def wants_draft(self) -> bool: ...
+
+    def choose(self, confidence: Sequence[float] | None, available: int) -> int: ...
+
+    def observe(self, r: Round) -> None: ...
+
+
+class FixedSchedule:
+    """K drafts every round (`--draft-len K`)."""
+
+    def __init__(self, k: int):
+        self.k, self.name = k, str(k)
+
+    def wants_draft(self) -> bool:
+        return True
+
+    def choose(self, confidence: Sequence[float] | None, available: int) -> int:
+        return min(self.k, available)
+
+    def observe(self, r: Round) -> None:
+        pass
+
+
 @dataclass
 class Stats:
     block_size: int
     prompt_tokens: int = 0
     accepted: list[int] = field(default_factory=list)  # drafts matched per round (before truncation)
+    verified: list[int] = field(default_factory=list)  # K: drafts verified per round
+    skipped: list[bool] = field(default_factory=list)  # the drafter did not run this round
     emitted: list[int] = field(default_factory=list)  # tokens appended per round (after EOS / limit)
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
                                                               "decode": 0.0, "total": 0.0})
@@ -50,11 +94,22 @@ class Stats:
         return sum(a + 1 for a in self.accepted) / self.rounds if self.rounds else 0.0
 
     def position_acceptance(self) -> list[float]:
-        """rate[k] = share of rounds whose draft k+1 was accepted (greedy: acc >= k+1)."""
-        S = self.block_size - 1
-        if not self.rounds:
-            return [0.0] * S
-        return [sum(a > k for a in self.accepted) / self.rounds for k in range(S)]
+        """rate[k] = share of the rounds that verified draft k+1 in which it was accepted (0 when none did).
+        Stats built from accepted counts alone (offline acceptance) count every round as verifying all S."""
+        S, out = self.block_size - 1, []
+        verified = self.verified if len(self.verified) == len(self.accepted) else [S] * self.rounds
+        for k in range(S):
+            n = sum(v > k for v in verified)
+            out.append(sum(a > k for a in self.accepted) / n if n else 0.0)
+        return out
+
+    def k_histogram(self) -> dict[str, int]:
+        """Rounds per K verified; "skip": rounds whose drafter did not run (K = 0, drafter skipped)."""
+        h = {"skip": sum(self.skipped)}
+        for k, s in zip(self.verified, self.skipped):
+            if not s:
+                h[str(k)] = h.get(str(k), 0) + 1
+        return h
 
     @property
     def decode_seconds(self) -> float:
@@ -71,6 +126,7 @@ class Stats:
         return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "rounds": self.rounds,
                 "acceptance_length": self.acceptance_length, "position_acceptance": self.position_acceptance(),
                 "accepted_per_round": list(self.accepted), "emitted_per_round": list(self.emitted),
+                "k_histogram": self.k_histogram(),
                 "tokens_per_second": self.tokens_per_second, "seconds": t}
 
 
@@ -114,13 +170,13 @@ def _take(new: list[int], out: list[int], max_new: int, eos: frozenset[int]) -> 
 
 def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
              speculative: bool = True, on_tokens: Callable[[list[int]], bool] | None = None,
-             draft_len: int | None = None) -> Generation:
+             draft_len: int | None = None, schedule: DraftSchedule | None = None) -> Generation:
     """Greedy generation; `on_tokens(new)` streams each accepted run and may return True to stop.
-    draft_len: drafts verified per round (default all S = block_size - 1): the block is drafted
-    whole, only its first draft_len drafts go to the target (cheaper verify where it is compute-bound)."""
+    schedule: decides per round whether to draft and how many drafts to verify (the runtime's
+    `AutoSchedule`); without one, draft_len drafts every round (default all S = block_size - 1)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens expected >= 1, found {max_new_tokens}")
-    k = check_draft_len(draft_len, backend.block_size)
+    schedule = schedule or FixedSchedule(check_draft_len(draft_len, backend.block_size))
     stats, eos, clock = Stats(backend.block_size, len(prompt)), frozenset(eos_ids), time.perf_counter
     out: list[int] = []
     t0 = clock()
@@ -135,15 +191,21 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
             break
         if speculative:
             t1 = clock()
-            drafts = [int(d) for d in backend.draft(t)[:k]]  # [k <= S]
+            drafted = schedule.wants_draft()
+            drafts = [int(d) for d in backend.draft(t)] if drafted else []  # [S] or none
+            k = schedule.choose(getattr(backend, "confidence", None) if drafted else None, len(drafts))
             t2 = clock()
-            preds = [int(p) for p in backend.verify([t, *drafts])]  # [k+1]
-            stats.times["draft"] += t2 - t1
-            stats.times["verify"] += clock() - t2
-            acc = accepted_prefix(drafts, preds)
+            preds = [int(p) for p in backend.verify([t, *drafts[:k]])]  # [k+1]
+            t3 = clock()
+            acc = accepted_prefix(drafts[:k], preds)
             backend.commit(acc + 1)
+            schedule.observe(Round(drafted, k, acc, t2 - t1, t3 - t2))
             new, reason = _take([*drafts[:acc], preds[acc]], out, max_new_tokens, eos)
+            stats.times["draft"] += t2 - t1
+            stats.times["verify"] += t3 - t2
             stats.accepted.append(acc)
+            stats.verified.append(k)
+            stats.skipped.append(not drafted)
             stats.emitted.append(len(new))
             t = preds[acc]
         else:

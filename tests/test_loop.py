@@ -6,7 +6,27 @@ from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
 from dflash2.reference.backend import TorchBackend
 from dflash2.reference.load import load_pair
-from dflash2.speculative import generate
+from dflash2.speculative import Round, generate
+
+
+class PlannedSchedule:
+    """Scripted decisions per round: "skip" (no draft, K = 0) or a K to verify."""
+
+    name = "planned"
+
+    def __init__(self, plan):
+        self.plan, self.i, self.rounds = plan, 0, []
+
+    def wants_draft(self):
+        return self.plan[self.i % len(self.plan)] != "skip"
+
+    def choose(self, confidence, available):
+        k = self.plan[self.i % len(self.plan)]
+        self.i += 1
+        return 0 if k == "skip" else min(k, available)
+
+    def observe(self, r: Round):
+        self.rounds.append(r)
 
 
 class Scripted:
@@ -101,6 +121,23 @@ def test_draft_len_verifies_only_the_first_k_drafts():
             generate(Scripted(TRUTH, [4] * 20), [1], 8, draft_len=bad)
 
 
+def test_schedule_skips_drafts_and_switches_k():
+    b = Scripted(TRUTH, [4] * 40)
+    drafts_called = []
+    draft = b.draft
+    b.draft = lambda anchor: drafts_called.append(1) or draft(anchor)
+    sched = PlannedSchedule(["skip", 4, 0, "skip", "skip", 2, 4])
+    g = generate(b, [1], max_new_tokens=30, schedule=sched)
+    assert g.ids == TRUTH[:30]
+    assert g.stats.verified[:7] == [0, 4, 0, 0, 0, 2, 4] and g.stats.skipped[:7] == [True, False, False, True,
+                                                                                       True, False, False]
+    assert b.commits[:7] == [1, 5, 1, 1, 1, 3, 5]  # K = 0 commits the anchor only: a plain decode step
+    assert len(drafts_called) == sum(not s for s in g.stats.skipped)
+    h = g.stats.k_histogram()
+    assert h["skip"] == sum(g.stats.skipped) and h["4"] >= 2 and h["0"] >= 1
+    assert [r.drafted for r in sched.rounds[:3]] == [False, True, True] and sched.rounds[1].accepted == 4
+
+
 HF = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
@@ -140,6 +177,20 @@ class OracleDrafts(TorchBackend):
         self.r += 1
         nxt = (self.truth[start: start + S] + [0] * S)[:S]
         return [t if k < good else (t + 1) % self.target.config.vocab_size for k, t in enumerate(nxt)]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_skipped_drafts_keep_the_context_pending(pairs, version):
+    """Rounds without a draft leave their context rows pending: the drafter's cache matches a run that
+    drafted every round, and the ids stay the target's greedy ones."""
+    target, drafter = load_pair(*pairs[("llama", version)])
+    prompt = [5, 6, 7, 8]
+    truth = generate(TorchBackend(target, drafter, 256), prompt, 60, speculative=False).ids
+    b = TorchBackend(target, drafter, 256)
+    g = generate(b, prompt, 60, schedule=PlannedSchedule(["skip", "skip", 7, 0, "skip", 3, 7]))
+    assert g.ids == truth
+    assert b.ctx_pos + (0 if b.pending is None else b.pending.shape[0]) == b.pos  # every row drafted or pending
+    assert b.confidence is not None and len(b.confidence) == 7 and all(0 < c <= 1 for c in b.confidence)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -12,8 +12,10 @@ from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
 from dflash2.cli import run as run_cli
 from dflash2.runtime.api import Runtime
+from dflash2.runtime.schedule import AutoSchedule, CostModel
 from dflash2.runtime.session import SpecSession
 from dflash2.speculative import generate
+from tests.test_loop import PlannedSchedule
 
 HF = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 PROMPT = [11, 22, 33, 44, 55, 66]
@@ -28,7 +30,8 @@ def run_json(capsys, *args):
 
 def test_runtime_imports_neither_torch_nor_transformers():
     code = ("import sys, dflash2.runtime.api, dflash2.runtime.session, dflash2.runtime.bench, "
-            "dflash2.runtime.policies, dflash2.cli.run, dflash2.cli.bench, dflash2.native.selector, dflash2.native.tensorrt; "
+            "dflash2.runtime.policies, dflash2.runtime.schedule,"
+            " dflash2.cli.run, dflash2.cli.bench, dflash2.native.selector, dflash2.native.tensorrt; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -70,6 +73,56 @@ def test_rollback_through_onnxruntime(exports, family):
     s = PlannedDrafts(rt.manifest, rt.session.backend, truth, len(PROMPT), plan=[0, 4, 7, 2, 7, 1])
     g = generate(s, PROMPT, 90)
     assert g.ids == truth and {0, 4, 7} <= set(g.stats.accepted)
+
+
+@pytest.mark.parametrize("family,version", [("llama", 1), ("qwen3", 2)])
+def test_every_schedule_is_lossless_through_onnxruntime(exports, family, version):
+    """Skipped drafts (context rows pending across rounds), K = 0, K = S, switches between them, every
+    fixed K and auto: always the target-only greedy ids, through the exported graphs."""
+    rt = Runtime(exports[(family, version)])
+    S = rt.session.block_size - 1
+    truth = rt.generate(PROMPT, 90, speculative=False).ids
+    planned = PlannedSchedule(["skip", S, 0, "skip", "skip", 3, S, 1, 0, S])
+    g = generate(rt.session, PROMPT, 90, schedule=planned)
+    assert g.ids == truth and {0, S} <= set(g.stats.verified) and any(g.stats.skipped)
+    for k in range(1, S + 1):
+        assert rt.generate(PROMPT, 90, draft_len=k).ids == truth, f"draft_len {k}"
+    auto = rt.generate(PROMPT, 90)  # the default: auto
+    assert auto.ids == truth and rt.auto_schedule.costs.calibration_seconds > 0
+    conf = rt.session.confidence
+    assert conf is not None and conf.shape == (S,) and ((0 < conf) & (conf <= 1)).all()
+
+
+def test_pending_rows_beyond_one_drafter_call_are_chunked(exports):
+    """An engine's drafter profile bounds the context rows per call: many skipped drafts in a row are
+    drafted in several calls, same ids as drafting every round."""
+    rt = Runtime(exports[("llama", 2)])
+    truth = rt.generate(PROMPT, 60, speculative=False).ids
+    rt.session.max_draft_rows = 3  # the prompt (6 rows) and 9 skipped rounds: 2-4 calls per draft
+    calls = []
+    run = rt.session.drafter.run
+    rt.session.drafter.run = lambda i, o: calls.append(i["context"].shape[0]) or run(i, o)
+    g = generate(rt.session, PROMPT, 60, schedule=PlannedSchedule(["skip"] * 9 + [7, 2]))
+    assert g.ids == truth and max(calls) == 3 and len(calls) > sum(not s for s in g.stats.skipped)
+
+
+@pytest.mark.parametrize("verify_ms,expect", [([10.0] * 8, "full"), ([10.0 * n for n in range(1, 9)], "none")])
+def test_scripted_cost_model_drives_auto_through_onnxruntime(exports, verify_ms, expect):
+    """A flat verify cost (a GPU) makes auto verify every draft; a steep one makes it verify none and
+    then stop drafting. The ids never change."""
+    rt = Runtime(exports[("qwen3", 2)])
+    truth = rt.generate(PROMPT, 60, speculative=False).ids
+    draft_s = 0.0 if expect == "full" else 0.001  # a free draft: the tiny random drafter never pays for one
+    sched = AutoSchedule(CostModel([0.0] + [v / 1e3 for v in verify_ms], 0.010, draft_s))
+    sched.costs.observe = lambda r: None  # keep the script: no refinement from this machine's timings
+    sched.acceptance.observe = lambda *a: None  # and the prior: acceptance = the drafter's confidence
+    g = generate(rt.session, PROMPT, 60, schedule=sched)
+    assert g.ids == truth
+    h = g.stats.k_histogram()
+    if expect == "full":
+        assert h.get("7", 0) == g.stats.rounds and h["skip"] == 0
+    else:
+        assert h.get("0", 0) >= 1 and h["skip"] > g.stats.rounds / 2 and set(h) <= {"skip", "0"}
 
 
 def test_no_allocation_per_step(exports):
@@ -124,6 +177,7 @@ def test_5000_tokens_without_memory_growth(exports):
     (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "--max-new-tokens: expected >= 1"),
     (["--prompt-ids", "1,2", "--backend", "tensorrt"], "TensorRT"),
     (["--prompt-ids", "1,2", "--draft-len", "8"], "draft length expected 1..7"),
+    (["--prompt-ids", "1,2", "--draft-len", "0"], "draft length expected 1..7"),
 ])
 def test_bad_input_messages(capsys, exports, args, message):
     assert run_cli.main([str(exports[("llama", 1)]), *args]) == 2
@@ -188,6 +242,12 @@ def test_bench_reports(tmp_path, exports):
             "position_acceptance", "selector_gap_closed"} <= set(r)
     assert set(r["acceptance_length"]) == {"selector", "top1", "oracle"}
     vocab = json.loads((exports[("llama", 2)] / "manifest.json").read_text())["vocab_size"]
-    assert r["draft_len"] == 7 and r["draft_vocab_size"] == vocab  # defaults: every draft, no draft vocabulary
+    assert r["draft_len"] == "auto" and r["draft_vocab_size"] == vocab  # defaults: auto, no draft vocabulary
     sweep = {w["draft_len"]: w for w in r["draft_len_sweep"]}
-    assert set(sweep) == {2, 7} and sweep[7]["speedup"] == r["speedup"] and sweep[2]["acceptance_length"] <= 3
+    assert set(sweep) == {2, 7} and sweep[2]["acceptance_length"] <= 3
+    assert set(r["modes"]) == {"ar", "2", "7", "auto"} and r["modes"]["auto"]["speedup"] == r["speedup"]
+    assert sweep[7]["speedup"] == r["modes"]["7"]["speedup"] and r["modes"]["ar"]["speedup"] == 1.0
+    assert r["best_of_ar_and_fixed"] in {"ar", "2", "7"} and r["auto_vs_best"] > 0
+    assert r["calibration"]["calibration_seconds"] > 0 and len(r["calibration"]["verify_ms"]) == 8
+    assert len(r["per_prompt"]) == r["prompts"] and sum(r["per_prompt"][0]["k_histogram"].values()) > 0
+    assert r["modes"]["7"]["k_histogram"] == {"skip": 0, "7": r["modes"]["7"]["rounds"]}

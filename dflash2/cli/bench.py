@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from dflash2.cli.args import check_output_file
+from dflash2.cli.run import draft_len_arg
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
@@ -24,9 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="interleaved AR/spec runs per prompt")
     p.add_argument("--policies", type=lambda v: tuple(v.split(",")),
                    help="draft paths to measure, from selector,top1,oracle (default: all the drafter supports)")
-    p.add_argument("--draft-len", type=int, metavar="K", help="drafts verified per round (default all)")
+    p.add_argument("--draft-len", type=draft_len_arg, default="auto", metavar="auto|K",
+                   help="the mode whose speedup is the headline: 'auto' (default) or a fixed K (timed too)")
     p.add_argument("--sweep-draft-len", type=lambda v: tuple(int(x) for x in v.split(",")), default=(),
-                   metavar="K,K,...", help="also time these draft lengths (selector path) in the same run")
+                   metavar="K,K,...", help="also time these fixed draft lengths in the same interleaved run")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of acceptance per draft position")
     a = p.parse_args(argv)
@@ -38,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
             raise Dflash2Error(f"--repeats: expected >= 1, found {a.repeats}")
         for flag, path in (("--json", a.json), ("--plot", a.plot)):
             check_output_file(path, flag, {"FOLDER": a.folder})
-        r = b.bench(a.folder, parse_spec(a.prompts, default_split="eval", log=print), a.max_new_tokens, chat=not a.raw, policies=a.policies,
-                    repeats=a.repeats, draft_len=a.draft_len, sweep=a.sweep_draft_len)
+        prompts = parse_spec(a.prompts, default_split="eval", log=print)
+        r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=a.policies, repeats=a.repeats,
+                    draft_len=a.draft_len, sweep=a.sweep_draft_len,
+                    log=lambda line: print(line, file=sys.stderr, flush=True))
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench: error: {e}", file=sys.stderr)
         return 2
@@ -48,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps(r, indent=2))
     if a.plot:
         b.plot(r, a.plot)
-    print(json.dumps({k: r[k] for k in ("speedup", "acceptance_length", "lossless", "host_overhead_share")}))
+    print(json.dumps({"speedups": {m: round(w["speedup"], 3) for m, w in r["modes"].items()},
+                      "auto_vs_best": round(r["auto_vs_best"], 3),
+                      **{k: r[k] for k in ("acceptance_length", "lossless", "host_overhead_share")}}))
     return 0 if r["lossless"] else 1
 
 

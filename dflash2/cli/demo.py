@@ -14,6 +14,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from dflash2.cli.run import DRAFT_LEN_HELP, draft_len_arg
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
@@ -51,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("out/smollm2-135m-dflash2"), help="export folder")
     p.add_argument("--drafter", type=Path, default=None, help="default: the drafter shipped in the package")
-    p.add_argument("--draft-len", type=int, metavar="K",
-                   help="drafts verified per round (default all 7; 2 is fastest on a 2-core CPU, docs/smollm2.md)")
+    p.add_argument("--draft-len", type=draft_len_arg, default="auto", metavar="auto|K", help=DRAFT_LEN_HELP)
     p.add_argument("--quantize", choices=["int4", "int8", "none"], default="int4",
                    help="weight-only target + drafter for ONNX Runtime (default int4: the fastest here, "
                         "docs/quantization.md; 'none' exports fp32)")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash2-demo: error: {e}", file=sys.stderr)
         return 2
     s, b = spec.stats.to_dict(), base.stats.to_dict()
-    print("\n\n" + stats_table(s, rt.backend_name))
+    print("\n\n" + stats_table(s, rt.backend_name, rt.auto_schedule.to_dict() if a.draft_len == "auto" else None))
     speedup = s["tokens_per_second"] / b["tokens_per_second"] if b["tokens_per_second"] else 0.0
     print(f"{'target-only tokens/s':<24}{b['tokens_per_second']:>12.1f}\n{'speedup':<24}{speedup:>11.2f}x")
     print(f"{'identical to target-only':<24}{str(spec.ids == base.ids):>12}")

@@ -25,7 +25,26 @@ def check_flags(a: argparse.Namespace) -> None:
         raise Dflash2Error(f"--max-new-tokens: expected >= 1, found {a.max_new_tokens}")
 
 
-def stats_table(stats: dict, backend: str) -> str:
+def draft_len_arg(v: str) -> int | str:
+    """--draft-len: 'auto' or a positive integer (range checked against the drafter later)."""
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, found {v!r}") from None
+
+
+DRAFT_LEN_HELP = ("drafts verified per round: 'auto' (default) picks K in 0..block_size-1 each round from the "
+                  "drafter's confidence and this machine's measured verify cost (0 = a plain decode step; "
+                  "the drafter is skipped while drafting does not pay), or a fixed K in 1..block_size-1")
+
+
+def k_histogram_text(h: dict) -> str:
+    return " ".join(f"{k}:{v}" for k, v in h.items() if v)
+
+
+def stats_table(stats: dict, backend: str, schedule: dict | None = None) -> str:
     s = stats["seconds"]
     rows = [("backend", backend), ("new tokens", stats["new_tokens"]), ("rounds", stats["rounds"]),
             ("acceptance length", f"{stats['acceptance_length']:.2f}"),
@@ -33,7 +52,15 @@ def stats_table(stats: dict, backend: str) -> str:
             ("prefill s", f"{s['prefill']:.3f}"), ("draft+select s", f"{s['draft']:.3f}"),
             ("verify s", f"{s['verify']:.3f}"), ("decode s (no-spec)", f"{s['decode']:.3f}"),
             ("host s", f"{s['host']:.3f}"), ("total s", f"{s['total']:.3f}")]
-    return "\n".join(f"{k:<24}{v:>12}" for k, v in rows)
+    out = "\n".join(f"{k:<24}{v:>12}" for k, v in rows)
+    if stats.get("rounds"):
+        out += f"\n{'K per round':<24}{k_histogram_text(stats['k_histogram'])}"
+    if schedule is not None:
+        c = schedule["costs"]
+        out += (f"\n{'cost model ms':<24}decode {c['decode_ms']:.1f}, draft {c['draft_ms']:.1f}, verify "
+                + "/".join(f"{v:.1f}" for v in c["verify_ms"])
+                + f" (calibrated in {c['calibration_seconds']:.2f} s)")
+    return out
 
 
 @interruptible("dflash2-run")
@@ -47,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding (baseline)")
-    p.add_argument("--draft-len", type=int, metavar="K",
-                   help="drafts verified per round, 1..block_size-1 (default all; fewer pays off where the "
-                        "verify is compute-bound and late positions are rarely accepted, e.g. on a CPU)")
+    p.add_argument("--draft-len", type=draft_len_arg, default="auto", metavar="auto|K", help=DRAFT_LEN_HELP)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], help="override the automatic choice")
     p.add_argument("--json", action="store_true", help="print ids and stats as one JSON object")
@@ -70,16 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash2-run: error: {e}", file=sys.stderr)
         return 2
     stats = gen.stats.to_dict()
+    schedule = rt.auto_schedule.to_dict() if a.draft_len == "auto" and not a.no_spec else None
     if a.json:
         out = {"ids": gen.ids, "stop_reason": gen.stop_reason, "backend": rt.backend_name,
-               "speculative": not a.no_spec, "weights": label(rt.manifest), **stats}
+               "speculative": not a.no_spec, "weights": label(rt.manifest), "draft_len": a.draft_len,
+               "schedule": schedule, **stats}
         if (a.folder / "tokenizer.json").is_file():
             out["text"] = rt.text.decode(gen.ids)
         print(json.dumps(out))
         return 0
     if stream is None:
         print(gen.ids)
-    print("\n" + stats_table(stats, rt.backend_name))
+    print("\n" + stats_table(stats, rt.backend_name, schedule))
     print(describe(rt.manifest))
     return 0
 

@@ -22,6 +22,7 @@ class TorchBackend:
         self.block_size = drafter.config.block_size if drafter else 1
         self.pos = self.ctx_pos = 0
         self.pending: torch.Tensor | None = None  # context rows not yet in the drafter's cache  # [n, H]
+        self.confidence: list[float] | None = None  # the last draft's per-position confidence [S]
         self.verified: torch.Tensor | None = None  # context rows of the last verify  # [S+1, H]
 
     def reset(self) -> None:
@@ -50,7 +51,10 @@ class TorchBackend:
         hidden, new = self.drafter(self.pending, self.ctx_kv[: self.ctx_pos], torch.tensor([anchor]))
         self.ctx_kv[self.ctx_pos: self.ctx_pos + n] = new
         self.ctx_pos += n
-        return self.drafter.propose(hidden, torch.tensor([anchor]))["draft_ids"].tolist()
+        self.pending = None  # consumed; verify + commit without a draft append to it
+        out = self.drafter.propose(hidden, torch.tensor([anchor]))
+        self.confidence = out["confidence"].tolist()
+        return out["draft_ids"].tolist()
 
     def verify(self, tokens: Sequence[int]) -> list[int]:
         preds, self.verified = self._run_target(tokens)  # KV rows written at pos.., pointer not moved yet
@@ -58,7 +62,8 @@ class TorchBackend:
 
     def commit(self, n: int) -> None:
         self.pos += n  # rows beyond stay in the buffer and are overwritten next step
-        self.pending = self.verified[:n]
+        rows = self.verified[:n]
+        self.pending = rows if self.pending is None else torch.cat([self.pending, rows])
 
     def decode(self, token: int) -> int:
         preds, _ = self._run_target([token])

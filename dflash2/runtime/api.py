@@ -2,7 +2,7 @@
 
     rt = open_runtime("out/smollm2")
     ids = rt.prompt_ids(text="Hello", chat=True)
-    gen = rt.generate(ids, max_new_tokens=128)
+    gen = rt.generate(ids, max_new_tokens=128)            # draft_len="auto" (default) or a fixed K
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from typing import Callable, Sequence
 
 from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
+from dflash2.runtime.schedule import AutoSchedule, calibrate
 from dflash2.runtime.session import SpecSession
 from dflash2.runtime.text import Stream, Text
-from dflash2.speculative import Generation, generate
+from dflash2.speculative import DraftSchedule, FixedSchedule, Generation, check_draft_len, generate
 
 BACKENDS = ("onnxruntime", "tensorrt")
 
@@ -65,6 +66,26 @@ class Runtime:
         self.session = SpecSession(self.manifest, make_backend(self.folder, self.manifest, self.backend_name,
                                                                provider, threads), max_seq_len, log)
         self._text: Text | None = None
+        self._auto: AutoSchedule | None = None
+
+    @property
+    def auto_schedule(self) -> AutoSchedule:
+        """The session's draft-length policy; its cost model is calibrated on first use (a fraction of
+        a second) and then learns from every round this runtime generates."""
+        if self._auto is None:
+            self._auto = AutoSchedule(calibrate(self.session))
+        return self._auto
+
+    def schedule(self, draft_len: int | str | None = "auto") -> DraftSchedule:
+        """"auto" (or None): the session's AutoSchedule; an int K: K drafts every round."""
+        if draft_len is None or draft_len == "auto":
+            return self.auto_schedule
+        if isinstance(draft_len, str):
+            if not draft_len.isdigit():
+                raise Dflash2Error(f"draft length: expected 'auto' or an integer 1..{self.session.block_size - 1}, "
+                                   f"found {draft_len!r}")
+            draft_len = int(draft_len)
+        return FixedSchedule(check_draft_len(draft_len, self.session.block_size))
 
     @property
     def text(self) -> Text:
@@ -96,8 +117,10 @@ class Runtime:
 
     def generate(self, ids: Sequence[int], max_new_tokens: int = 128, speculative: bool = True,
                  stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
-                 draft_len: int | None = None) -> Generation:
+                 draft_len: int | str | None = "auto") -> Generation:
+        """draft_len: "auto" (the calibrated schedule) or a fixed K in 1..S drafts per round."""
         self.session.check_capacity(len(ids), max_new_tokens)
+        schedule = self.schedule(draft_len) if speculative else None
         stream = Stream(self.text) if on_text else None
         out: list[int] = []
 
@@ -107,7 +130,7 @@ class Runtime:
                 on_text(stream.push(new))
             return bool(stop) and any(s in self.text.decode(out[-(len(new) + 32):]) for s in stop)
 
-        gen = generate(self.session, ids, max_new_tokens, self.eos_ids, speculative, on_tokens, draft_len)
+        gen = generate(self.session, ids, max_new_tokens, self.eos_ids, speculative, on_tokens, schedule=schedule)
         if gen.stop_reason == "stop":
             gen.ids = _trim_at_stop(gen.ids, stop, self.text)
         if stream is not None:

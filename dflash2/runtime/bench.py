@@ -1,10 +1,11 @@
-"""Autoregressive vs speculative decoding in ONE process, interleaved per prompt, plus the
-acceptance of alternative draft policies. Prints a table, returns a JSON-able dict."""
+"""Autoregressive, fixed draft lengths and `auto` in ONE process, interleaved per prompt, plus the
+acceptance of alternative draft paths. Prints a table, returns a JSON-able dict."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 from dflash2 import dtypes
 from dflash2.manifest import ExportManifest
@@ -12,7 +13,7 @@ from dflash2.prompts import default_prompts, load_prompts  # noqa: F401 (re-expo
 from dflash2.quantization import describe, label
 from dflash2.runtime.api import Runtime
 from dflash2.runtime.policies import POLICIES, PolicySession
-from dflash2.speculative import Stats, check_draft_len, gap_closed, generate
+from dflash2.speculative import FixedSchedule, Stats, check_draft_len, gap_closed, generate
 
 
 class TimedEngine:
@@ -59,6 +60,8 @@ def _merge(all_stats: list[Stats]) -> Stats:
     out = Stats(all_stats[0].block_size)
     for s in all_stats:
         out.accepted += s.accepted
+        out.verified += s.verified
+        out.skipped += s.skipped
         out.emitted += s.emitted
         out.new_tokens += s.new_tokens
         for k, v in s.times.items():
@@ -66,73 +69,108 @@ def _merge(all_stats: list[Stats]) -> Stats:
     return out
 
 
+def _tps(stats: list[Stats]) -> float:
+    return _merge(stats).tokens_per_second if stats else 0.0
+
+
 def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, chat: bool = True,
-          policies: tuple[str, ...] | None = None, repeats: int = 1, draft_len: int | None = None,
-          sweep: tuple[int, ...] = ()) -> dict:
-    """sweep: more draft lengths timed with the selector's path in the same interleaved loop, so
-    their speedups compare (this machine's speed drifts between runs, not within one)."""
+          policies: tuple[str, ...] | None = None, repeats: int = 1, draft_len: int | str | None = "auto",
+          sweep: tuple[int, ...] = (), log: Callable[[str], None] | None = None) -> dict:
+    """Times, interleaved per prompt in ONE process: autoregressive, every fixed K of `sweep` (and
+    draft_len when it is an int), and auto; the order of the modes rotates from prompt to prompt (this
+    machine's speed drifts between runs, not within one). policies: draft paths whose acceptance is
+    measured at K = S (selector = what the runtime drafts; top1, oracle: measurement only)."""
     rt = Runtime(folder)
-    m = rt.manifest
-    draft_len = check_draft_len(draft_len, m.block_size)
-    sweep = tuple(k for k in dict.fromkeys(check_draft_len(k, m.block_size) for k in sweep)
-                  if k != draft_len)
-    v2 = m.drafter_version == 2
+    man = rt.manifest
+    B, S = man.block_size, man.num_drafts
+    main_mode = "auto" if draft_len in (None, "auto") else str(check_draft_len(int(draft_len), B))
+    fixed = tuple(dict.fromkeys(check_draft_len(k, B) for k in (*sweep, *([int(main_mode)] if main_mode != "auto"
+                                                                          else []))))
+    v2 = man.drafter_version == 2
     policies = policies or (POLICIES if v2 else ("selector",))
     if "selector" not in policies:
-        policies = ("selector", *policies)  # the speculative timing is the selector's path
+        policies = ("selector", *policies)
     sessions = {p: PolicySession(rt.manifest, rt.session.backend, policy=p) for p in policies}
     for s in sessions.values():
         s.target, s.drafter = TimedEngine(s.target), TimedEngine(s.drafter)
     main = sessions["selector"]
-    ar, spec, per_policy, lossless = [], [], {p: [] for p in policies}, True
-    swept: dict[int, list[Stats]] = {k: [] for k in sweep}
-    engine_s = host_s = 0.0
-    for prompt in prompts:
+    auto = rt.auto_schedule  # calibrates now, before anything is timed
+    calibration = auto.costs.to_dict()
+    modes = ["ar", *map(str, fixed), "auto"]
+    runs: dict[str, list[Stats]] = {m: [] for m in modes}
+    engine_s = {m: 0.0 for m in modes}
+    per_policy: dict[str, list[Stats]] = {p: [] for p in policies}
+    per_prompt, lossless = [], True
+    for i, prompt in enumerate(prompts):
         ids = rt.prompt_ids(text=prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         main.check_capacity(len(ids), max_new_tokens)
-        for _ in range(repeats):  # interleaved: AR then speculative, same prompt, same process
-            base = generate(main, ids, max_new_tokens, rt.eos_ids, speculative=False)
-            ar.append(base.stats)
-            for p, s in sessions.items():
-                s.set_truth(len(ids), base.ids)
-                e0 = s.target.seconds + s.drafter.seconds
-                g = generate(s, ids, max_new_tokens, rt.eos_ids, draft_len=draft_len)
-                lossless &= g.ids == base.ids
+        row = {"prompt_tokens": len(ids), "tokens_per_second": {}}
+        for _ in range(repeats):
+            ids_of = {}
+            for m in modes[i % len(modes):] + modes[:i % len(modes)]:  # rotated order
+                e0 = main.target.seconds + main.drafter.seconds
+                sched = None if m == "ar" else auto if m == "auto" else FixedSchedule(int(m))
+                g = generate(main, ids, max_new_tokens, rt.eos_ids, speculative=m != "ar", schedule=sched)
+                engine_s[m] += main.target.seconds + main.drafter.seconds - e0
+                runs[m].append(g.stats)
+                ids_of[m] = g.ids
+                row["tokens_per_second"][m] = g.stats.tokens_per_second
+                if m == "auto":
+                    row["k_histogram"], row["acceptance_length"] = g.stats.k_histogram(), g.stats.acceptance_length
+            lossless &= all(v == ids_of["ar"] for v in ids_of.values())
+            for p, s in sessions.items():  # acceptance of the draft paths, all S drafts verified
+                if p == "selector" and S in fixed:  # the fixed K = S run already measured it
+                    per_policy[p].append(runs[str(S)][-1])
+                    continue
+                s.set_truth(len(ids), ids_of["ar"])
+                g = generate(s, ids, max_new_tokens, rt.eos_ids, schedule=FixedSchedule(S))
+                lossless &= g.ids == ids_of["ar"]
                 per_policy[p].append(g.stats)
-                if p == "selector":
-                    spec.append(g.stats)
-                    e = s.target.seconds + s.drafter.seconds - e0
-                    engine_s += e
-                    host_s += g.stats.times["total"] - e
-            for k in sweep:
-                g = generate(main, ids, max_new_tokens, rt.eos_ids, draft_len=k)
-                lossless &= g.ids == base.ids
-                swept[k].append(g.stats)
-    A, S = _merge(ar), _merge(spec)
-    ar_tps, spec_tps = A.tokens_per_second, S.tokens_per_second
+        per_prompt.append(row)
+        if log is not None:
+            now = "  ".join(f"{m} {row['tokens_per_second'][m]:.1f}" for m in modes)
+            run = "  ".join(f"{m} {_tps(runs[m]):.1f}" for m in modes)
+            log(f"[prompt {i + 1}/{len(prompts)}] {len(ids)} tokens, tok/s: {now}  | running: {run}")
+    merged = {m: _merge(v) for m, v in runs.items()}
+    ar_tps = merged["ar"].tokens_per_second
+    mode_rows = {m: _mode_row(m, merged[m], ar_tps, engine_s[m]) for m in modes}
+    best = max(["ar", *map(str, fixed)], key=lambda m: mode_rows[m]["tokens_per_second"])
+    A, M = merged["ar"], merged[main_mode]
     acc = {p: _merge(v).acceptance_length for p, v in per_policy.items()}
     result = {
         "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-        "block_size": m.block_size, "dtype": m.dtype, "lossless": lossless,
-        "weights": label(m), "quantization": describe(m),
-        "draft_len": draft_len,
-        "draft_vocab_size": m.draft_vocab.size if m.draft_vocab else m.vocab_size,
-        "autoregressive_tokens_per_second": ar_tps, "speculative_tokens_per_second": spec_tps,
-        "speedup": spec_tps / ar_tps if ar_tps else 0.0,
+        "block_size": B, "dtype": man.dtype, "lossless": lossless, "draft_len": main_mode,
+        "weights": label(man), "quantization": describe(man),
+        "draft_vocab_size": man.draft_vocab.size if man.draft_vocab else man.vocab_size,
+        "autoregressive_tokens_per_second": ar_tps, "speculative_tokens_per_second": M.tokens_per_second,
+        "speedup": mode_rows[main_mode]["speedup"], "modes": mode_rows,
+        "best_of_ar_and_fixed": best, "auto_vs_best": (mode_rows["auto"]["tokens_per_second"]
+                                                       / max(mode_rows[best]["tokens_per_second"], 1e-9)),
+        "calibration": calibration, "schedule_after": auto.to_dict(), "per_prompt": per_prompt,
+        # calibration wall time over one auto generation scaled to 128 new tokens
+        "calibration_share_128": (calibration["calibration_seconds"]
+                                  / (merged["auto"].times["total"] / max(merged["auto"].new_tokens, 1) * 128)),
         "acceptance_length": acc, "position_acceptance": {p: _merge(v).position_acceptance()
                                                           for p, v in per_policy.items()},
-        "speculative_seconds": S.to_dict()["seconds"], "autoregressive_seconds": A.to_dict()["seconds"],
-        "host_overhead_share": host_s / (host_s + engine_s) if engine_s else 0.0,
-        "spec_step_ms": _round_ms(S),
-        "ar_step_ms": 1e3 * A.times["decode"] / max(A.new_tokens - len(ar), 1),
+        "speculative_seconds": M.to_dict()["seconds"], "autoregressive_seconds": A.to_dict()["seconds"],
+        "host_overhead_share": mode_rows[main_mode]["host_overhead_share"],
+        "spec_step_ms": _round_ms(M), "ar_step_ms": 1e3 * A.times["decode"] / max(A.new_tokens - len(runs["ar"]), 1),
     }
     result["select_ms_standalone"] = selector_ms(rt)
     if {"top1", "oracle", "selector"} <= set(acc):
         result["selector_gap_closed"] = gap_closed(acc["selector"], acc["top1"], acc["oracle"])
-    if sweep:
-        rows = {draft_len: S, **{k: _merge(v) for k, v in swept.items()}}
-        result["draft_len_sweep"] = [_sweep_row(k, rows[k], ar_tps) for k in sorted(rows)]
+    if fixed:
+        result["draft_len_sweep"] = [_sweep_row(k, merged[str(k)], ar_tps) for k in sorted(fixed)]
     return result
+
+
+def _mode_row(mode: str, s: Stats, ar_tps: float, engine_seconds: float) -> dict:
+    total = s.times["total"]
+    return {"tokens_per_second": s.tokens_per_second, "speedup": s.tokens_per_second / ar_tps if ar_tps else 0.0,
+            "acceptance_length": s.acceptance_length, "rounds": s.rounds, "k_histogram": s.k_histogram(),
+            "round_ms": _round_ms(s) if s.rounds else None, "new_tokens": s.new_tokens,
+            "decode_seconds": s.decode_seconds,  # tok/s = (new_tokens - generations) / decode_seconds
+            "host_overhead_share": max(total - engine_seconds, 0.0) / total if total else 0.0}
 
 
 def _sweep_row(k: int, s: Stats, ar_tps: float) -> dict:
@@ -155,24 +193,29 @@ def table(r: dict) -> str:
             ("autoregressive tok/s", f"{r['autoregressive_tokens_per_second']:.1f}"),
             ("speculative tok/s", f"{r['speculative_tokens_per_second']:.1f}"),
             ("speedup", f"{r['speedup']:.2f}x"),
+            ("auto / best of AR and fixed K", f"{r['auto_vs_best']:.3f} (best: {r['best_of_ar_and_fixed']})"),
             ("AR step ms / spec round ms", f"{r['ar_step_ms']:.2f} / {r['spec_step_ms']:.2f}"),
-            ("host overhead (spec)", f"{100 * r['host_overhead_share']:.1f}%")]
+            ("host overhead (spec)", f"{100 * r['host_overhead_share']:.1f}%"),
+            ("calibration s (timed part)", f"{r['calibration']['calibration_seconds']:.3f} "
+                                           f"({r['calibration']['measured_seconds']:.3f})"),
+            ("calibration / 128-token generation", f"{100 * r['calibration_share_128']:.1f}%")]
     if r.get("select_ms_standalone") is not None:
         rows.append(("select ms (standalone graph)", f"{r['select_ms_standalone']:.3f}"))
-    rows += [(f"acceptance length: {p}", f"{v:.2f}") for p, v in r["acceptance_length"].items()]
+    rows += [(f"acceptance length K=S: {p}", f"{v:.2f}") for p, v in r["acceptance_length"].items()]
     if r.get("selector_gap_closed") is not None:
         rows.append(("top1->oracle gap closed", f"{100 * r['selector_gap_closed']:.0f}%"))
     s = r["speculative_seconds"]
     rows.append(("spec seconds: draft/verify/host", f"{s['draft']:.2f} / {s['verify']:.2f} / {s['host']:.2f}"))
     out = "\n".join(f"{k:<34}{v!s:>18}" for k, v in rows)
     pos = "\n".join(f"  {p:<9}" + " ".join(f"{x:.2f}" for x in v) for p, v in r["position_acceptance"].items())
-    out += "\nacceptance per draft position:\n" + pos
+    out += "\nacceptance per draft position (K=S):\n" + pos
+    out += "\nmodes (same run, interleaved):\n  mode    tau    tok/s  speedup   host  K per round\n"
+    out += "\n".join(f"  {m:<5} {w['acceptance_length']:>5.2f} {w['tokens_per_second']:>8.1f} {w['speedup']:>7.2f}x "
+                      f"{100 * w['host_overhead_share']:>5.1f}%  "
+                      + " ".join(f"{k}:{v}" for k, v in w["k_histogram"].items() if v)
+                      for m, w in r["modes"].items())
     if r.get("quantization"):
         out += "\n" + r["quantization"]
-    if r.get("draft_len_sweep"):
-        out += "\ndraft length sweep (selector path, same run):\n    K    tau  round ms    tok/s  speedup\n"
-        out += "\n".join(f"  {w['draft_len']:>3} {w['acceptance_length']:>6.2f} {w['round_ms']:>9.2f} "
-                         f"{w['tokens_per_second']:>8.1f} {w['speedup']:>7.2f}x" for w in r["draft_len_sweep"])
     return out
 
 

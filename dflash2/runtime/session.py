@@ -6,9 +6,11 @@ Buffer plan (T = max_seq_len, rows of the sequence-major KV layout from the mani
     ctx_kv   [T, Ld, 2, kv, hd]  drafter context KV; same rule with ctx_pos
     context  [T, C]              target's context rows; the drafter reads rows [0, pending)
     ids/next [T] int32           token staging in / target argmax out
-    anchor [1], draft [S], cand [S, K] int32 (cand stays on the device unless a policy reads it)
+    anchor [1], draft [S], cand [S, K] int32 (cand stays on the device unless a policy reads it),
+    confidence [S] fp32          the drafter's per-position confidence (the draft-length schedule reads it)
 Rollback after a rejection moves `pos`; rows past it are overwritten by the next step.
-The verify pass wrote its context rows at [0, S+1); committing acc+1 of them needs no copy.
+A target call writes its context rows at [pending, pending + n): committing acc+1 of them needs no
+copy, and rounds that skip the drafter leave their rows pending for the next draft.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def available_host_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def drafter_outputs(manifest: ModelFacts) -> set[str]:
+    """Output names of the drafter graph (an export lists graphs, an engine folder engines)."""
+    graph = manifest.output_names("drafter") if hasattr(manifest, "output_names") else []
+    return set(graph)
 
 
 class SpecSession:
@@ -85,6 +93,12 @@ class SpecSession:
         if "past_len" in self.drafter.inputs:
             self.ctx_kv_new = backend.device_buffer((min(T, backend.max_rows("drafter") or T), *m.kv.rows.drafter), dt)
             self.ctx_kv_len = backend.host_buffer((1,), np.int32)
+        # exports older than the confidence output lack it: the schedule then learns per position
+        self.conf = backend.host_buffer((S,), np.float32) if "confidence" in drafter_outputs(m) else None
+        self.confidence: np.ndarray | None = None
+        # an engine's drafter profile takes max(max_prefill, B) context rows at once; ONNX Runtime any number
+        limit = min(getattr(m, "max_prefill", None) or T, backend.max_rows("drafter") or T)
+        self.max_draft_rows = max(limit, self.block_size)
         self.reset()
 
     def reset(self) -> None:
@@ -102,14 +116,14 @@ class SpecSession:
                                 f"(re-export with a larger --max-seq-len)")
 
     def _run_target(self, tokens: Sequence[int]) -> np.ndarray:
-        n = len(tokens)
+        n, c = len(tokens), self.pending
         if self.pos + n > self.max_seq_len:
             raise CapacityError(f"KV cache full: {self.pos} + {n} > max_seq_len {self.max_seq_len}")
         self.ids.host[:n] = tokens
         self.ids.push(n)
         past, new = self._kv("kv_cache", "past_kv", self.kv, self.kv_new, self.pos, n)
         self.target.run({"input_ids": self.ids.rows(0, n), **past},
-                        {"next_ids": self.next_ids.rows(0, n), "context": self.context.rows(0, n), "new_kv": new})
+                        {"next_ids": self.next_ids.rows(0, n), "context": self.context.rows(c, c + n), "new_kv": new})
         if self.kv_new is not None:
             self.kv.copy_rows(self.kv_new, n, self.pos)
         return self.next_ids.pull(n)
@@ -134,17 +148,25 @@ class SpecSession:
         return int(out[-1])
 
     def draft(self, anchor: int) -> np.ndarray:
-        n, p = self.pending, self.ctx_pos
         self.anchor.host[0] = anchor
         self.anchor.push(1)
-        past, new = self._kv("ctx_kv_cache", "past_ctx_kv", self.ctx_kv, self.ctx_kv_new, p, n)
-        outputs = {"draft_ids": self.draft_ids.whole(), "new_ctx_kv": new}
-        if self.has_lattice:
-            outputs["cand_ids"] = self.cand_ids.whole()
-        self.drafter.run({"context": self.context.rows(0, n), **past, "anchor": self.anchor.whole()}, outputs)
-        if self.ctx_kv_new is not None:
-            self.ctx_kv.copy_rows(self.ctx_kv_new, n, p)
-        self.ctx_pos, self.pending = p + n, 0
+        done = 0
+        while done < self.pending:  # rows pending after skipped drafts may exceed what one call takes
+            n, p = min(self.pending - done, self.max_draft_rows), self.ctx_pos
+            past, new = self._kv("ctx_kv_cache", "past_ctx_kv", self.ctx_kv, self.ctx_kv_new, p, n)
+            outputs = {"draft_ids": self.draft_ids.whole(), "new_ctx_kv": new}
+            if self.has_lattice:
+                outputs["cand_ids"] = self.cand_ids.whole()
+            if self.conf is not None:
+                outputs["confidence"] = self.conf.whole()
+            self.drafter.run({"context": self.context.rows(done, done + n), **past, "anchor": self.anchor.whole()},
+                             outputs)  # only the last call's drafts count
+            if self.ctx_kv_new is not None:
+                self.ctx_kv.copy_rows(self.ctx_kv_new, n, p)
+            self.ctx_pos, done = p + n, done + n
+        self.pending = 0
+        if self.conf is not None:
+            self.confidence = self.conf.pull(self.block_size - 1)
         return self.draft_ids.pull(self.block_size - 1)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
@@ -152,7 +174,7 @@ class SpecSession:
 
     def commit(self, n: int) -> None:
         self.pos += n
-        self.pending = n  # verify's context rows [0, n) are the drafter's next input, in place
+        self.pending += n  # verify's first n context rows join the drafter's next input, in place
 
     def decode(self, token: int) -> int:
         out = self._run_target([token])

@@ -1,0 +1,97 @@
+"""The draft-length schedule on scripted cost models and scripted accept / reject histories (no timing)."""
+
+import pytest
+
+from dflash2.runtime.schedule import AcceptanceModel, AutoSchedule, CostModel
+from dflash2.speculative import Round
+
+B = 8  # S = 7
+
+
+def costs(verify_ms, decode_ms=10.0, draft_ms=2.0) -> CostModel:
+    return CostModel([0.0] + [v / 1e3 for v in verify_ms], decode_ms / 1e3, draft_ms / 1e3)
+
+
+FLAT = [10.0] * B  # a GPU: 8 rows cost what 1 costs
+CPU = [10.0 + 1.5 * (n - 1) for n in range(1, B + 1)]  # ~2x for 8 rows, like SmolLM2 on 2 cores
+STEEP = [10.0 * n for n in range(1, B + 1)]  # every row costs a full decode step
+
+
+def test_flat_verify_cost_verifies_every_draft_when_confident():
+    s = AutoSchedule(costs(FLAT))
+    assert s.choose([0.95] * 7, 7) == 7
+    assert s.choose([0.3] * 7, 7) == 7  # extra rows are free: any chance of acceptance pays
+
+
+def test_steep_verify_cost_verifies_nothing():
+    s = AutoSchedule(costs(STEEP))
+    assert s.choose([0.95] * 7, 7) == 0  # each draft costs a decode step and yields < 1 token
+    assert s.choose([0.95] * 7, 7) == 0
+
+
+def test_cpu_like_cost_follows_confidence():
+    s = AutoSchedule(costs(CPU))
+    assert s.choose([0.95] * 7, 7) == 7
+    assert s.choose([0.05] * 7, 7) == 0
+    k = s.choose([0.95, 0.9, 0.6, 0.1, 0.9, 0.9, 0.9], 7)  # confidence collapses at draft 4
+    assert 2 <= k <= 3
+    assert s.choose([0.95] * 7, 2) == 2  # never more than available
+
+
+def test_acceptance_is_learned_from_history():
+    a = AcceptanceModel()
+    assert a.probability(0.92, 0) == pytest.approx(0.95 ** 2)  # prior: the bin's confidence squared
+    for _ in range(200):  # a drafter that is over-confident: its 0.9s are always rejected
+        a.observe([0.92] * 7, verified=7, accepted=0)
+    assert a.probability(0.92, 0) < 0.05
+    assert a.probability(0.55, 0) == pytest.approx(0.55 ** 2)  # other bins keep their prior
+    for _ in range(200):  # drafts 1-2 accepted, 3 rejected, 4.. unseen
+        a.observe([0.35] * 7, verified=7, accepted=2)
+    assert a.probability(0.35, 0) == pytest.approx(2 / 3, abs=0.03)
+
+
+def test_acceptance_without_confidence_is_per_position():
+    a = AcceptanceModel()
+    for _ in range(100):
+        a.observe(None, verified=3, accepted=1)
+    assert a.probability(None, 0) > 0.95 and a.probability(None, 1) < 0.05
+    assert a.probability(None, 2) == pytest.approx(0.125)  # never verified past a rejection: prior
+
+
+def test_an_over_confident_drafter_turns_drafting_off_then_probes_with_backoff():
+    s = AutoSchedule(costs(CPU))
+    drafted = []
+    for _ in range(400):
+        d = s.wants_draft()
+        drafted.append(d)
+        k = s.choose([0.9] * 7, 7) if d else 0
+        s.observe(Round(d, k, 0, 0.002 if d else 0.0, CPU[k] / 1e3))  # every draft is rejected
+    assert sum(drafted[:20]) < 20 and sum(drafted[-200:]) <= 200 / 32  # rare probes at the end
+    assert s.backoff == AutoSchedule.MAX_BACKOFF
+
+
+def test_drafting_resumes_when_drafts_are_accepted_again():
+    s = AutoSchedule(costs(CPU))
+    s.probing, s.skip_left, s.backoff = True, 3, 4
+    assert [s.wants_draft() for _ in range(4)] == [False, False, False, True]
+    k = s.choose([0.95] * 7, 7)
+    s.observe(Round(True, k, k, 0.002, CPU[k] / 1e3))
+    assert not s.probing and s.backoff == 1 and s.wants_draft()
+
+
+def test_cost_model_refines_from_the_loop():
+    c = costs(CPU)
+    for _ in range(100):
+        c.observe(Round(True, 3, 1, 0.004, 0.030))  # verify of 4 rows measured at 30 ms, draft at 4 ms
+        c.observe(Round(False, 0, 0, 0.0, 0.012))  # a plain decode step at 12 ms
+    assert c.verify[4] == pytest.approx(0.030, rel=0.02) and c.draft == pytest.approx(0.004, rel=0.02)
+    assert c.decode == pytest.approx(0.012, rel=0.02)
+    # rows never measured keep the calibrated shape but follow the machine, which got slower
+    assert c.verify[2] > CPU[1] / 1e3 and c.verify[3] / c.verify[2] == pytest.approx(CPU[2] / CPU[1])
+    assert set(c.to_dict()) == {"verify_ms", "decode_ms", "draft_ms", "calibration_seconds", "measured_seconds"}
+
+
+def test_cost_model_ignores_a_single_hiccup():
+    c = costs(CPU)
+    c.observe(Round(True, 1, 0, 0.002, 5.0))  # one 5 s stall (another process): bounded influence
+    assert c.verify[2] < 2 * CPU[1] / 1e3 and c.verify[8] < 1.1 * CPU[7] / 1e3
