@@ -86,7 +86,8 @@ def test_restricted_head_equals_the_full_head_masked_outside(pairs, version):
     outside[ids] = False
     masked = drafter.logits(hidden).float().masked_fill(outside, float("-inf"))  # [4, S, V]
     if version == 1:
-        want = [{"draft_ids": m.argmax(-1).int()} for m in masked]  # multiplier 1, no softcap in the tiny drafter
+        want = [{"draft_ids": m.argmax(-1).int(), "confidence": torch.softmax(m, -1).amax(-1)}
+                for m in masked]  # multiplier 1, no softcap in the tiny drafter; -inf ids have probability 0
     else:
         sel = drafter.candidate_selector
         out = select_candidates(masked, hidden, anchor, sel.hidden_projection.weight, sel.predecessor_codebook,

@@ -251,3 +251,25 @@ def test_bench_reports(tmp_path, exports):
     assert r["calibration"]["calibration_seconds"] > 0 and len(r["calibration"]["verify_ms"]) == 8
     assert len(r["per_prompt"]) == r["prompts"] and sum(r["per_prompt"][0]["k_histogram"].values()) > 0
     assert r["modes"]["7"]["k_histogram"] == {"skip": 0, "7": r["modes"]["7"]["rounds"]}
+
+
+def test_bench_split_runs_combine(tmp_path, exports, capsys):
+    """A prompt set split across runs (--policies none: timed modes only) combines into one table."""
+    from dflash2.cli import bench as bench_cli
+
+    folder, parts = exports[("qwen3", 2)], []
+    for i, prompts in enumerate([[PROMPT], [PROMPT[:3], PROMPT[2:]]]):
+        (tmp_path / f"p{i}.json").write_text(json.dumps([" ".join(map(str, p)) for p in prompts]))
+        parts.append(tmp_path / f"r{i}.json")
+        assert bench_cli.main([str(folder), "--prompts", str(tmp_path / f"p{i}.json"), "--raw", "--max-new-tokens",
+                               "8", "--sweep-draft-len", "2", "--policies", "none", "--json", str(parts[-1])]) == 0
+    rs = [json.loads(p.read_text()) for p in parts]
+    assert all(r["acceptance_length"] == {} for r in rs)
+    assert bench_cli.main(["--combine", *map(str, parts), "--json", str(tmp_path / "c.json")]) == 0
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert c["prompts"] == 3 and c["lossless"] and set(c["modes"]) == {"ar", "2", "auto"}
+    tokens = sum(r["modes"]["2"]["new_tokens"] - r["prompts"] for r in rs)
+    secs = sum(r["modes"]["2"]["decode_seconds"] for r in rs)
+    assert c["modes"]["2"]["tokens_per_second"] == pytest.approx(tokens / secs)
+    assert c["modes"]["2"]["k_histogram"]["2"] == sum(r["modes"]["2"]["k_histogram"]["2"] for r in rs)
+    assert "3 prompts in 2 interleaved runs" in capsys.readouterr().out

@@ -16,7 +16,7 @@ from dflash2.interrupts import interruptible
 @interruptible("dflash2-bench")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-bench", description=__doc__)
-    p.add_argument("folder", type=Path, help="export or engine folder")
+    p.add_argument("folder", type=Path, nargs="?", help="export or engine folder")
     p.add_argument("--prompts", default="default",
                    help="'default' (the shipped set), 'sharegpt:eval:N' (held-out ShareGPT conversations "
                         ">= 15,000), or a file: JSON list or one prompt per line")
@@ -24,14 +24,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.add_argument("--repeats", type=int, default=1, help="interleaved AR/spec runs per prompt")
     p.add_argument("--policies", type=lambda v: tuple(v.split(",")),
-                   help="draft paths to measure, from selector,top1,oracle (default: all the drafter supports)")
+                   help="draft paths whose acceptance is measured at K = S, from selector,top1,oracle, or none "
+                        "(default: all the drafter supports)")
     p.add_argument("--draft-len", type=draft_len_arg, default="auto", metavar="auto|K",
                    help="the mode whose speedup is the headline: 'auto' (default) or a fixed K (timed too)")
     p.add_argument("--sweep-draft-len", type=lambda v: tuple(int(x) for x in v.split(",")), default=(),
                    metavar="K,K,...", help="also time these fixed draft lengths in the same interleaved run")
-    p.add_argument("--json", type=Path, help="write the results as JSON here")
+    p.add_argument("--json", type=Path, help="write the results as JSON here (rewritten after every prompt with "
+                                              "\"complete\": false until the run ends)")
     p.add_argument("--plot", type=Path, help="write a PNG of acceptance per draft position")
+    p.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
+                   help="instead of timing: combine bench JSONs of one prompt set split across runs")
     a = p.parse_args(argv)
+    if a.combine:
+        from dflash2.runtime import bench as b
+
+        try:
+            c = b.combine([json.loads(f.read_text()) for f in a.combine])
+        except (OSError, ValueError, KeyError) as e:
+            print(f"dflash2-bench: error: --combine: expected bench JSON files, {e}", file=sys.stderr)
+            return 2
+        print(b.combined_table(c))
+        if a.json:
+            a.json.write_text(json.dumps(c, indent=2))
+        return 0 if c["lossless"] else 1
+    if a.folder is None:
+        p.error("the folder is required (unless --combine)")
     from dflash2.prompts import parse_spec
     from dflash2.runtime import bench as b
 
@@ -43,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = parse_spec(a.prompts, default_split="eval", log=print)
         r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=a.policies, repeats=a.repeats,
                     draft_len=a.draft_len, sweep=a.sweep_draft_len,
-                    log=lambda line: print(line, file=sys.stderr, flush=True))
+                    log=lambda line: print(line, file=sys.stderr, flush=True),
+                    partial=(lambda r: a.json.write_text(json.dumps(r, indent=2))) if a.json else None)
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench: error: {e}", file=sys.stderr)
         return 2

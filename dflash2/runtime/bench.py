@@ -75,7 +75,8 @@ def _tps(stats: list[Stats]) -> float:
 
 def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, chat: bool = True,
           policies: tuple[str, ...] | None = None, repeats: int = 1, draft_len: int | str | None = "auto",
-          sweep: tuple[int, ...] = (), log: Callable[[str], None] | None = None) -> dict:
+          sweep: tuple[int, ...] = (), log: Callable[[str], None] | None = None,
+          partial: Callable[[dict], None] | None = None) -> dict:
     """Times, interleaved per prompt in ONE process: autoregressive, every fixed K of `sweep` (and
     draft_len when it is an int), and auto; the order of the modes rotates from prompt to prompt (this
     machine's speed drifts between runs, not within one). policies: draft paths whose acceptance is
@@ -88,12 +89,15 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
                                                                           else []))))
     v2 = man.drafter_version == 2
     policies = policies or (POLICIES if v2 else ("selector",))
-    if "selector" not in policies:
+    if policies == ("none",):  # no acceptance-by-path runs: the timed modes only
+        policies = ()
+    elif "selector" not in policies:
         policies = ("selector", *policies)
     sessions = {p: PolicySession(rt.manifest, rt.session.backend, policy=p) for p in policies}
     for s in sessions.values():
         s.target, s.drafter = TimedEngine(s.target), TimedEngine(s.drafter)
-    main = sessions["selector"]
+    main = PolicySession(man, rt.session.backend, policy="selector")
+    main.target, main.drafter = TimedEngine(main.target), TimedEngine(main.drafter)
     auto = rt.auto_schedule  # calibrates now, before anything is timed
     calibration = auto.costs.to_dict()
     modes = ["ar", *map(str, fixed), "auto"]
@@ -131,6 +135,11 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
             now = "  ".join(f"{m} {row['tokens_per_second'][m]:.1f}" for m in modes)
             run = "  ".join(f"{m} {_tps(runs[m]):.1f}" for m in modes)
             log(f"[prompt {i + 1}/{len(prompts)}] {len(ids)} tokens, tok/s: {now}  | running: {run}")
+        if partial is not None:  # what a run cut short still leaves: the prompts done so far
+            ar_now = _merge(runs["ar"]).tokens_per_second
+            partial({"complete": False, "prompts": i + 1, "repeats": repeats, "lossless": lossless,
+                     "modes": {m: _mode_row(m, _merge(runs[m]), ar_now, engine_s[m]) for m in modes},
+                     "calibration": calibration, "per_prompt": per_prompt})
     merged = {m: _merge(v) for m, v in runs.items()}
     ar_tps = merged["ar"].tokens_per_second
     mode_rows = {m: _mode_row(m, merged[m], ar_tps, engine_s[m]) for m in modes}
@@ -138,7 +147,8 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     A, M = merged["ar"], merged[main_mode]
     acc = {p: _merge(v).acceptance_length for p, v in per_policy.items()}
     result = {
-        "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "complete": True, "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "repeats": repeats,
+        "max_new_tokens": max_new_tokens,
         "block_size": B, "dtype": man.dtype, "lossless": lossless, "draft_len": main_mode,
         "weights": label(man), "quantization": describe(man),
         "draft_vocab_size": man.draft_vocab.size if man.draft_vocab else man.vocab_size,
@@ -182,6 +192,44 @@ def _sweep_row(k: int, s: Stats, ar_tps: float) -> dict:
 def _round_ms(s: Stats) -> float:
     """Draft + verify time per speculative round."""
     return 1e3 * (s.times["draft"] + s.times["verify"]) / max(s.rounds, 1)
+
+
+def combine(results: list[dict]) -> dict:
+    """Several bench results of one folder (e.g. prompt sets split across processes) as one: per mode,
+    tok/s = sum(new tokens after the first of each generation) / sum(decode seconds); tau and the K
+    histogram summed over rounds. Each part had its own session (own calibration and learning)."""
+    names = list(results[0]["modes"])
+    modes = {}
+    for mode in names:
+        rows = [r["modes"][mode] for r in results]
+        gens = [r["prompts"] * r.get("repeats", 1) for r in results]
+        tokens = sum(w["new_tokens"] - g for w, g in zip(rows, gens))
+        secs = sum(w["decode_seconds"] for w in rows)
+        rounds = sum(w["rounds"] for w in rows)
+        hist: dict[str, int] = {}
+        for w in rows:
+            for k, v in w["k_histogram"].items():
+                hist[k] = hist.get(k, 0) + v
+        modes[mode] = {"tokens_per_second": tokens / secs if secs else 0.0, "rounds": rounds, "k_histogram": hist,
+                       "acceptance_length": sum(w["acceptance_length"] * w["rounds"] for w in rows) / rounds
+                       if rounds else 0.0}
+    ar = modes["ar"]["tokens_per_second"]
+    for w in modes.values():
+        w["speedup"] = w["tokens_per_second"] / ar if ar else 0.0
+    best = max((m for m in names if m != "auto"), key=lambda m: modes[m]["tokens_per_second"])
+    return {"parts": len(results), "prompts": sum(r["prompts"] for r in results),
+            "lossless": all(r["lossless"] for r in results), "modes": modes, "best_of_ar_and_fixed": best,
+            "auto_vs_best": modes["auto"]["tokens_per_second"] / max(modes[best]["tokens_per_second"], 1e-9),
+            "per_prompt": [p for r in results for p in r["per_prompt"]]}
+
+
+def combined_table(c: dict) -> str:
+    out = (f"{c['prompts']} prompts in {c['parts']} interleaved runs, lossless {c['lossless']}, "
+           f"auto / best of AR and fixed K {c['auto_vs_best']:.3f} (best: {c['best_of_ar_and_fixed']})\n"
+           "  mode    tau    tok/s  speedup  K per round\n")
+    return out + "\n".join(f"  {m:<5} {w['acceptance_length']:>5.2f} {w['tokens_per_second']:>8.1f} "
+                            f"{w['speedup']:>7.2f}x  " + " ".join(f"{k}:{v}" for k, v in w["k_histogram"].items() if v)
+                            for m, w in c["modes"].items())
 
 
 def table(r: dict) -> str:
