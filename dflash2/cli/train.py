@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.draft_vocab:
             answers = [rec["ids"][rec["prompt_len"]:].tolist() for rec in train_records]
             ids = draft_vocab.from_sequences(answers, a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
-            print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, f'dflash2-train corpus {corpora}')} "
+            print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, f'dflash2-train corpus {[str(c) for c in corpora]}')} "
                   f"({len(ids)} ids)")
     except Dflash2Error as e:
         print(f"dflash2-train: error: {e}", file=sys.stderr)
