@@ -113,6 +113,9 @@ def corpus_prompts(spec: str, seed: int = 0, words: list[str] | None = None) -> 
         if not n.isdigit():
             raise Dflash2Error(f"--prompts {spec!r}: expected 'templated[:N]' with an integer N, found {n!r}")
         return make_prompts(int(n), seed, exclude=bench, words=words)
+    if spec.isdigit():  # the old meaning of --prompts (a count of templated prompts): say what it is now
+        raise Dflash2Error(f"--prompts {spec!r}: expected 'sharegpt[:N]', 'templated[:N]' or a prompt file, "
+                           f"found a bare number (did you mean 'templated:{spec}'?)")
     if spec.startswith("sharegpt") and ":eval" in spec:
         raise Dflash2Error(f"--prompts {spec!r}: ShareGPT conversations >= 15,000 are reserved for evaluation")
     return [p for p in parse_spec(spec, default_split="train", log=print) if p not in bench]

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dflash2.errors import Dflash2Error
+from dflash2.interrupts import interruptible
 
 
 def _hf_generate(model, batch, max_new, eos, pad, dtype):
@@ -82,6 +83,7 @@ def table(r: dict) -> str:
                       f"fp32 answers identical to transformers' generate: {r['same_answers_fp32']}"])
 
 
+@interruptible("dflash2-corpus-bench", "nothing was written")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-corpus-bench", description=__doc__)
     p.add_argument("--target", required=True, type=Path)
