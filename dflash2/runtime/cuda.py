@@ -80,11 +80,13 @@ class DeviceBuffer(Buffer):
         writes host rows again only after a pull, which waits for the stream."""
         self._copy(n, to_device=True)
 
-    def pull(self, n: int) -> np.ndarray:
+    def pull(self, n: int, wait: bool = True) -> np.ndarray:
         """Device -> host mirror for the first n rows; returns host[:n] (no allocation of data). Waits for
-        the stream: the host reads the rows next."""
+        the stream (the host reads the rows next) unless wait=False: then a later waiting pull on the
+        same stream makes these rows valid too."""
         self._copy(n, to_device=False)
-        self.stream.sync()
+        if wait:
+            self.stream.sync()
         return self.host[:n]
 
     def copy_rows(self, src: Buffer, n: int, at: int) -> None:

@@ -58,8 +58,10 @@ class Buffer:
         """Host rows -> engine memory for the first n rows (the session wrote host[:n])."""
         raise NotImplementedError
 
-    def pull(self, n: int) -> np.ndarray:
-        """Engine memory -> host rows for the first n rows; returns host[:n] (no allocation of data)."""
+    def pull(self, n: int, wait: bool = True) -> np.ndarray:
+        """Engine memory -> host rows for the first n rows; returns host[:n] (no allocation of data).
+        wait=False queues the copy without waiting: the rows are valid only after a later waiting pull
+        on the same stream (one sync per round reads several outputs)."""
         raise NotImplementedError
 
     def copy_rows(self, src: Buffer, n: int, at: int) -> None:
@@ -87,7 +89,7 @@ class HostBuffer(Buffer):
     def push(self, n: int) -> None:
         """Nothing to do: the engine reads host memory."""
 
-    def pull(self, n: int) -> np.ndarray:
+    def pull(self, n: int, wait: bool = True) -> np.ndarray:
         return self._host[:n]
 
     def copy_rows(self, src: Buffer, n: int, at: int) -> None:

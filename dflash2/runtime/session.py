@@ -165,8 +165,8 @@ class SpecSession:
                 self.ctx_kv.copy_rows(self.ctx_kv_new, n, p)
             self.ctx_pos, done = p + n, done + n
         self.pending = 0
-        if self.conf is not None:
-            self.confidence = self.conf.pull(self.block_size - 1)
+        if self.conf is not None:  # queued: the draft ids' pull below waits for both copies
+            self.confidence = self.conf.pull(self.block_size - 1, wait=False)
         return self.draft_ids.pull(self.block_size - 1)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
