@@ -9,10 +9,13 @@ Math (see docs/algorithm.md section 4), all in fp32 whatever the input dtypes:
     u[b,s,c]      = softcap(output_multiplier * cand_logits[b,s,c])
     pred[b,0,:]   = anchor[b];  pred[b,s,:] = cand_ids[b,s-1,:]
     score[b,s,p,c] = u[b,s,c] + sum_r P[pred[b,s,p],r] * gate[b,s,r] * Q[cand_ids[b,s,c],r]
-    NaN -> -inf;  idx_0 = argmax_c score[b,0,0,c];  idx_s = argmax_c score[b,s,idx_{s-1},c]
-    ties -> lowest index (a +inf wins, the first +inf if several; all -inf -> 0)
-    draft_ids[b,s] = cand_ids[b,s,idx_s]; path_index[b,s] = idx_s; path_scores[b,s,:] = walked row
-    confidence[b,s] = softmax(walked row)[idx_s]  (see `path_confidence`: the one definition)
+    NaN -> -inf;  row_s = score[b,s,idx_{s-1},:]  (idx_{-1} = 0: every row-0 predecessor is the anchor)
+    idx_s, q_s = walk_row(row_s, T_b, u[b,s])  (see `walk_row`: the one definition of both modes)
+      greedy (mode "greedy", or mode "sample" with T_b <= 0): idx_s = first argmax, q_s one-hot
+      sample (T_b > 0): idx_s drawn from q_s = softmax(row_s / T_b) by inverse CDF with u[b,s]
+    draft_ids[b,s] = cand_ids[b,s,idx_s]; path_index[b,s] = idx_s; path_scores[b,s,:] = row_s
+    confidence[b,s] = softmax(row_s)[idx_s] at temperature 1  (`path_confidence`)
+    draft_probs[b,s,:] = q_s  (the draft distribution of lossless speculative sampling)
 Ids outside [0, V) are invalid input: the torch op and the CPU twin raise; the CUDA kernel never
 reads out of bounds and scores such a candidate -inf.
 """
@@ -20,13 +23,14 @@ reads out of bounds and scores such a candidate -inf.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
-CONTRACT_VERSION = 2  # 2: + the confidence output
+CONTRACT_VERSION = 3  # 2: + the confidence output; 3: + mode "sample" (uniforms, temperature, draft_probs)
 OP_NAME = "DFlash2Selector"  # ONNX op_type == TensorRT plugin name; no ONNX op has this name
 ONNX_DOMAIN = "dflash2"
 ONNX_OPSET = 1
-PLUGIN_VERSION = "2"  # an engine built against version 1 has 3 outputs, not 4
+PLUGIN_VERSION = "3"  # version 1: 6 inputs / 3 outputs, 2: 6 / 4, 3: 8 / 5
 PLUGIN_NAMESPACE = ""
 TORCH_NAMESPACE = "dflash2"
 TORCH_OP_NAME = "select_path"  # torch.ops.dflash2.select_path
@@ -34,7 +38,7 @@ TORCH_OP_NAME = "select_path"  # torch.ops.dflash2.select_path
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 MAX_TOP_K = 64
 MAX_RANK = 1024
-MODES = ("greedy",)  # a sampling mode would add a row to this and keep the outputs
+MODES = ("greedy", "sample")  # same inputs and outputs in both; greedy ignores uniforms and temperature
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,10 @@ INPUTS: tuple[TensorSpec, ...] = (
                "last committed token: the predecessor of position 0"),
     TensorSpec("pred_codebook", ("V", "R"), FLOAT_TYPES, "TC", "predecessor codebook P"),
     TensorSpec("succ_codebook", ("V", "R"), FLOAT_TYPES, "TC", "successor codebook Q"),
+    TensorSpec("uniforms", ("B", "S"), ("float32",), "TF",
+               "one uniform number in [0, 1) per walked row (mode sample; read by no greedy walk)"),
+    TensorSpec("temperature", ("B",), ("float32",), "TF",
+               "sampling temperature of each batch row; <= 0 (or NaN) walks greedily (mode sample)"),
 )
 
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -75,6 +83,8 @@ OUTPUTS: tuple[TensorSpec, ...] = (
                "fp32 score row the walk chose from at each position (NaN already -inf)"),
     TensorSpec("confidence", ("B", "S"), ("float32",), "TF",
                "probability of the walked candidate under the softmax of its score row (path_confidence)"),
+    TensorSpec("draft_probs", ("B", "S", "K"), ("float32",), "TF",
+               "q: the distribution the walked candidate was drawn from (walk_row); one-hot when greedy"),
 )
 
 ATTRIBUTES: tuple[AttributeSpec, ...] = (
@@ -87,20 +97,66 @@ ATTRIBUTES: tuple[AttributeSpec, ...] = (
 
 
 def path_confidence(row: list[float], index: int) -> float:
-    """confidence of one position: softmax(row)[index] in fp32, with index the row's first argmax.
-
-    The walked candidate is the row's maximum m, so the value is 1 / sum_c exp(row[c] - m):
+    """confidence of one position: softmax(row)[index] at temperature 1, m = max(row):
         m == -inf (nothing scored)  -> 0.0
-        m == +inf                   -> 1 / (number of +inf entries)
-        else                        -> 1 / sum_c exp(row[c] - m), summed c = 0..K-1, exp(-inf) = 0
+        m == +inf                   -> 1 / (number of +inf entries) if row[index] == +inf else 0.0
+        else                        -> exp(row[index] - m) / sum_c exp(row[c] - m), exp(-inf) = 0
+    (greedy: index is the first argmax, so the numerator is 1.)
     Plain Python (float64 here; the implementations sum in fp32 and agree to ~1e-6 relative).
     Every implementation (torch op, ONNX function, CPU twin, CUDA kernel) is tested against this."""
-    m = row[index]
+    m = max(row)
     if m == -math.inf:
         return 0.0
     if m == math.inf:
-        return 1.0 / sum(1 for v in row if v == math.inf)
-    return 1.0 / sum(math.exp(v - m) for v in row)
+        return 1.0 / sum(1 for v in row if v == math.inf) if row[index] == math.inf else 0.0
+    return math.exp(row[index] - m) / sum(math.exp(v - m) for v in row)
+
+
+def first_argmax(row: list[float]) -> int:
+    """The greedy rule: first index of the maximum (NaN already -inf; all -inf -> 0)."""
+    best = 0
+    for c, v in enumerate(row):
+        if v > row[best]:
+            best = c
+    return best
+
+
+def walk_row(row: list[float], temperature: float, u: float, mode: str = "sample") -> tuple[int, list[float]]:
+    """(index, q) of one walked row: the ONE definition of both modes (NaN in row already -inf).
+
+    Greedy (mode "greedy", or temperature <= 0 or NaN): index = first_argmax(row), q one-hot at it.
+    Sample, with m = max(row), in fp32 (emulated here with float64 rounded through fp32 steps):
+        e_c = 0 where row_c == -inf;  m == +inf: e_c = 1 where row_c == +inf, else 0;
+        otherwise e_c = exp((row_c - m) / T)
+        cdf_c = e_0 + ... + e_c (summed in order, c = 0..K-1);  total = cdf_{K-1}
+        m == -inf (all -inf): index 0, q one-hot at 0
+        count = #{c : cdf_c <= u * total};  index = clamp(count, first c with e_c > 0, last c with e_c > 0)
+        q_c = e_c / total
+    The clamp keeps any u (even outside [0, 1), or u * total rounding up to total) on a candidate
+    with q > 0; for u in [0, 1) it is inverse-CDF sampling: P(index = c) = q_c."""
+    K = len(row)
+    if mode == "greedy" or not temperature > 0:
+        i = first_argmax(row)
+        return i, [1.0 if c == i else 0.0 for c in range(K)]
+    m = max(row)
+    if m == -math.inf:
+        return 0, [1.0] + [0.0] * (K - 1)
+    f32 = lambda x: struct.unpack("f", struct.pack("f", x))[0]  # noqa: E731
+    T = f32(temperature)
+    if m == math.inf:
+        e = [1.0 if v == math.inf else 0.0 for v in row]
+    else:
+        e = [0.0 if v == -math.inf else f32(math.exp(f32(f32(v - m) / T))) for v in row]
+    cdf, acc = [], 0.0
+    for v in e:
+        acc = f32(acc + v)
+        cdf.append(acc)
+    total = cdf[-1]
+    thr = f32(f32(u) * total)
+    count = sum(1 for v in cdf if v <= thr)
+    pos = [c for c in range(K) if e[c] > 0]
+    index = min(max(count, pos[0]), pos[-1])
+    return index, [f32(v / total) for v in e]
 
 
 def input_names() -> list[str]:
