@@ -1,7 +1,7 @@
 /*
  * DFlash2Selector CPU twin: the kernel's arithmetic, element for element, on the host.
  * Same summation order as the kernel's warp reduction (see dflash2SelectorMath.h), so for
- * softcap = 0 the CPU and GPU scores are bit-identical.
+ * softcap = 0 the CPU and GPU scores are bit-identical; the walk (walkRow) is the same code too.
  */
 #include "dflash2SelectorCpu.h"
 
@@ -66,10 +66,15 @@ void selectPath(Df2SelectArgs const& a)
             }
             for (int32_t c = 0; c < a.K; ++c)
                 a.path_scores[bs * a.K + c] = row[c];
-            a.path_index[bs] = best;
-            a.confidence[bs] = pathConfidence(row, a.K, best);
-            a.draft_ids[bs] = a.cand_ids[bs * a.K + best];
-            prev = best;
+            // uniforms / temperature are read only by a sample-mode walk (NULL is allowed in greedy mode)
+            float const T = a.mode == DF2_MODE_SAMPLE ? a.temperature[b] : 0.0f;
+            float const u = samples(a.mode, T) ? a.uniforms[bs] : 0.0f;
+            float* q = a.draft_probs + bs * a.K;
+            int32_t const index = walkRow(row, a.K, best, a.mode, T, u, q, q);
+            a.path_index[bs] = index;
+            a.confidence[bs] = pathConfidence(row, a.K, best, index);
+            a.draft_ids[bs] = a.cand_ids[bs * a.K + index];
+            prev = index; // the walk continues from the candidate actually chosen
         }
     }
 }
@@ -89,7 +94,7 @@ void dispatchCodebook(Df2SelectArgs const& a)
 
 extern "C" DF2_API int32_t dflash2_selector_abi_version(void)
 {
-    return 2; /* 2: Df2SelectArgs gained `confidence` */
+    return 3; /* 2: Df2SelectArgs gained `confidence`; 3: uniforms, temperature, draft_probs, mode */
 }
 
 extern "C" DF2_API int32_t dflash2_check_select_args(Df2SelectArgs const* a, char* err, size_t errLen)
@@ -115,12 +120,15 @@ extern "C" DF2_API int32_t dflash2_check_select_args(Df2SelectArgs const* a, cha
     if (!(a->logit_softcap >= 0.0f))
         return fail(err, errLen, "DFlash2Selector: logit_softcap expected >= 0, found %g",
             static_cast<double>(a->logit_softcap));
+    if (a->mode != DF2_MODE_GREEDY && a->mode != DF2_MODE_SAMPLE)
+        return fail(err, errLen, "DFlash2Selector: mode code expected 0 (greedy) or 1 (sample), found %d", a->mode);
     void const* ptrs[] = {a->cand_logits, a->cand_ids, a->gate, a->anchor, a->pred_codebook, a->succ_codebook,
-        a->draft_ids, a->path_index, a->path_scores, a->confidence};
+        a->draft_ids, a->path_index, a->path_scores, a->confidence, a->draft_probs, a->uniforms, a->temperature};
     char const* names[] = {"cand_logits", "cand_ids", "gate", "anchor", "pred_codebook", "succ_codebook",
-        "draft_ids", "path_index", "path_scores", "confidence"};
+        "draft_ids", "path_index", "path_scores", "confidence", "draft_probs", "uniforms", "temperature"};
+    int const needed = a->mode == DF2_MODE_SAMPLE ? 13 : 11; // greedy reads neither uniforms nor temperature
     if (a->B > 0 && a->S > 0)
-        for (int i = 0; i < 10; ++i)
+        for (int i = 0; i < needed; ++i)
             if (ptrs[i] == nullptr)
                 return fail(err, errLen, "DFlash2Selector: tensor %s is NULL", names[i]);
     return 0;

@@ -4,8 +4,9 @@
  * Grid: one block per batch element. Block: min(K, 16) warps. For each draft position s, in
  * order (the walk is sequential): the block forms w = P[pred] * gate_s in shared memory, each
  * warp scores its candidates c (dot(w, Q[cand_c]) over 32 lanes + unary), warp 0 takes the
- * first argmax and the walked candidate's softmax confidence, and the chosen index becomes the
- * next predecessor. Only the S walked rows of
+ * first argmax, walks the row (contract.walk_row: greedy, or inverse-CDF sampling with the row's
+ * uniform), writes q and the walked candidate's softmax confidence, and the chosen index becomes
+ * the next predecessor. Only the S walked rows of
  * K dot products are computed, never the S*K*K lattice.
  */
 #include "dflash2SelectorCpu.h"
@@ -27,6 +28,7 @@ __global__ void selectPathKernel(Df2SelectArgs a)
 {
     __shared__ float w[DF2_MAX_RANK];
     __shared__ float row[DF2_MAX_TOP_K];
+    __shared__ float e[DF2_MAX_TOP_K]; // sample-mode weights of the walked row
     __shared__ int32_t chosen;
 
     int64_t const b = blockIdx.x;
@@ -81,18 +83,42 @@ __global__ void selectPathKernel(Df2SelectArgs a)
                     bestI = i;
                 }
             }
+            // The xor butterfly leaves every lane with the first argmax. Then contract.walk_row: in
+            // sample mode each lane weighs its candidates (lane, lane + 32) in parallel, lane 0 runs the
+            // sequential cdf (the CPU twin's order), every lane writes its share of q.
+            // uniforms / temperature are read only by a sample-mode walk, one element each, in bounds.
+            float* q = a.draft_probs + bs * a.K;
+            float const T = a.mode == DF2_MODE_SAMPLE ? a.temperature[b] : 0.0f;
+            int32_t index = bestI;
+            if (samples(a.mode, T) && bestV != -INFINITY)
+            {
+                for (int c = lane; c < a.K; c += DF2_LANES)
+                    e[c] = sampleWeight(row[c], bestV, T);
+                __syncwarp();
+                float total = 1.0f;
+                if (lane == 0)
+                    index = inverseCdf(e, a.K, a.uniforms[bs], &total);
+                index = __shfl_sync(kFullMask, index, 0);
+                total = __shfl_sync(kFullMask, total, 0);
+                for (int c = lane; c < a.K; c += DF2_LANES)
+                    q[c] = divIeee(e[c], total);
+            }
+            else
+                for (int c = lane; c < a.K; c += DF2_LANES)
+                    q[c] = c == index ? 1.0f : 0.0f;
             if (lane == 0)
             {
-                chosen = bestI;
-                a.path_index[bs] = bestI;
-                a.draft_ids[bs] = a.cand_ids[bs * a.K + bestI];
-                a.confidence[bs] = pathConfidence(row, a.K, bestI); // K <= 64 terms: one lane, CPU twin's order
+                chosen = index;
+                a.path_index[bs] = index;
+                a.draft_ids[bs] = a.cand_ids[bs * a.K + index];
+                // K <= 64 terms: one lane, CPU twin's order
+                a.confidence[bs] = pathConfidence(row, a.K, bestI, index);
             }
         }
         for (int c = threadIdx.x; c < a.K; c += blockDim.x)
             a.path_scores[bs * a.K + c] = row[c];
         __syncthreads();
-        prev = chosen;
+        prev = chosen; // the walk continues from the candidate actually chosen
     }
 }
 
@@ -178,8 +204,11 @@ char const* runOnDevice(Df2SelectArgs const& h, int32_t timingIters, float* usPe
     call.bufs = {{h.cand_logits, nullptr, bs * h.K * tl, nullptr}, {h.cand_ids, nullptr, bs * h.K * 4, nullptr},
         {h.gate, nullptr, bs * h.R * tc, nullptr}, {h.anchor, nullptr, static_cast<size_t>(h.B) * 4, nullptr},
         {h.pred_codebook, nullptr, vr * tc, nullptr}, {h.succ_codebook, nullptr, vr * tc, nullptr},
+        {h.uniforms, nullptr, h.uniforms != nullptr ? bs * 4 : 0, nullptr},
+        {h.temperature, nullptr, h.temperature != nullptr ? static_cast<size_t>(h.B) * 4 : 0, nullptr},
         {nullptr, h.draft_ids, bs * 4, nullptr}, {nullptr, h.path_index, bs * 4, nullptr},
-        {nullptr, h.path_scores, bs * h.K * 4, nullptr}, {nullptr, h.confidence, bs * 4, nullptr}};
+        {nullptr, h.path_scores, bs * h.K * 4, nullptr}, {nullptr, h.confidence, bs * 4, nullptr},
+        {nullptr, h.draft_probs, bs * h.K * 4, nullptr}};
     for (DeviceCall::Buf& buf : call.bufs)
     {
         if ((st = cudaMalloc(&buf.dev, buf.bytes > 0 ? buf.bytes : 1)) != cudaSuccess)
@@ -195,10 +224,14 @@ char const* runOnDevice(Df2SelectArgs const& h, int32_t timingIters, float* usPe
     d.anchor = static_cast<int32_t const*>(call.bufs[3].dev);
     d.pred_codebook = call.bufs[4].dev;
     d.succ_codebook = call.bufs[5].dev;
-    d.draft_ids = static_cast<int32_t*>(call.bufs[6].dev);
-    d.path_index = static_cast<int32_t*>(call.bufs[7].dev);
-    d.path_scores = static_cast<float*>(call.bufs[8].dev);
-    d.confidence = static_cast<float*>(call.bufs[9].dev);
+    // greedy mode may pass NULL uniforms / temperature: the kernel then gets NULL too, and reads neither
+    d.uniforms = h.uniforms != nullptr ? static_cast<float const*>(call.bufs[6].dev) : nullptr;
+    d.temperature = h.temperature != nullptr ? static_cast<float const*>(call.bufs[7].dev) : nullptr;
+    d.draft_ids = static_cast<int32_t*>(call.bufs[8].dev);
+    d.path_index = static_cast<int32_t*>(call.bufs[9].dev);
+    d.path_scores = static_cast<float*>(call.bufs[10].dev);
+    d.confidence = static_cast<float*>(call.bufs[11].dev);
+    d.draft_probs = static_cast<float*>(call.bufs[12].dev);
     if ((st = dflash2::launchSelectPath(d, nullptr)) != cudaSuccess || (st = cudaDeviceSynchronize()) != cudaSuccess)
         return "kernel";
     for (DeviceCall::Buf& buf : call.bufs)

@@ -175,6 +175,7 @@ int32_t DFlash2SelectorPlugin::getOutputDataTypes(
         outputTypes[1] = DataType::kINT32;
         outputTypes[2] = DataType::kFLOAT;
         outputTypes[3] = DataType::kFLOAT;
+        outputTypes[4] = DataType::kFLOAT;
         return 0;
     });
 }
@@ -199,11 +200,13 @@ int32_t DFlash2SelectorPlugin::getOutputShapes(DimsExprs const* inputs, int32_t 
         IDimensionExpr const* k = exprBuilder.constant(mAttrs.topK);
         for (int32_t o = 0; o < kNB_OUTPUTS; ++o)
         {
-            outputs[o].nbDims = o == 2 ? 3 : 2; // [B, S] / [B, S] / [B, S, K] / [B, S]
+            bool const perCandidate = o == 2 || o == 4; // path_scores, draft_probs: [B, S, K]; others [B, S]
+            outputs[o].nbDims = perCandidate ? 3 : 2;
             outputs[o].d[0] = inputs[0].d[0];
             outputs[o].d[1] = inputs[0].d[1];
+            if (perCandidate)
+                outputs[o].d[2] = k;
         }
-        outputs[2].d[2] = k;
         return 0;
     });
 }
@@ -225,8 +228,11 @@ bool DFlash2SelectorPlugin::supportsFormatCombination(
             return isFloatType(d.type);
         case 4:
         case 5: return d.type == inOut[2].desc.type;
-        case 8: // path_scores
-        case 9: return d.type == DataType::kFLOAT; // confidence
+        case 6:  // uniforms
+        case 7:  // temperature
+        case 10: // path_scores
+        case 11: // confidence
+        case 12: return d.type == DataType::kFLOAT; // draft_probs
         default: return d.type == DataType::kINT32; // cand_ids, anchor, draft_ids, path_index
         }
     });
@@ -264,10 +270,13 @@ int32_t DFlash2SelectorPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugin
         a.anchor = static_cast<int32_t const*>(inputs[3]);
         a.pred_codebook = inputs[4];
         a.succ_codebook = inputs[5];
+        a.uniforms = static_cast<float const*>(inputs[6]);
+        a.temperature = static_cast<float const*>(inputs[7]);
         a.draft_ids = static_cast<int32_t*>(outputs[0]);
         a.path_index = static_cast<int32_t*>(outputs[1]);
         a.path_scores = static_cast<float*>(outputs[2]);
         a.confidence = static_cast<float*>(outputs[3]);
+        a.draft_probs = static_cast<float*>(outputs[4]);
         a.B = inputDesc[0].dims.d[0];
         a.S = inputDesc[0].dims.d[1];
         a.K = inputDesc[0].dims.d[2];
@@ -277,6 +286,7 @@ int32_t DFlash2SelectorPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugin
         a.codebook_dtype = dtypeCode(inputDesc[2].type);
         a.output_multiplier = mAttrs.outputMultiplier;
         a.logit_softcap = mAttrs.logitSoftcap;
+        a.mode = modeCode(mAttrs.mode); // validated by parseAttributes; check_select_args rejects -1 anyway
         char err[256] = {};
         if (dflash2_check_select_args(&a, err, sizeof err) != 0)
             fail(err);

@@ -1,5 +1,5 @@
 /*
- * DFlash2Selector TensorRT plugin (IPluginV3): fused codebook pair scoring + greedy path walk.
+ * DFlash2Selector TensorRT plugin (IPluginV3): fused codebook pair scoring + path walk (greedy or sampled).
  * The contract (inputs, outputs, attributes, limits) is dflash2/ops/contract.py, mirrored in
  * DFlash2Selector_PluginConfig.yaml; README.md beside this file describes the op.
  */
@@ -15,10 +15,11 @@ namespace dflash2
 {
 
 constexpr char const* kPLUGIN_NAME = "DFlash2Selector";
-constexpr char const* kPLUGIN_VERSION = "2"; // 2: + confidence output
+constexpr char const* kPLUGIN_VERSION = "3"; // 2: + confidence output; 3: + uniforms, temperature, draft_probs
 constexpr char const* kPLUGIN_NAMESPACE = "";
-constexpr int32_t kNB_INPUTS = 6;  // cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook
-constexpr int32_t kNB_OUTPUTS = 4; // draft_ids, path_index, path_scores, confidence
+// cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, uniforms, temperature
+constexpr int32_t kNB_INPUTS = 8;
+constexpr int32_t kNB_OUTPUTS = 5; // draft_ids, path_index, path_scores, confidence, draft_probs
 
 //! Attribute values after validation (names, kinds and defaults as in the contract).
 struct SelectorAttrs
@@ -32,6 +33,9 @@ struct SelectorAttrs
 
 //! Parses and validates PluginFields; throws std::invalid_argument naming the attribute.
 SelectorAttrs parseAttributes(nvinfer1::PluginFieldCollection const* fc);
+
+//! DF2_MODE_GREEDY / DF2_MODE_SAMPLE of a mode name, -1 for any other.
+int32_t modeCode(std::string const& mode);
 
 //! "" when the input shapes fit the contract and the attributes; unknown (-1) extents are skipped.
 std::string shapeProblem(nvinfer1::Dims const* dims, int32_t nbInputs, SelectorAttrs const& attrs);

@@ -19,9 +19,9 @@ namespace
 {
 
 char const* const kInputNames[kNB_INPUTS]
-    = {"cand_logits", "cand_ids", "gate", "anchor", "pred_codebook", "succ_codebook"};
-// Symbolic dims of each input, as in the contract: B S K / B S K / B S R / B / V R / V R.
-char const* const kInputDims[kNB_INPUTS] = {"BSK", "BSK", "BSR", "B", "VR", "VR"};
+    = {"cand_logits", "cand_ids", "gate", "anchor", "pred_codebook", "succ_codebook", "uniforms", "temperature"};
+// Symbolic dims of each input, as in the contract: B S K / B S K / B S R / B / V R / V R / B S / B.
+char const* const kInputDims[kNB_INPUTS] = {"BSK", "BSK", "BSR", "B", "VR", "VR", "BS", "B"};
 
 [[noreturn]] void fail(std::string const& msg)
 {
@@ -142,9 +142,14 @@ SelectorAttrs parseAttributes(PluginFieldCollection const* fc)
         fail("attribute 'output_multiplier' expected > 0, found " + std::to_string(a.outputMultiplier));
     if (!(a.logitSoftcap >= 0.0F))
         fail("attribute 'logit_softcap' expected >= 0, found " + std::to_string(a.logitSoftcap));
-    if (a.mode != "greedy")
-        fail("attribute 'mode' expected one of ['greedy'], found " + quoted(a.mode));
+    if (modeCode(a.mode) < 0)
+        fail("attribute 'mode' expected one of ['greedy', 'sample'], found " + quoted(a.mode));
     return a;
+}
+
+int32_t modeCode(std::string const& mode)
+{
+    return mode == "greedy" ? DF2_MODE_GREEDY : mode == "sample" ? DF2_MODE_SAMPLE : -1;
 }
 
 std::string shapeProblem(Dims const* dims, int32_t nbInputs, SelectorAttrs const& attrs)
@@ -195,6 +200,9 @@ std::string typeProblem(DataType const* t, int32_t nbInputs)
     if (t[4] != t[2] || t[5] != t[2])
         return std::string("gate, pred_codebook and succ_codebook must share a dtype, found ") + typeName(t[2])
             + ", " + typeName(t[4]) + ", " + typeName(t[5]);
+    for (int32_t i : {6, 7})
+        if (t[i] != DataType::kFLOAT)
+            return std::string("input ") + kInputNames[i] + " dtype expected float32, found " + typeName(t[i]);
     return "";
 }
 

@@ -8,8 +8,11 @@
  */
 #include <NvInferRuntime.h>
 
+#include "dflash2SelectorMath.h" // Df2SelectArgs, the C ABI of the CPU twin
+
 #include <dlfcn.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -268,17 +271,21 @@ std::string serialized(IPluginV3* p)
     return out;
 }
 
-struct Io // a full set of tensor descriptions for the 6 inputs + 4 outputs
+constexpr int kIn = 8;   // cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, uniforms, temperature
+constexpr int kOut = 5;  // draft_ids, path_index, path_scores, confidence, draft_probs
+constexpr int kAll = kIn + kOut;
+
+struct Io // a full set of tensor descriptions for the 8 inputs + 5 outputs
 {
-    DynamicPluginTensorDesc d[10]{};
+    DynamicPluginTensorDesc d[kAll]{};
     Io(int64_t B, int64_t S, int64_t K, int64_t R, int64_t V, DataType tl = DataType::kHALF,
         DataType tc = DataType::kBF16)
     {
-        std::vector<std::vector<int64_t>> shapes
-            = {{B, S, K}, {B, S, K}, {B, S, R}, {B}, {V, R}, {V, R}, {B, S}, {B, S}, {B, S, K}, {B, S}};
-        DataType types[10] = {tl, DataType::kINT32, tc, DataType::kINT32, tc, tc, DataType::kINT32, DataType::kINT32,
-            DataType::kFLOAT, DataType::kFLOAT};
-        for (int i = 0; i < 10; ++i)
+        std::vector<std::vector<int64_t>> shapes = {{B, S, K}, {B, S, K}, {B, S, R}, {B}, {V, R}, {V, R}, {B, S}, {B},
+            {B, S}, {B, S}, {B, S, K}, {B, S}, {B, S, K}};
+        DataType types[kAll] = {tl, DataType::kINT32, tc, DataType::kINT32, tc, tc, DataType::kFLOAT, DataType::kFLOAT,
+            DataType::kINT32, DataType::kINT32, DataType::kFLOAT, DataType::kFLOAT, DataType::kFLOAT};
+        for (int i = 0; i < kAll; ++i)
         {
             d[i].desc.dims.nbDims = static_cast<int32_t>(shapes[i].size());
             for (size_t j = 0; j < shapes[i].size(); ++j)
@@ -359,7 +366,7 @@ int main(int argc, char** argv)
 
     // -- creator identity ------------------------------------------------------------------------
     check(std::strcmp(creator->getPluginName(), "DFlash2Selector") == 0, "creator name");
-    check(std::strcmp(creator->getPluginVersion(), "2") == 0, "creator version");
+    check(std::strcmp(creator->getPluginVersion(), "3") == 0, "creator version");
     check(std::strcmp(creator->getPluginNamespace(), "") == 0, "creator namespace");
 
     // -- a good plugin ---------------------------------------------------------------------------
@@ -377,27 +384,40 @@ int main(int argc, char** argv)
             && contains(logger.take(), "unknown capability type 7"),
         "unknown capability type: nullptr + message");
     check(std::strcmp(core->getPluginName(), "DFlash2Selector") == 0, "plugin name");
-    check(std::strcmp(core->getPluginVersion(), "2") == 0, "plugin version");
+    check(std::strcmp(core->getPluginVersion(), "3") == 0, "plugin version");
     check(std::strcmp(core->getPluginNamespace(), "") == 0, "plugin namespace");
     check(std::strcmp(build->getInterfaceInfo().kind, "PLUGIN_V3ONE_BUILD") == 0, "build interface kind");
-    check(build->getNbOutputs() == 4, "getNbOutputs == 4");
+    check(build->getNbOutputs() == kOut, "getNbOutputs == 5");
 
     // -- output dtypes -----------------------------------------------------------------------------
-    DataType outT[4];
-    DataType inT[6] = {DataType::kHALF, DataType::kINT32, DataType::kBF16, DataType::kINT32, DataType::kBF16,
-        DataType::kBF16};
-    check(build->getOutputDataTypes(outT, 4, inT, 6) == 0 && outT[0] == DataType::kINT32
-            && outT[1] == DataType::kINT32 && outT[2] == DataType::kFLOAT && outT[3] == DataType::kFLOAT,
-        "getOutputDataTypes -> int32, int32, float32, float32");
-    check(build->getOutputDataTypes(outT, 3, inT, 6) != 0 && contains(logger.take(), "expected 4 outputs, found 3"),
-        "an engine expecting the 3 outputs of plugin version 1 is rejected");
+    DataType outT[kOut];
+    DataType inT[kIn] = {DataType::kHALF, DataType::kINT32, DataType::kBF16, DataType::kINT32, DataType::kBF16,
+        DataType::kBF16, DataType::kFLOAT, DataType::kFLOAT};
+    check(build->getOutputDataTypes(outT, kOut, inT, kIn) == 0 && outT[0] == DataType::kINT32
+            && outT[1] == DataType::kINT32 && outT[2] == DataType::kFLOAT && outT[3] == DataType::kFLOAT
+            && outT[4] == DataType::kFLOAT,
+        "getOutputDataTypes -> int32, int32, float32, float32, float32");
+    check(build->getOutputDataTypes(outT, 4, inT, kIn) != 0 && contains(logger.take(), "expected 5 outputs, found 4"),
+        "an engine expecting the 4 outputs of plugin version 2 is rejected");
+    check(build->getOutputDataTypes(outT, kOut, inT, 6) != 0 && contains(logger.take(), "expected 8 inputs, found 6"),
+        "the 6 inputs of plugin version 2 are rejected");
     inT[4] = DataType::kFLOAT;
-    check(build->getOutputDataTypes(outT, 4, inT, 6) != 0, "mixed codebook dtypes rejected");
+    check(build->getOutputDataTypes(outT, kOut, inT, kIn) != 0, "mixed codebook dtypes rejected");
     check(contains(logger.take(), "must share a dtype"), "mixed dtype message");
     inT[4] = DataType::kBF16;
     inT[1] = DataType::kINT64;
-    check(build->getOutputDataTypes(outT, 4, inT, 6) != 0, "int64 cand_ids rejected");
+    check(build->getOutputDataTypes(outT, kOut, inT, kIn) != 0, "int64 cand_ids rejected");
     check(contains(logger.take(), "cand_ids dtype expected int32, found int64"), "cand_ids dtype message");
+    inT[1] = DataType::kINT32;
+    inT[6] = DataType::kHALF;
+    check(build->getOutputDataTypes(outT, kOut, inT, kIn) != 0
+            && contains(logger.take(), "uniforms dtype expected float32, found float16"),
+        "float16 uniforms rejected");
+    inT[6] = DataType::kFLOAT;
+    inT[7] = DataType::kBF16;
+    check(build->getOutputDataTypes(outT, kOut, inT, kIn) != 0
+            && contains(logger.take(), "temperature dtype expected float32, found bfloat16"),
+        "bfloat16 temperature rejected");
 
     // -- formats -----------------------------------------------------------------------------------
     for (DataType tl : {DataType::kFLOAT, DataType::kHALF, DataType::kBF16})
@@ -405,8 +425,8 @@ int main(int argc, char** argv)
         {
             Io io(2, 7, 16, 256, 1000, tl, tc);
             bool all = true;
-            for (int pos = 0; pos < 10; ++pos)
-                all = all && build->supportsFormatCombination(pos, io.d, 6, 4);
+            for (int pos = 0; pos < kAll; ++pos)
+                all = all && build->supportsFormatCombination(pos, io.d, kIn, kOut);
             check(all, "every position supported for logits/codebook dtypes " + std::to_string(int(tl)) + "/"
                     + std::to_string(int(tc)));
         }
@@ -423,74 +443,100 @@ int main(int argc, char** argv)
              Bad{4, DataType::kFLOAT, TensorFormat::kLINEAR, "pred_codebook dtype != gate dtype"},
              Bad{5, DataType::kHALF, TensorFormat::kLINEAR, "succ_codebook dtype != gate dtype"},
              Bad{3, DataType::kINT64, TensorFormat::kLINEAR, "int64 anchor"},
-             Bad{6, DataType::kFLOAT, TensorFormat::kLINEAR, "float draft_ids"},
-             Bad{8, DataType::kHALF, TensorFormat::kLINEAR, "half path_scores"},
-             Bad{9, DataType::kINT32, TensorFormat::kLINEAR, "int32 confidence"},
+             Bad{6, DataType::kHALF, TensorFormat::kLINEAR, "half uniforms"},
+             Bad{7, DataType::kINT32, TensorFormat::kLINEAR, "int32 temperature"},
+             Bad{8, DataType::kFLOAT, TensorFormat::kLINEAR, "float draft_ids"},
+             Bad{10, DataType::kHALF, TensorFormat::kLINEAR, "half path_scores"},
+             Bad{11, DataType::kINT32, TensorFormat::kLINEAR, "int32 confidence"},
+             Bad{12, DataType::kBF16, TensorFormat::kLINEAR, "bf16 draft_probs"},
              Bad{0, DataType::kHALF, TensorFormat::kCHW32, "non-linear format"}})
     {
         Io io(2, 7, 16, 256, 1000, DataType::kHALF, DataType::kBF16);
         io.d[b.pos].desc.type = b.type;
         io.d[b.pos].desc.format = b.format;
-        check(!build->supportsFormatCombination(b.pos, io.d, 6, 4), std::string("rejects ") + b.what);
+        check(!build->supportsFormatCombination(b.pos, io.d, kIn, kOut), std::string("rejects ") + b.what);
     }
     check(logger.take().empty(), "rejected combinations are not errors");
     Io io0(2, 7, 16, 256, 1000);
-    check(!build->supportsFormatCombination(10, io0.d, 6, 4), "out-of-range position rejected");
-    check(contains(logger.take(), "position 10 out of range"), "out-of-range position message");
+    check(!build->supportsFormatCombination(kAll, io0.d, kIn, kOut), "out-of-range position rejected");
+    check(contains(logger.take(), "position 13 out of range"), "out-of-range position message");
+    check(!build->supportsFormatCombination(0, io0.d, 6, 4) && contains(logger.take(), "for 6 inputs / 4 outputs"),
+        "the 6 inputs / 4 outputs of plugin version 2 rejected");
 
     // -- shapes ------------------------------------------------------------------------------------
     {
         ExprImpl impl;
         ExprBuilder eb(&impl);
         Dim batch(0, false), s7(7, true), k16(16, true), k8(8, true), r256(256, true), v1000(1000, true);
-        auto shapes = [&](IDimensionExpr const* k, DimsExprs* out) {
-            DimsExprs in[6];
+        Dim s6(6, true);
+        auto shapes = [&](IDimensionExpr const* k, DimsExprs* out, IDimensionExpr const* uniformsS) {
+            DimsExprs in[kIn];
             std::vector<std::vector<IDimensionExpr const*>> d
                 = {{&batch, &s7, k}, {&batch, &s7, k}, {&batch, &s7, &r256}, {&batch}, {&v1000, &r256},
-                    {&v1000, &r256}};
-            for (int i = 0; i < 6; ++i)
+                    {&v1000, &r256}, {&batch, uniformsS}, {&batch}};
+            for (int i = 0; i < kIn; ++i)
             {
                 in[i].nbDims = static_cast<int32_t>(d[i].size());
                 for (size_t j = 0; j < d[i].size(); ++j)
                     in[i].d[j] = d[i][j];
             }
-            return build->getOutputShapes(in, 6, nullptr, 0, out, 4, eb);
+            return build->getOutputShapes(in, kIn, nullptr, 0, out, kOut, eb);
         };
-        DimsExprs out[4];
-        check(shapes(&k16, out) == 0, "getOutputShapes succeeds: " + logger.take());
+        DimsExprs out[kOut];
+        check(shapes(&k16, out, &s7) == 0, "getOutputShapes succeeds: " + logger.take());
         check(out[0].nbDims == 2 && out[0].d[0] == &batch && out[0].d[1] == &s7, "draft_ids is [B, S]");
         check(out[1].nbDims == 2 && out[1].d[0] == &batch && out[1].d[1] == &s7, "path_index is [B, S]");
         check(out[2].nbDims == 3 && out[2].d[0] == &batch && out[2].d[2]->isConstant()
                 && out[2].d[2]->getConstantValue() == 16,
             "path_scores is [B, S, 16]");
         check(out[3].nbDims == 2 && out[3].d[0] == &batch && out[3].d[1] == &s7, "confidence is [B, S]");
-        check(shapes(&k8, out) != 0, "K=8 inputs rejected by a top_k=16 plugin");
+        check(out[4].nbDims == 3 && out[4].d[0] == &batch && out[4].d[1] == &s7 && out[4].d[2]->isConstant()
+                && out[4].d[2]->getConstantValue() == 16,
+            "draft_probs is [B, S, 16]");
+        check(shapes(&k8, out, &s7) != 0, "K=8 inputs rejected by a top_k=16 plugin");
         check(contains(logger.take(), "K of the inputs expected top_k=16, found 8"), "K mismatch message");
+        check(shapes(&k16, out, &s6) != 0 && contains(logger.take(), "dim S of input uniforms expected 7, found 6"),
+            "uniforms [B, 6] rejected when S = 7");
     }
     Io good2(2, 7, 16, 256, 1000);
-    check(build->configurePlugin(good2.d, 6, good2.d + 6, 4) == 0, "configurePlugin good: " + logger.take());
+    check(build->configurePlugin(good2.d, kIn, good2.d + kIn, kOut) == 0, "configurePlugin good: " + logger.take());
+    check(build->configurePlugin(good2.d, 6, good2.d + kIn, 4) != 0
+            && contains(logger.take(), "expected 8 inputs / 5 outputs, found 6 / 4"),
+        "configurePlugin with the 6 inputs / 4 outputs of plugin version 2 rejected");
     Io dyn(-1, 7, 16, 256, 1000);
-    check(build->configurePlugin(dyn.d, 6, dyn.d + 6, 4) == 0, "configurePlugin dynamic batch: " + logger.take());
+    check(build->configurePlugin(dyn.d, kIn, dyn.d + kIn, kOut) == 0, "configurePlugin dynamic batch: " + logger.take());
     Io badR(2, 7, 16, 128, 1000);
-    check(build->configurePlugin(badR.d, 6, badR.d + 6, 4) != 0, "configurePlugin R=128 vs rank=256 rejected");
+    check(build->configurePlugin(badR.d, kIn, badR.d + kIn, kOut) != 0, "configurePlugin R=128 vs rank=256 rejected");
     check(contains(logger.take(), "R of the inputs expected rank=256, found 128"), "rank mismatch message");
     Io badS(2, 7, 16, 256, 1000);
     badS.d[2].desc.dims.d[1] = 6;
-    check(build->configurePlugin(badS.d, 6, badS.d + 6, 4) != 0, "inconsistent S rejected");
+    check(build->configurePlugin(badS.d, kIn, badS.d + kIn, kOut) != 0, "inconsistent S rejected");
     check(contains(logger.take(), "dim S of input gate expected 7, found 6"), "inconsistent S message");
+    Io badT(2, 7, 16, 256, 1000);
+    badT.d[7].desc.dims.d[0] = 3;
+    check(build->configurePlugin(badT.d, kIn, badT.d + kIn, kOut) != 0
+            && contains(logger.take(), "dim B of input temperature expected 2, found 3"),
+        "temperature [3] rejected when B = 2");
+    Io badU(2, 7, 16, 256, 1000);
+    badU.d[6].desc.dims.nbDims = 3;
+    badU.d[6].desc.dims.d[2] = 16;
+    check(build->configurePlugin(badU.d, kIn, badU.d + kIn, kOut) != 0
+            && contains(logger.take(), "input uniforms expected rank 2 [BS], found rank 3"),
+        "uniforms of rank 3 rejected");
     std::vector<PluginTensorDesc> plain = good2.plain();
-    check(runtime->onShapeChange(plain.data(), 6, plain.data() + 6, 4) == 0, "onShapeChange good: " + logger.take());
+    check(runtime->onShapeChange(plain.data(), kIn, plain.data() + kIn, kOut) == 0,
+        "onShapeChange good: " + logger.take());
 
     // -- enqueue without touching a GPU: empty batch is a no-op, bad shapes are errors -------------
     Io empty(0, 7, 16, 256, 1000);
     std::vector<PluginTensorDesc> emptyDesc = empty.plain();
-    void const* noIn[6] = {};
-    void* noOut[4] = {};
-    check(runtime->enqueue(emptyDesc.data(), emptyDesc.data() + 6, noIn, noOut, nullptr, nullptr) == 0,
+    void const* noIn[kIn] = {};
+    void* noOut[kOut] = {};
+    check(runtime->enqueue(emptyDesc.data(), emptyDesc.data() + kIn, noIn, noOut, nullptr, nullptr) == 0,
         "enqueue with B=0 is a no-op: " + logger.take());
     Io k65(1, 7, 65, 256, 1000);
     std::vector<PluginTensorDesc> k65Desc = k65.plain();
-    check(runtime->enqueue(k65Desc.data(), k65Desc.data() + 6, noIn, noOut, nullptr, nullptr) != 0,
+    check(runtime->enqueue(k65Desc.data(), k65Desc.data() + kIn, noIn, noOut, nullptr, nullptr) != 0,
         "enqueue with K=65 fails");
     check(contains(logger.take(), "top_k=16, found 65"), "enqueue K message");
 
@@ -518,12 +564,107 @@ int main(int argc, char** argv)
     {
         auto* art = static_cast<IPluginV3OneRuntime*>(attached->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
         std::vector<PluginTensorDesc> badDesc = badR.plain();
-        check(art->onShapeChange(badDesc.data(), 6, badDesc.data() + 6, 4) != 0, "attached plugin rejects bad R");
+        check(art->onShapeChange(badDesc.data(), kIn, badDesc.data() + kIn, kOut) != 0,
+            "attached plugin rejects bad R");
         check(recorder.descs.size() == 1 && contains(recorder.descs[0], "rank=256"), "error went to the recorder");
         check(logger.take().empty(), "no logger message once a recorder is attached");
         delete attached;
     }
     delete plugin;
+
+    // -- mode "sample": created, serialized, cloned, restored; enqueue validates as in greedy mode ----
+    {
+        Fields f;
+        f.i("top_k", 16).i("rank", 256).s("mode", "sample");
+        PluginFieldCollection fc = f.fc();
+        IPluginV3* sp = creator->createPlugin("sampler", &fc, TensorRTPhase::kBUILD);
+        check(sp != nullptr, "createPlugin mode=sample: " + logger.take());
+        if (sp != nullptr)
+        {
+            std::string const want = serialized(sp);
+            check(want == "top_k=16;rank=256;output_multiplier=1;logit_softcap=0;mode=\"sample\";",
+                "sample-mode serialized fields: " + want);
+            auto* srt = static_cast<IPluginV3OneRuntime*>(sp->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+            IPluginV3* back = creator->createPlugin("sampler", srt->getFieldsToSerialize(), TensorRTPhase::kRUNTIME);
+            check(back != nullptr && serialized(back) == want, "sample-mode kRUNTIME round trip keeps mode");
+            IPluginV3* twin = sp->clone();
+            check(twin != nullptr && serialized(twin) == want, "sample-mode clone keeps mode");
+            check(srt->enqueue(emptyDesc.data(), emptyDesc.data() + kIn, noIn, noOut, nullptr, nullptr) == 0,
+                "sample-mode enqueue with B=0 is a no-op: " + logger.take());
+            check(srt->enqueue(k65Desc.data(), k65Desc.data() + kIn, noIn, noOut, nullptr, nullptr) != 0
+                    && contains(logger.take(), "top_k=16, found 65"),
+                "sample-mode enqueue with K=65 fails");
+            delete back;
+            delete twin;
+            delete sp;
+        }
+    }
+
+    // -- the library's CPU twin on a hand-built sample case (no GPU): the walk follows the sample --
+    // Row 0 (anchor 0): unary (0, ln 3), pair 0 -> q = (1/4, 3/4) at T = 1; u = 0.2 < 1/4 picks index 0,
+    // not the argmax 1. Row 1's predecessor is then token cand_ids[0][0] = 1, whose P row (0, 1) makes
+    // candidate 0 (Q row (0, 5)) score 5: greedy from there is index 0; had the walk followed the argmax
+    // (token 2, P row (1, 0)) candidate 1 (Q row (4, 0)) would win.
+    using SelectCpu = int32_t (*)(Df2SelectArgs const*, char*, size_t);
+    auto selectCpu = reinterpret_cast<SelectCpu>(dlsym(handle, "dflash2_select_path_cpu"));
+    check(selectCpu != nullptr, "plugin library exports dflash2_select_path_cpu");
+    if (selectCpu != nullptr)
+    {
+        float const logits[4] = {0.0F, std::log(3.0F), 0.0F, 0.0F};
+        int32_t const ids[4] = {1, 2, 3, 4};
+        float const gate[4] = {1.0F, 1.0F, 1.0F, 1.0F};
+        int32_t const anchor[1] = {0};
+        float const P[10] = {0, 0, 0, 1, 1, 0, 0, 0, 0, 0};
+        float const Q[10] = {0, 0, 0, 0, 0, 0, 0, 5, 4, 0};
+        float const uniforms[2] = {0.2F, 0.9F};
+        float const temperature[1] = {1.0F};
+        int32_t draftIds[2] = {-1, -1};
+        int32_t pathIndex[2] = {-1, -1};
+        float scores[4] = {};
+        float conf[2] = {};
+        float probs[4] = {};
+        Df2SelectArgs a{};
+        a.cand_logits = logits;
+        a.cand_ids = ids;
+        a.gate = gate;
+        a.anchor = anchor;
+        a.pred_codebook = P;
+        a.succ_codebook = Q;
+        a.uniforms = uniforms;
+        a.temperature = temperature;
+        a.draft_ids = draftIds;
+        a.path_index = pathIndex;
+        a.path_scores = scores;
+        a.confidence = conf;
+        a.draft_probs = probs;
+        a.B = 1;
+        a.S = 2;
+        a.K = 2;
+        a.R = 2;
+        a.V = 5;
+        a.output_multiplier = 1.0F;
+        a.mode = DF2_MODE_SAMPLE;
+        char err[256] = {};
+        check(selectCpu(&a, err, sizeof err) == 0, std::string("CPU twin sample case runs: ") + err);
+        check(pathIndex[0] == 0 && draftIds[0] == 1, "sample u=0.2 walks the non-argmax candidate 0");
+        check(std::fabs(probs[0] - 0.25F) < 1e-6F && std::fabs(probs[1] - 0.75F) < 1e-6F, "q = (1/4, 3/4)");
+        check(std::fabs(conf[0] - 0.25F) < 1e-6F, "confidence of the sampled candidate = softmax = 1/4");
+        check(scores[2] == 5.0F && scores[3] == 0.0F, "row 1 is scored from the sampled predecessor (token 1)");
+        check(pathIndex[1] == 0 && draftIds[1] == 3, "row 1 (u=0.9, q ~ (1, 0.0067)) walks index 0");
+        a.mode = DF2_MODE_GREEDY;
+        a.uniforms = nullptr;
+        a.temperature = nullptr;
+        check(selectCpu(&a, err, sizeof err) == 0, std::string("greedy mode needs no uniforms/temperature: ") + err);
+        check(pathIndex[0] == 1 && draftIds[0] == 2 && probs[0] == 0.0F && probs[1] == 1.0F,
+            "greedy walks the argmax with q one-hot");
+        check(scores[2] == 0.0F && scores[3] == 4.0F && pathIndex[1] == 1, "greedy row 1 follows token 2");
+        a.mode = DF2_MODE_SAMPLE;
+        check(selectCpu(&a, err, sizeof err) != 0 && contains(err, "tensor uniforms is NULL"),
+            "sample mode with NULL uniforms rejected");
+        a.mode = 2;
+        check(selectCpu(&a, err, sizeof err) != 0 && contains(err, "mode code expected 0 (greedy) or 1 (sample), found 2"),
+            "unknown mode code rejected");
+    }
 
     // -- bad or missing attributes: nullptr + a message naming the attribute ---------------------
     struct BadAttrs
@@ -544,7 +685,11 @@ int main(int argc, char** argv)
     add("softcap -1", Fields().i("top_k", 16).i("rank", 256).f("logit_softcap", -1.0F),
         "attribute 'logit_softcap' expected >= 0");
     add("mode beam", Fields().i("top_k", 16).i("rank", 256).s("mode", "beam"),
-        "attribute 'mode' expected one of ['greedy'], found 'beam'");
+        "attribute 'mode' expected one of ['greedy', 'sample'], found 'beam'");
+    add("mode Sample", Fields().i("top_k", 16).i("rank", 256).s("mode", "Sample"),
+        "attribute 'mode' expected one of ['greedy', 'sample'], found 'Sample'");
+    add("mode empty", Fields().i("top_k", 16).i("rank", 256).s("mode", ""),
+        "attribute 'mode' expected one of ['greedy', 'sample'], found ''");
     add("unknown", Fields().i("top_k", 16).i("rank", 256).i("temperature", 1), "unknown attribute 'temperature'");
     add("float top_k", Fields().f("top_k", 16.0F).i("rank", 256), "attribute 'top_k' expected an INT32 field");
     add("int multiplier", Fields().i("top_k", 16).i("rank", 256).i("output_multiplier", 2),
