@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -73,6 +74,29 @@ def test_cpp_fields_match_contract(driver: Path, plugin_lib: Path):
     assert got["fields"] == [{"name": a.name, "type": FIELD_TYPES[a.kind]} for a in C.ATTRIBUTES]
     defaults = {a.name: a.default for a in C.ATTRIBUTES if a.default is not None}
     assert {k: got["serialized_defaults"][k] for k in defaults} == defaults
+    assert got["nb_outputs"] == len(C.OUTPUTS)
+    mode = next(a for a in C.ATTRIBUTES if a.name == "mode")
+    assert got["modes_accepted"] == list(mode.allowed) == list(C.MODES)
+
+
+def test_cpp_tensor_lists_match_contract():
+    """The C++ input table (names, symbolic dims), IO counts and the C ABI struct's pointer fields follow
+    contract.INPUTS / OUTPUTS in order (the lifecycle driver then checks the behaviour)."""
+    rules = (PLUGIN_DIR / "dflash2SelectorRules.cpp").read_text()
+    header = (PLUGIN_DIR / "dflash2SelectorPlugin.h").read_text()
+    math_h = (PLUGIN_DIR / "dflash2SelectorMath.h").read_text()
+    names = re.search(r"kInputNames\[kNB_INPUTS\]\s*=\s*\{([^}]*)\}", rules).group(1)
+    assert re.findall(r'"(\w+)"', names) == C.input_names()
+    dims = re.search(r"kInputDims\[kNB_INPUTS\]\s*=\s*\{([^}]*)\}", rules).group(1)
+    assert re.findall(r'"(\w+)"', dims) == ["".join(t.dims) for t in C.INPUTS]
+    assert int(re.search(r"kNB_INPUTS = (\d+);", header).group(1)) == len(C.INPUTS)
+    assert int(re.search(r"kNB_OUTPUTS = (\d+);", header).group(1)) == len(C.OUTPUTS)
+    assert re.search(r'kPLUGIN_VERSION = "(\w+)"', header).group(1) == C.PLUGIN_VERSION
+    struct = re.search(r"typedef struct Df2SelectArgs \{(.*?)\} Df2SelectArgs;", math_h, re.S).group(1)
+    pointers = re.findall(r"\*\s*(\w+);", struct)
+    assert pointers == C.input_names() + C.output_names()
+    modes = re.search(r"enum \{ DF2_MODE_GREEDY = 0, DF2_MODE_SAMPLE = 1 \};", math_h)
+    assert modes is not None and C.MODES == ("greedy", "sample")
 
 
 def test_plugin_library_exports_tensorrt_entry_points(plugin_lib: Path):

@@ -15,8 +15,9 @@ from dflash2.native.selector import select_path_cpu
 
 
 def random_inputs(B: int, S: int, K: int, R: int, V: int, codebook_dtype: str = "float32",
-                  logits_dtype: str = "float32", seed: int = 0) -> dict[str, np.ndarray]:
-    """Random op inputs (ids distinct per row, like top-K) as numpy arrays in the given dtypes."""
+                  logits_dtype: str = "float32", seed: int = 0, temperature: float = 1.0) -> dict[str, np.ndarray]:
+    """Random op inputs (ids distinct per row, like top-K) as numpy arrays in the given dtypes;
+    uniforms in [0, 1), every batch row at `temperature` (both read by mode "sample" only)."""
     rng = np.random.default_rng(seed)
 
     def floats(shape, dtype, scale=1.0):
@@ -30,7 +31,8 @@ def random_inputs(B: int, S: int, K: int, R: int, V: int, codebook_dtype: str = 
     return {"cand_logits": floats((B, S, K), logits_dtype, 4.0), "cand_ids": ids,
             "gate": floats((B, S, R), codebook_dtype, 1.0 / np.sqrt(R)),
             "anchor": rng.integers(0, V, size=B, dtype=np.int32),
-            "pred_codebook": floats((V, R), codebook_dtype), "succ_codebook": floats((V, R), codebook_dtype)}
+            "pred_codebook": floats((V, R), codebook_dtype), "succ_codebook": floats((V, R), codebook_dtype),
+            "uniforms": rng.random((B, S), dtype=np.float32), "temperature": np.full(B, temperature, np.float32)}
 
 
 def _time_us(fn, repeats: int = 7, min_seconds: float = 0.05) -> float:

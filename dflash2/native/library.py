@@ -21,7 +21,7 @@ from dflash2.errors import Dflash2Error
 PLUGIN_LIB = "libdflash2_plugins.so"
 CPU_LIB = "libdflash2_selector_cpu.so"
 ENV_VAR = "DFLASH2_PLUGIN_LIB"
-ABI_VERSION = 2  # 2: Df2SelectArgs.confidence
+ABI_VERSION = 3  # 2: Df2SelectArgs.confidence; 3: + uniforms, temperature, draft_probs, mode
 BUILD_HINT = ("build it from the repository root with `bash plugins/build.sh` (CPU twin only: "
               "`DFLASH2_CPU_ONLY=1 bash plugins/build.sh`), or set DFLASH2_PLUGIN_LIB to the built "
               "libdflash2_plugins.so or its folder")

@@ -359,7 +359,21 @@ int main(int argc, char** argv)
         std::printf("], \"serialized_defaults\": {");
         for (int32_t i = 0; i < ser->nbFields; ++i)
             std::printf("%s\"%s\": %s", i ? ", " : "", ser->fields[i].name, fieldValue(ser->fields[i]).c_str());
-        std::printf("}}\n");
+        auto* bld = static_cast<IPluginV3OneBuild*>(p->getCapabilityInterface(PluginCapabilityType::kBUILD));
+        std::printf("}, \"nb_outputs\": %d, \"modes_accepted\": [", bld->getNbOutputs());
+        // which of these mode names createPlugin takes (the test compares with contract.MODES)
+        int shown = 0;
+        for (char const* mode : {"greedy", "sample", "beam", "top_p", "Greedy", ""})
+        {
+            Fields m;
+            m.i("top_k", 16).i("rank", 256).s("mode", mode);
+            PluginFieldCollection mfc = m.fc();
+            IPluginV3* mp = creator->createPlugin("dump", &mfc, TensorRTPhase::kBUILD);
+            if (mp != nullptr)
+                std::printf("%s\"%s\"", shown++ ? ", " : "", mode);
+            delete mp;
+        }
+        std::printf("]}\n");
         delete p;
         return 0;
     }
