@@ -92,7 +92,7 @@ def test_cpp_tensor_lists_match_contract():
     assert int(re.search(r"kNB_INPUTS = (\d+);", header).group(1)) == len(C.INPUTS)
     assert int(re.search(r"kNB_OUTPUTS = (\d+);", header).group(1)) == len(C.OUTPUTS)
     assert re.search(r'kPLUGIN_VERSION = "(\w+)"', header).group(1) == C.PLUGIN_VERSION
-    struct = re.search(r"typedef struct Df2SelectArgs \{(.*?)\} Df2SelectArgs;", math_h, re.S).group(1)
+    struct = re.search(r"typedef struct Df2SelectArgs \{(.*?)\} Df2SelectArgs;", math_h, re.DOTALL).group(1)
     pointers = re.findall(r"\*\s*(\w+);", struct)
     assert pointers == C.input_names() + C.output_names()
     modes = re.search(r"enum \{ DF2_MODE_GREEDY = 0, DF2_MODE_SAMPLE = 1 \};", math_h)
