@@ -1,4 +1,4 @@
-"""The greedy speculative loop, written once for every backend (PyTorch reference, ONNX Runtime,
+"""The speculative loop, written once for every backend (PyTorch reference, ONNX Runtime,
 TensorRT). No torch: it moves token ids; the backend owns tensors, caches and write pointers.
 
     t = prefill(prompt)                              # first token + context rows of the prompt
@@ -9,6 +9,8 @@ TensorRT). No torch: it moves token ids; the backend owns tensors, caches and wr
           commit(acc + 1)                            # KV keeps anchor + accepted; rest: pointer rollback
           emit d[:acc] + [p[acc]]; t = p[acc]        # the bonus becomes the next anchor
 Whatever the schedule chooses, the output is the target's greedy continuation (lossless).
+At T > 0 (dflash2.sampling) the drafter samples with seeded uniforms and acc / the bonus come from
+rejection sampling on the verified rows' logits: the output has the target-only sampling distribution.
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from dflash2.sampling import DRAFT, TOKEN, Sampling, draw, process, uniform, uniforms, verify_round
+
 
 class SpecBackend(Protocol):
     """draft() may also leave `confidence` [S] (the drafter's per-position confidence) on the backend.
-    verify + commit without a draft in between keep the context rows pending for the next draft."""
+    verify + commit without a draft in between keep the context rows pending for the next draft.
+    Sampling reads `logits` [min(n, B), V] fp32 (the last target call's last rows) and, after a draft
+    with uniforms, `draft_q` = (candidate ids [S, K], q [S, K]) or None (q one-hot at the draft)."""
 
     block_size: int  # B; S = B - 1 drafts per round
 
     def prefill(self, ids: Sequence[int]) -> int: ...
 
-    def draft(self, anchor: int) -> Sequence[int]: ...
+    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> Sequence[int]:
+        ...
 
     def verify(self, tokens: Sequence[int]) -> Sequence[int]: ...
 
@@ -170,17 +177,23 @@ def _take(new: list[int], out: list[int], max_new: int, eos: frozenset[int]) -> 
 
 def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
              speculative: bool = True, on_tokens: Callable[[list[int]], bool] | None = None,
-             draft_len: int | None = None, schedule: DraftSchedule | None = None) -> Generation:
-    """Greedy generation; `on_tokens(new)` streams each accepted run and may return True to stop.
+             draft_len: int | None = None, schedule: DraftSchedule | None = None,
+             sampling: Sampling | None = None) -> Generation:
+    """Speculative generation; `on_tokens(new)` streams each accepted run and may return True to stop.
     schedule: decides per round whether to draft and how many drafts to verify (the runtime's
-    `AutoSchedule`); without one, draft_len drafts every round (default all S = block_size - 1)."""
+    `AutoSchedule`); without one, draft_len drafts every round (default all S = block_size - 1).
+    sampling at T > 0: drafts are accepted by rejection sampling against the target's processed
+    distribution (dflash2.sampling), so the output has the target-only sampling distribution."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens expected >= 1, found {max_new_tokens}")
     schedule = schedule or FixedSchedule(check_draft_len(draft_len, backend.block_size))
+    sampler = None if sampling is None or sampling.greedy else sampling
     stats, eos, clock = Stats(backend.block_size, len(prompt)), frozenset(eos_ids), time.perf_counter
     out: list[int] = []
     t0 = clock()
     t = backend.prefill(prompt)
+    if sampler:
+        t = _sample_next(backend, sampler, len(prompt))
     stats.times["prefill"] = clock() - t0
     new, reason = _take([t], out, max_new_tokens, eos)
     while True:
@@ -189,30 +202,57 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
             reason = reason or "stop"
         if reason:
             break
+        at = len(prompt) + len(out) - 1  # absolute position of the anchor t
         if speculative:
             t1 = clock()
             drafted = schedule.wants_draft()
-            drafts = [int(d) for d in backend.draft(t)] if drafted else []  # [S] or none
+            drafts = [int(d) for d in _draft(backend, t, at, sampler)] if drafted else []  # [S] or none
             k = schedule.choose(getattr(backend, "confidence", None) if drafted else None, len(drafts))
             t2 = clock()
-            preds = [int(p) for p in backend.verify([t, *drafts[:k]])]  # [k+1]
+            preds = [int(p) for p in backend.verify([t, *drafts[:k]])]  # [k+1] target argmax
             t3 = clock()
-            acc = accepted_prefix(drafts[:k], preds)
+            if sampler:  # rejection sampling on the verified rows' logits
+                acc, bonus = verify_round(backend.logits[-(k + 1):], drafts[:k], *_draft_q(backend, drafted), at,
+                                          sampler)
+            else:
+                acc = accepted_prefix(drafts[:k], preds)
+                bonus = preds[acc]
             backend.commit(acc + 1)
             schedule.observe(Round(drafted, k, acc, t2 - t1, t3 - t2))
-            new, reason = _take([*drafts[:acc], preds[acc]], out, max_new_tokens, eos)
+            new, reason = _take([*drafts[:acc], bonus], out, max_new_tokens, eos)
             stats.times["draft"] += t2 - t1
             stats.times["verify"] += t3 - t2
             stats.accepted.append(acc)
             stats.verified.append(k)
             stats.skipped.append(not drafted)
             stats.emitted.append(len(new))
-            t = preds[acc]
+            t = bonus
         else:
             t1 = clock()
             t = backend.decode(t)
+            if sampler:
+                t = _sample_next(backend, sampler, at + 1)
             stats.times["decode"] += clock() - t1
             new, reason = _take([t], out, max_new_tokens, eos)
     stats.times["total"] = clock() - t0
     stats.new_tokens = len(out)
     return Generation(out, stats, reason)
+
+
+def _sample_next(backend: SpecBackend, s: Sampling, position: int) -> int:
+    """Target-only sampling of the token at `position` from the last target call's last logits row."""
+    return draw(process(backend.logits[-1], s), uniform(s.seed, position, TOKEN))
+
+
+def _draft(backend: SpecBackend, anchor: int, at: int, s: Sampling | None) -> Sequence[int]:
+    if s is None:
+        return backend.draft(anchor)
+    S = backend.block_size - 1  # row j drafts position at + 1 + j
+    return backend.draft(anchor, uniforms(s.seed, at + 1, S, DRAFT), s.temperature)
+
+
+def _draft_q(backend: SpecBackend, drafted: bool):
+    """(candidate ids [S, K], q [S, K]) of the last sampled draft, or (None, None): q one-hot at each
+    draft (DFlash v1's top-1; nothing drafted)."""
+    q = getattr(backend, "draft_q", None) if drafted else None
+    return q if q is not None else (None, None)

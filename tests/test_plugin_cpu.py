@@ -68,9 +68,6 @@ def to_torch(a: np.ndarray) -> torch.Tensor:
 
 def reference(x: dict, **attrs) -> list[np.ndarray]:
     op = torch.ops.dflash2.select_path
-    if "uniforms" not in [a.name for a in op.default._schema.arguments]:
-        # Only while the torch op (dflash2/reference/selector.py, the lead's half of issue 17) is contract v2.
-        pytest.skip("torch.ops.dflash2.select_path is still contract v2 on this branch (no uniforms input)")
     out = op(**{k: to_torch(v) for k, v in x.items()}, **attrs)
     return [o.numpy() for o in out]
 

@@ -24,7 +24,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV capacity the runtime allocates (default 2048; at most the target's max_position_embeddings)")
     p.add_argument("--beyond-max-positions", action="store_true",
                    help="allow --max-seq-len past the target's max_position_embeddings")
-    p.add_argument("--logits", action="store_true", help="target.onnx also emits fp32 logits [n, V]")
     p.add_argument("--no-fuse-context", action="store_true",
                    help="target emits raw taps; the drafter applies fc + hidden_norm itself")
     p.add_argument("--full-vocab", action="store_true",
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.quantize is not None:
             quant = OrtQuant(a.quantize, a.quant_block_size or 32, a.quant_accuracy_level, lm_head=not a.quant_keep_head,
                              drafter=not a.quant_target_only, fuse=not a.quant_no_fuse)
-        m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, a.logits, not a.no_fuse_context, a.quiet,
+        m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, not a.no_fuse_context, a.quiet,
                    a.full_vocab, a.beyond_max_positions, quantize=quant)
     except Dflash2Error as e:
         print(f"dflash2-export: error: {e}", file=sys.stderr)

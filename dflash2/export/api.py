@@ -53,7 +53,7 @@ def tool_versions() -> dict[str, str]:
 
 
 def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
-           max_seq_len: int = 2048, force: bool = False, emit_logits: bool = False, fuse_context: bool = True,
+           max_seq_len: int = 2048, force: bool = False, fuse_context: bool = True,
            quiet: bool = False, full_vocab: bool = False, beyond_max_positions: bool = False,
            quantize: qz.OrtQuant | qdq.TrtQuant | None = None) -> mf.ExportManifest:
     """Returns the manifest written. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
@@ -74,7 +74,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     with progress.step("loading and checking the checkpoints"):
         target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype), use_draft_vocab=not full_vocab)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
-        manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context, progress,
+        manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context, progress,
                               quantize)
         raise_if_failed([f for v in manifest.validation.values() for f in v.failures])
         manifest.sources = mf.Sources(drafter=str(Path(drafter_dir).absolute()), target=str(Path(target_dir).absolute()))
@@ -122,10 +122,10 @@ def _draft_vocab_entry(drafter, drafter_dir) -> mf.DraftVocab | None:
                          why="the drafter's LM head covers only these ids; the target still verifies over all")
 
 
-def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, emit_logits, fuse_context,
+def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                progress, quantize=None) -> mf.ExportManifest:
     graphs, validation, quantized = {}, {}, {}
-    for spec in graph_specs(target, drafter, fuse_context, emit_logits):
+    for spec in graph_specs(target, drafter, fuse_context):
         with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
             t0 = time.perf_counter()
             model = tr.trace(spec, max_seq_len)

@@ -12,32 +12,39 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dflash2.ops import contract as C
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target
 
 
 class TargetGraph(nn.Module):
-    """ids [n] int32, past_kv [P, L, 2, kv, hd] -> next_ids [n] int32, context [n, C], new_kv [n, ...]
-    (+ logits [n, V] fp32). context = drafter fc + hidden_norm of the taps when fused."""
+    """ids [n] int32, past_kv [P, L, 2, kv, hd] -> next_ids [n] int32, context [n, C], new_kv [n, ...],
+    logits [min(n, B), V] fp32. context = drafter fc + hidden_norm of the taps when fused.
+    logits: the LAST B rows only (B = block size), what sampling reads: every verified row of a round
+    (n <= B) and the last prompt row of a prefill; a slice of the tensor the argmax reads anyway, so
+    the greedy path pays one copy of at most B rows, and no buffer grows with the prompt."""
 
-    def __init__(self, target: Target, drafter: Drafter, fuse_context: bool = True, emit_logits: bool = False):
+    def __init__(self, target: Target, drafter: Drafter, fuse_context: bool = True):
         super().__init__()
-        self.target, self.drafter, self.fuse, self.emit_logits = target, drafter, fuse_context, emit_logits
+        self.target, self.drafter, self.fuse = target, drafter, fuse_context
+        self.block_size = drafter.config.block_size
 
     def forward(self, input_ids: torch.Tensor, past_kv: torch.Tensor, past_len: torch.Tensor | None = None):
         # past_len given (the TensorRT flavour): past_kv is the whole KV buffer, rows >= past_len masked
         logits, taps, new_kv = self.target(input_ids.long(), past_kv, past_len)
         logits = logits.float()  # argmax over fp32: one rule whatever the graph dtype
         context = self.drafter.context(taps) if self.fuse else taps
-        out = (logits.argmax(-1).to(torch.int32), context, new_kv)
-        return out + (logits,) if self.emit_logits else out
+        return logits.argmax(-1).to(torch.int32), context, new_kv, logits[-self.block_size:]
 
 
 class DrafterGraph(nn.Module):
-    """context [n, C], past_ctx_kv [P, Ld, 2, kv, hd], anchor [1] int32
-    -> draft_ids [S] int32 (, cand_ids [S, K] int32 for DFlash2), confidence [S] fp32,
-       new_ctx_kv [n, Ld, 2, kv, hd].  confidence: v2 the selector's (walked candidate's softmax
-       probability in its score row), v1 the top-1 probability; the runtime's draft-length policy reads it."""
+    """context [n, C], past_ctx_kv [P, Ld, 2, kv, hd], anchor [1] int32 (, uniforms [S] fp32,
+    temperature [1] fp32 for DFlash2) -> draft_ids [S] int32 (, cand_ids [S, K] int32 for DFlash2),
+       confidence [S] fp32 (, draft_probs [S, K] fp32 for DFlash2), new_ctx_kv [n, Ld, 2, kv, hd].
+    confidence: v2 the selector's (walked candidate's softmax probability in its score row), v1 the
+    top-1 probability; the runtime's draft-length policy reads it. DFlash2's selector runs in mode
+    "sample": temperature 0 is the greedy walk, > 0 samples each row with its uniform and returns q
+    as draft_probs. v1 drafts its top-1 at every temperature (q one-hot, built by the runtime)."""
 
     def __init__(self, drafter: Drafter, fused_context: bool = True):
         super().__init__()
@@ -45,15 +52,15 @@ class DrafterGraph(nn.Module):
 
     def forward(self, context: torch.Tensor, past_ctx_kv: torch.Tensor, anchor: torch.Tensor,
                 past_len: torch.Tensor | None = None):
+        hidden, new_kv = self._hidden(context, past_ctx_kv, anchor, past_len)
+        out = self.drafter.propose(hidden, anchor)
+        return out["draft_ids"], out["confidence"], new_kv
+
+    def _hidden(self, context, past_ctx_kv, anchor, past_len):
         c = context if self.fused else self.drafter.context(context)
         if past_len is None:
-            hidden, new_kv = self.drafter(c, past_ctx_kv, anchor.long())
-        else:
-            hidden, new_kv = self._fixed(c, past_ctx_kv, anchor.long(), past_len.reshape(1).long())
-        out = self.drafter.propose(hidden, anchor)
-        if self.drafter.config.version == 1:
-            return out["draft_ids"], out["confidence"], new_kv
-        return out["draft_ids"], out["cand_ids"], out["confidence"], new_kv
+            return self.drafter(c, past_ctx_kv, anchor.long())
+        return self._fixed(c, past_ctx_kv, anchor.long(), past_len.reshape(1).long())
 
     def _fixed(self, c, cache, anchor, start):
         """Drafter.forward over the whole context-KV buffer [cap, ...]: rows >= start are stale and get a
@@ -67,6 +74,17 @@ class DrafterGraph(nn.Module):
         return hidden[0, 1:], new_kv
 
 
+class SamplingDrafterGraph(DrafterGraph):
+    """The DFlash2 drafter graph: + uniforms [S] fp32, temperature [1] fp32 in; + draft_probs [S, K] out."""
+
+    def forward(self, context: torch.Tensor, past_ctx_kv: torch.Tensor, anchor: torch.Tensor,
+                uniforms: torch.Tensor, temperature: torch.Tensor, past_len: torch.Tensor | None = None):
+        hidden, new_kv = self._hidden(context, past_ctx_kv, anchor, past_len)
+        out = self.drafter.propose_batch(hidden[None], anchor.reshape(1), uniforms.reshape(1, -1),
+                                         temperature.reshape(1))
+        return out["draft_ids"][0], out["cand_ids"][0], out["confidence"][0], out["draft_probs"][0], new_kv
+
+
 class SelectorGraph(nn.Module):
     """The selector alone with the drafter's real codebooks: [B, S, K] candidates -> walked path."""
 
@@ -77,9 +95,10 @@ class SelectorGraph(nn.Module):
                           output_multiplier=c.output_multiplier, logit_softcap=c.logit_softcap)
         self.pred_codebook, self.succ_codebook = sel.predecessor_codebook, sel.successor_codebook
 
-    def forward(self, cand_logits, cand_ids, gate, anchor):
+    def forward(self, cand_logits, cand_ids, gate, anchor, uniforms, temperature):
         return torch.ops.dflash2.select_path(cand_logits, cand_ids, gate, anchor, self.pred_codebook,
-                                             self.succ_codebook, **self.attrs)
+                                             self.succ_codebook, uniforms, temperature, **self.attrs,
+                                             mode="sample")
 
 
 @dataclass
@@ -99,8 +118,7 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True,
-                emit_logits: bool = False) -> list[GraphSpec]:
+def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True) -> list[GraphSpec]:
     tc, dc = target.config, drafter.config
     dtype = target.embed_tokens.weight.dtype
     S, V = dc.num_drafts, tc.vocab_size
@@ -116,27 +134,37 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True,
             _, _, past, *_ = TargetGraph(target, drafter)(prompt, kv(0))
         return [{"input_ids": prompt, "past_kv": kv(0)}, {"input_ids": verify, "past_kv": past}]
 
+    v2 = dc.version == 2
+    graph = (SamplingDrafterGraph if v2 else DrafterGraph)(drafter, fuse_context)
+    # DFlash2's sampling inputs: step 0 greedy (temperature 0), step 1 sampling at 0.8
+    sampling = [{"uniforms": torch.rand(S, generator=_gen(3)), "temperature": torch.tensor([t])} for t in (0.0, 0.8)]
+
     def drafter_feeds():
         g = _gen(1)
         c0 = torch.randn(9, ctx_width, generator=g).to(dtype)
         c1 = torch.randn(3, ctx_width, generator=g).to(dtype)
         anchor = torch.randint(0, V, (1,), generator=g, dtype=torch.int32)
+        extra = sampling if v2 else [{}, {}]
         with torch.no_grad():
-            past = DrafterGraph(drafter, fuse_context)(c0, ckv(0), anchor)[-1]
-        return [{"context": c0, "past_ctx_kv": ckv(0), "anchor": anchor},
-                {"context": c1, "past_ctx_kv": past, "anchor": anchor + 1}]
+            past = graph(c0, ckv(0), anchor, *extra[0].values())[-1]
+        return [{"context": c0, "past_ctx_kv": ckv(0), "anchor": anchor, **extra[0]},
+                {"context": c1, "past_ctx_kv": past, "anchor": anchor + 1, **extra[1]}]
 
-    t_out = ["next_ids", "context", "new_kv"] + (["logits"] if emit_logits else [])
-    d_out = (["draft_ids", "confidence", "new_ctx_kv"] if dc.version == 1
-             else ["draft_ids", "cand_ids", "confidence", "new_ctx_kv"])
+    t_out = ["next_ids", "context", "new_kv", "logits"]
+    d_in = ["context", "past_ctx_kv", "anchor"] + (["uniforms", "temperature"] if v2 else [])
+    d_out = (["draft_ids", "confidence", "new_ctx_kv"] if not v2
+             else ["draft_ids", "cand_ids", "confidence", "draft_probs", "new_ctx_kv"])
+    d_example = (torch.zeros(5, ctx_width, dtype=dtype), ckv(3), torch.tensor([1], dtype=torch.int32))
+    if v2:
+        d_example += tuple(sampling[1].values())
     specs = [
-        GraphSpec("target", TargetGraph(target, drafter, fuse_context, emit_logits), ["input_ids", "past_kv"], t_out,
+        GraphSpec("target", TargetGraph(target, drafter, fuse_context), ["input_ids", "past_kv"], t_out,
                   {"input_ids": {0: "n"}, "past_kv": {0: "past"}},
                   (torch.arange(5, dtype=torch.int32), kv(3)), target_feeds),
-        GraphSpec("drafter", DrafterGraph(drafter, fuse_context), ["context", "past_ctx_kv", "anchor"], d_out,
-                  {"context": {0: "n"}, "past_ctx_kv": {0: "past"}, "anchor": {}},
-                  (torch.zeros(5, ctx_width, dtype=dtype), ckv(3), torch.tensor([1], dtype=torch.int32)),
-                  drafter_feeds, has_selector=dc.version == 2),
+        GraphSpec("drafter", graph, d_in, d_out,
+                  {"context": {0: "n"}, "past_ctx_kv": {0: "past"}, "anchor": {},
+                   **({"uniforms": {}, "temperature": {}} if v2 else {})},
+                  d_example, drafter_feeds, has_selector=v2),
     ]
     for spec in specs:
         spec.tensorrt = fixed_shapes(spec)
@@ -151,14 +179,17 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True,
                 logits, _ = torch.sort(torch.randn(B, S, K, generator=g) * 3, dim=-1, descending=True)
                 out.append({"cand_logits": logits, "cand_ids": ids.int(),
                             "gate": torch.randn(B, S, R, generator=g).to(dtype),
-                            "anchor": torch.randint(0, V, (B,), generator=g, dtype=torch.int32)})
+                            "anchor": torch.randint(0, V, (B,), generator=g, dtype=torch.int32),
+                            "uniforms": torch.rand(B, S, generator=g),
+                            "temperature": torch.tensor([0.0, 0.7, 1.5][:B])})  # greedy and sampled rows
             return out
 
         ex = selector_feeds()[1]
         specs.append(GraphSpec("selector", SelectorGraph(drafter), list(ex),
-                               ["draft_ids", "path_index", "path_scores", "confidence"],
+                               C.output_names(),
                                {"cand_logits": {0: "batch"}, "cand_ids": {0: "batch"}, "gate": {0: "batch"},
-                                "anchor": {0: "batch"}}, tuple(ex.values()), selector_feeds, has_selector=True))
+                                "anchor": {0: "batch"}, "uniforms": {0: "batch"}, "temperature": {0: "batch"}},
+                               tuple(ex.values()), selector_feeds, has_selector=True))
     return specs
 
 

@@ -67,9 +67,12 @@ def selector_node(inputs: list[str], outputs: list[str], attrs: dict, name: str 
                             plugin_version=C.PLUGIN_VERSION, plugin_namespace=C.PLUGIN_NAMESPACE, **a)
 
 
-def selector_function(S: int, opset: int = 18) -> onnx.FunctionProto:
+def selector_function(S: int, opset: int = 18, mode: str = "greedy") -> onnx.FunctionProto:
     """Standard-op body of the op, unrolled over the S draft positions of this model.
-    `opset` must equal the default-domain opset of the model that holds the function."""
+    `opset` must equal the default-domain opset of the model that holds the function; `mode` is the
+    node's (a function body cannot branch on a string attribute, so each mode has its own body)."""
+    if mode not in C.MODES:
+        raise ValueError(f"{C.OP_NAME}: mode expected one of {C.MODES}, found {mode!r}")
     nodes: list[onnx.NodeProto] = []
 
     def n(op: str, ins: list[str], out: str, **kw) -> str:
@@ -84,11 +87,13 @@ def selector_function(S: int, opset: int = 18) -> onnx.FunctionProto:
         nodes.append(onnx.NodeProto(op_type="Constant", output=[name], attribute=[a]))
         return name
 
-    cand_logits, cand_ids, gate, anchor, pcb, scb = C.input_names()
+    cand_logits, cand_ids, gate, anchor, pcb, scb, uniforms, temperature = C.input_names()
     mult = ref_const("mult", "output_multiplier", onnx.AttributeProto.FLOAT)
     cap = ref_const("cap", "logit_softcap", onnx.AttributeProto.FLOAT)
     zero = const("zero_f", np.float32(0.0))
+    one_f = const("one_f", np.float32(1.0))
     ninf = const("ninf", np.float32(-np.inf))
+    pinf = const("pinf", np.float32(np.inf))
     # unary: softcap(mult * logits) in fp32                                    # [B, S, K]
     u0 = n("Mul", [n("Cast", [cand_logits], "lg32", to=TensorProto.FLOAT), mult], "u0")
     capped = n("Mul", [n("Tanh", [n("Div", [u0, cap], "u_div")], "u_tanh"), cap], "u_cap")
@@ -96,9 +101,9 @@ def selector_function(S: int, opset: int = 18) -> onnx.FunctionProto:
     ids = n("Cast", [cand_ids], "ids64", to=TensorProto.INT64)  # [B, S, K]
     shape = n("Shape", [ids], "ids_shape")
     one = const("one_i", np.array([1], np.int64))
-    b_1_k = n("Concat", [n("Slice", [shape, const("s0", np.array([0], np.int64)), one], "b_dim"), one,
-                         n("Slice", [shape, const("s2", np.array([2], np.int64)),
-                                     const("s3", np.array([3], np.int64))], "k_dim")], "b1k", axis=0)
+    k_dim = n("Slice", [shape, const("s2", np.array([2], np.int64)), const("s3", np.array([3], np.int64))], "k_dim")
+    b_1_k = n("Concat", [n("Slice", [shape, const("s0", np.array([0], np.int64)), one], "b_dim"), one, k_dim],
+              "b1k", axis=0)
     anc = n("Expand", [n("Unsqueeze", [n("Cast", [anchor], "anc64", to=TensorProto.INT64),
                                        const("ax12", np.array([1, 2], np.int64))], "anc_u"), b_1_k], "anc_e")
     prev_ids = n("Slice", [ids, const("st0", np.array([0], np.int64)), const("en_1", np.array([-1], np.int64)),
@@ -111,37 +116,77 @@ def selector_function(S: int, opset: int = 18) -> onnx.FunctionProto:
     pair = n("MatMul", [n("Mul", [P, g], "Pg"), n("Transpose", [Q], "QT", perm=[0, 1, 3, 2])], "pair")
     raw = n("Add", [n("Unsqueeze", [unary, const("ax2b", np.array([2], np.int64))], "u_u"), pair], "raw")
     scores = n("Where", [n("IsNaN", [raw], "isnan"), ninf, raw], "scores")  # [B, S, K, K]
-    # greedy walk, unrolled: idx_s = argmax_c scores[:, s, idx_{s-1}, c]
+    # the walk, unrolled: row_s = scores[:, s, idx_{s-1}, :]; idx_s, q_s = contract.walk_row(row_s, T, u_s)
+    T3 = n("Unsqueeze", [temperature, const("ax12t", np.array([1, 2], np.int64))], "T3")  # [B, 1, 1]
+    safe_T = n("Where", [n("Greater", [T3, zero], "T_pos"), T3, one_f], "T_safe")  # greedy rows ignore it
+    ar_K = n("Range", [const("r0", np.int64(0)), n("Squeeze", [k_dim], "k_sc"), const("r1", np.int64(1))], "ar_K")
     prev = n("ConstantOfShape", [b_1_k], "prev0", value=helper.make_tensor("z", TensorProto.INT64, [1], [0]))
-    drafts, idxs, rows = [], [], []
+    drafts, idxs, rows, probs = [], [], [], []
     for s in range(S):
         sc = n("Gather", [scores, const(f"s{s}_i", np.array(s, np.int64))], f"sc{s}", axis=1)  # [B, K, K]
         row = n("GatherElements", [sc, prev], f"row{s}", axis=1)  # [B, 1, K]
-        idx = n("ArgMax", [row], f"idx{s}", axis=2, keepdims=1)  # [B, 1, 1], first max
+        greedy = n("ArgMax", [row], f"gidx{s}", axis=2, keepdims=1)  # [B, 1, 1], first max (all -inf: 0)
+        if mode == "sample":
+            idx, q = _sample_row(n, const, s, row, greedy, uniforms, T3, safe_T, ar_K, zero, ninf, pinf)
+        else:
+            idx = greedy
+            q = n("Cast", [n("Equal", [ar_K, idx], f"oh{s}")], f"q{s}", to=TensorProto.FLOAT)  # [B, 1, K]
         ids_s = n("Gather", [ids, const(f"s{s}_j", np.array([s], np.int64))], f"ids{s}", axis=1)  # [B, 1, K]
         drafts.append(n("GatherElements", [ids_s, idx], f"d{s}", axis=2))  # [B, 1, 1]
         idxs.append(idx)
         rows.append(row)
-        prev = n("Expand", [idx, b_1_k], f"prev{s + 1}")
+        probs.append(q)
+        prev = n("Expand", [idx, b_1_k], f"prev{s + 1}")  # the next predecessor: the candidate chosen
     sq = const("ax2c", np.array([2], np.int64))
-    out_d, out_i, out_s, out_c = C.output_names()
+    out_d, out_i, out_s, out_c, out_q = C.output_names()
     n("Cast", [n("Squeeze", [n("Concat", drafts, "d_cat", axis=1), sq], "d_sq")], out_d, to=TensorProto.INT32)
-    n("Cast", [n("Squeeze", [n("Concat", idxs, "i_cat", axis=1), sq], "i_sq")], out_i, to=TensorProto.INT32)
+    i_cat = n("Concat", idxs, "i_cat", axis=1)  # [B, S, 1] int64
+    n("Cast", [n("Squeeze", [i_cat, sq], "i_sq")], out_i, to=TensorProto.INT32)
     n("Concat", rows, out_s, axis=1)  # [B, S, K]
-    # confidence = softmax(row)[walked] = 1 / sum_c exp(row_c - max): contract.path_confidence
-    m = n("ReduceMax", [out_s, sq], "row_max", keepdims=1)  # [B, S, 1]; the walked score
+    n("Concat", probs, out_q, axis=1)  # [B, S, K]
+    # confidence = softmax(row)[walked] at T = 1 = exp(row[idx] - max) / sum_c exp(row_c - max)
+    m = n("ReduceMax", [out_s, sq], "row_max", keepdims=1)  # [B, S, 1]
     total = n("ReduceSum", [n("Exp", [n("Sub", [out_s, m], "row_sub")], "row_exp"), sq], "row_sum", keepdims=0)
-    one_f = const("one_f", np.float32(1.0))
-    pinf = const("pinf", np.float32(np.inf))
+    picked = n("Squeeze", [n("GatherElements", [out_s, i_cat], "picked_u", axis=2), sq], "picked")  # [B, S]
+    m2 = n("Squeeze", [m, sq], "row_max_sq")  # [B, S]
     n_inf = n("ReduceSum", [n("Cast", [n("Equal", [out_s, pinf], "is_pinf")], "pinf_f", to=TensorProto.FLOAT), sq],
               "n_pinf", keepdims=0)  # [B, S]
-    m2 = n("Squeeze", [m, sq], "row_max_sq")  # [B, S]
-    finite = n("Div", [one_f, total], "conf_finite")  # NaN when the max is infinite: replaced next
-    top_inf = n("Where", [n("Equal", [m2, pinf], "max_pinf"), n("Div", [one_f, n_inf], "conf_inf"), finite], "conf_a")
+    finite = n("Div", [n("Exp", [n("Sub", [picked, m2], "pick_sub")], "pick_exp"), total],
+               "conf_finite")  # NaN when the max is infinite: replaced next
+    on_inf = n("Div", [n("Cast", [n("Equal", [picked, pinf], "pick_inf")], "pick_inf_f", to=TensorProto.FLOAT),
+                       n_inf], "conf_inf")
+    top_inf = n("Where", [n("Equal", [m2, pinf], "max_pinf"), on_inf, finite], "conf_a")
     n("Where", [n("Equal", [m2, ninf], "max_ninf"), zero, top_inf], out_c)
     attrs = [a.name for a in C.ATTRIBUTES] + ["plugin_version", "plugin_namespace"]
     return helper.make_function(C.ONNX_DOMAIN, C.OP_NAME, C.input_names(), C.output_names(), nodes,
                                 opset_imports=[helper.make_opsetid("", opset)], attributes=attrs)
+
+
+def _sample_row(n, const, s, row, greedy, uniforms, T3, safe_T, ar_K, zero, ninf, pinf) -> tuple[str, str]:
+    """contract.walk_row's sample rule on row [B, 1, K] -> (index [B, 1, 1] int64, q [B, 1, K])."""
+    m = n("ReduceMax", [row, const(f"ax2m{s}", np.array([2], np.int64))], f"m{s}", keepdims=1)  # [B, 1, 1]
+    ex = n("Exp", [n("Div", [n("Sub", [row, m], f"rs{s}"), safe_T], f"rt{s}")], f"ex{s}")
+    e_inf = n("Cast", [n("Equal", [row, pinf], f"ri{s}")], f"ei{s}", to=TensorProto.FLOAT)
+    e = n("Where", [n("Equal", [m, pinf], f"mi{s}"), e_inf, ex], f"e0{s}")
+    e = n("Where", [n("Equal", [row, ninf], f"rn{s}"), zero, e], f"e{s}")  # [B, 1, K]
+    cdf = n("CumSum", [e, const(f"ax2s{s}", np.int64(2))], f"cdf{s}")  # summed in order
+    total = n("Slice", [cdf, const(f"tl{s}", np.array([-1], np.int64)),
+                        const(f"th{s}", np.array([np.iinfo(np.int64).max], np.int64)),
+                        const(f"ta{s}", np.array([2], np.int64))], f"tot{s}")  # [B, 1, 1]
+    u = n("Unsqueeze", [n("Gather", [uniforms, const(f"us{s}", np.array([s], np.int64))], f"ug{s}", axis=1),
+                        const(f"ua{s}", np.array([2], np.int64))], f"uni{s}")  # [B, 1, 1]
+    below = n("Cast", [n("LessOrEqual", [cdf, n("Mul", [u, total], f"thr{s}")], f"le{s}")], f"lei{s}",
+              to=TensorProto.INT64)
+    count = n("ReduceSum", [below, const(f"ax2r{s}", np.array([2], np.int64))], f"cnt{s}", keepdims=1)
+    pos = n("Cast", [n("Greater", [e, zero], f"ep{s}")], f"epf{s}", to=TensorProto.FLOAT)
+    first = n("ArgMax", [pos], f"fp{s}", axis=2, keepdims=1)
+    last = n("ArgMax", [pos], f"lp{s}", axis=2, keepdims=1, select_last_index=1)
+    sampled = n("Min", [n("Max", [count, first], f"cmx{s}"), last], f"smp{s}")
+    sample = n("And", [n("Greater", [T3, zero], f"tp{s}"), n("Greater", [m, ninf], f"mf{s}")], f"is_s{s}")
+    idx = n("Where", [sample, sampled, greedy], f"idx{s}")  # [B, 1, 1]
+    one_hot = n("Cast", [n("Equal", [ar_K, idx], f"oh{s}")], f"ohf{s}", to=TensorProto.FLOAT)
+    q = n("Where", [sample, n("Div", [e, total], f"qs{s}"), one_hot], f"q{s}")  # [B, 1, K]
+    return idx, q
 
 
 def _np_to_tensor_args(a: np.ndarray):
@@ -155,10 +200,20 @@ def add_flavour(model: onnx.ModelProto, flavour: str, S: int) -> onnx.ModelProto
     del model.functions[:]
     if flavour == "portable":
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
-        model.functions.append(selector_function(S, opset))
+        model.functions.append(selector_function(S, opset, _node_mode(model)))
     if not any(o.domain == C.ONNX_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(C.ONNX_DOMAIN, C.ONNX_OPSET))
     return model
+
+
+def _node_mode(model: onnx.ModelProto) -> str:
+    """The mode attribute of the model's selector node (default greedy)."""
+    for node in model.graph.node:
+        if node.op_type == C.OP_NAME and node.domain == C.ONNX_DOMAIN:
+            for a in node.attribute:
+                if a.name == "mode":
+                    return a.s.decode()
+    return "greedy"
 
 
 def selector_model(S: int, K: int, R: int, V: int, flavour: str, attrs: dict | None = None,

@@ -24,10 +24,12 @@ from dflash2.ops import contract as C
 _custom = onnxscript.values.Opset(C.ONNX_DOMAIN, C.ONNX_OPSET)
 
 
-def _select_path_onnx(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, top_k: int, rank: int,
-                      output_multiplier: float = 1.0, logit_softcap: float = 0.0, mode: str = "greedy"):
+def _select_path_onnx(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, uniforms, temperature,
+                      top_k: int, rank: int, output_multiplier: float = 1.0, logit_softcap: float = 0.0,
+                      mode: str = "greedy"):
     return _custom.DFlash2Selector(
-        cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, top_k=top_k, rank=rank,
+        cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, uniforms, temperature, top_k=top_k,
+        rank=rank,
         output_multiplier=output_multiplier, logit_softcap=logit_softcap, mode=mode,
         plugin_version=C.PLUGIN_VERSION, plugin_namespace=C.PLUGIN_NAMESPACE, _num_outputs=len(C.OUTPUTS))
 

@@ -24,6 +24,8 @@ class TorchBackend:
         self.pending: torch.Tensor | None = None  # context rows not yet in the drafter's cache  # [n, H]
         self.confidence: list[float] | None = None  # the last draft's per-position confidence [S]
         self.verified: torch.Tensor | None = None  # context rows of the last verify  # [S+1, H]
+        self.logits = None  # [min(n, B), V] fp32 numpy: the last target call's last rows (sampling)
+        self.draft_q = None  # (cand ids [S, K], q [S, K]) numpy of the last sampled DFlash2 draft
 
     def reset(self) -> None:
         self.pos = self.ctx_pos = 0
@@ -37,7 +39,9 @@ class TorchBackend:
         logits, taps, new_kv = self.target(torch.tensor(ids, dtype=torch.long), self.kv[: self.pos])
         self.kv[self.pos: self.pos + n] = new_kv
         ctx = self.drafter.context(taps) if self.drafter is not None else None
-        return logits.float().argmax(-1), ctx  # [n], [n, H]
+        logits = logits.float()
+        self.logits = logits[-self.block_size:].numpy()  # as the exported target graph's logits output
+        return logits.argmax(-1), ctx  # [n], [n, H]
 
     def prefill(self, ids: Sequence[int]) -> int:
         self.reset()  # a new prompt: both caches start empty (as SpecSession.prefill)
@@ -46,14 +50,17 @@ class TorchBackend:
         return int(preds[-1])
 
     @torch.no_grad()
-    def draft(self, anchor: int) -> list[int]:
+    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> list[int]:
         n = self.pending.shape[0]
         hidden, new = self.drafter(self.pending, self.ctx_kv[: self.ctx_pos], torch.tensor([anchor]))
         self.ctx_kv[self.ctx_pos: self.ctx_pos + n] = new
         self.ctx_pos += n
         self.pending = None  # consumed; verify + commit without a draft append to it
-        out = self.drafter.propose(hidden, torch.tensor([anchor]))
+        u = None if uniforms is None else torch.as_tensor(list(uniforms), dtype=torch.float32)
+        out = self.drafter.propose(hidden, torch.tensor([anchor]), u, temperature)
         self.confidence = out["confidence"].tolist()
+        sampled = "draft_probs" in out and uniforms is not None and temperature > 0
+        self.draft_q = (out["cand_ids"].numpy(), out["draft_probs"].numpy()) if sampled else None
         return out["draft_ids"].tolist()
 
     def verify(self, tokens: Sequence[int]) -> list[int]:

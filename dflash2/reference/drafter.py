@@ -175,8 +175,11 @@ class Drafter(nn.Module):
             return self.logits(hidden), None
         return hidden @ self.draft_head.T, self.draft_ids
 
-    def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """hidden [S, H] -> draft_ids [S] int32, confidence [S] fp32 (+ the selector's lattice for v2)."""
+    def propose(self, hidden: torch.Tensor, anchor: torch.Tensor, uniforms: torch.Tensor | None = None,
+                temperature: float = 0.0) -> dict[str, torch.Tensor]:
+        """hidden [S, H] -> draft_ids [S] int32, confidence [S] fp32 (+ the selector's lattice for v2).
+        v2 at temperature > 0: the selector samples its walk with uniforms [S] (draft_probs [S, K] = q);
+        v1 always drafts its top-1 (q one-hot at the draft)."""
         if self.config.version == 1:
             logits, ids = self.draft_logits(hidden)  # [S, N]
             scaled = _scaled(logits.float(), self.config)  # [S, N]
@@ -184,15 +187,20 @@ class Drafter(nn.Module):
             # confidence = top-1 probability; NaN-free softmax of finite logits (the v2 rule is the op's)
             conf = torch.softmax(scaled, dim=-1).amax(-1)  # [S] fp32
             return {"draft_ids": (best if ids is None else ids[best]).int(), "confidence": conf}
-        return {k: v[0] for k, v in self.propose_batch(hidden[None], anchor.reshape(1)).items()}
+        u = None if uniforms is None else uniforms.reshape(1, -1)
+        t = torch.tensor([float(temperature)]).reshape(1)
+        return {k: v[0] for k, v in self.propose_batch(hidden[None], anchor.reshape(1), u, t).items()}
 
-    def propose_batch(self, hidden: torch.Tensor, anchor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """DFlash2: hidden [nb, S, H], anchor [nb] -> selector outputs [nb, S(, K)]."""
+    def propose_batch(self, hidden: torch.Tensor, anchor: torch.Tensor, uniforms: torch.Tensor | None = None,
+                      temperature: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """DFlash2: hidden [nb, S, H], anchor [nb] (, uniforms [nb, S], temperature [nb])
+        -> selector outputs [nb, S(, K)]; the op runs in mode "sample" (temperature 0 walks greedily)."""
         c, sel = self.config, self.candidate_selector
         logits, ids = self.draft_logits(hidden)
         return select_candidates(logits.float(), hidden, anchor, sel.hidden_projection.weight,
                                  sel.predecessor_codebook, sel.successor_codebook, c.selector_top_k,
-                                 c.output_multiplier, c.logit_softcap, id_map=ids)
+                                 c.output_multiplier, c.logit_softcap, id_map=ids, uniforms=uniforms,
+                                 temperature=temperature, mode="sample")
 
 
 def _scaled(logits: torch.Tensor, c: DrafterConfig) -> torch.Tensor:

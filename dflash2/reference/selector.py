@@ -22,13 +22,15 @@ def select_path(
     anchor: torch.Tensor,  # [B] int32
     pred_codebook: torch.Tensor,  # [V, R] float
     succ_codebook: torch.Tensor,  # [V, R] float
+    uniforms: torch.Tensor,  # [B, S] fp32: one uniform per walked row (mode sample)
+    temperature: torch.Tensor,  # [B] fp32: <= 0 walks greedily
     top_k: int,
     rank: int,
     output_multiplier: float = 1.0,
     logit_softcap: float = 0.0,
     mode: str = "greedy",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, uniforms, temperature,
                  top_k=top_k, rank=rank, output_multiplier=output_multiplier,
                  logit_softcap=logit_softcap, mode=mode)
     B, S, K = cand_ids.shape
@@ -45,34 +47,60 @@ def select_path(
     draft = torch.empty(B, S, dtype=torch.int32)
     index = torch.empty(B, S, dtype=torch.int32)
     rows = torch.empty(B, S, K, dtype=torch.float32)
+    probs = torch.empty(B, S, K, dtype=torch.float32)
     prev = torch.zeros(B, dtype=torch.long)  # row 0: every predecessor is the anchor
+    T = temperature.float() if mode == "sample" else torch.zeros(B)  # [B]
     for s in range(S):
         row = scores[torch.arange(B), s, prev]  # [B, K]
-        idx = first_argmax(row)  # [B]
-        rows[:, s] = row
+        idx, q = walk_rows(row, T, uniforms[:, s].float())  # [B], [B, K]
+        rows[:, s], probs[:, s] = row, q
         index[:, s] = idx.int()
         draft[:, s] = ids[torch.arange(B), s, idx].int()
-        prev = idx
-    return draft, index, rows, path_confidence(rows)
+        prev = idx  # the next row's predecessor is the candidate actually chosen
+    return draft, index, rows, path_confidence(rows, index.long()), probs
 
 
 @select_path.register_fake
-def _(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, top_k, rank,
+def _(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, uniforms, temperature, top_k, rank,
       output_multiplier=1.0, logit_softcap=0.0, mode="greedy"):
     B, S, K = cand_ids.shape
-    return (cand_ids.new_empty(B, S), cand_ids.new_empty(B, S),
-            cand_logits.new_empty(B, S, K, dtype=torch.float32), cand_logits.new_empty(B, S, dtype=torch.float32))
+    f32 = torch.float32
+    return (cand_ids.new_empty(B, S), cand_ids.new_empty(B, S), cand_logits.new_empty(B, S, K, dtype=f32),
+            cand_logits.new_empty(B, S, dtype=f32), cand_logits.new_empty(B, S, K, dtype=f32))
 
 
-def path_confidence(rows: torch.Tensor) -> torch.Tensor:
-    """[..., K] fp32 walked score rows -> [...] softmax probability of each row's maximum
-    (dflash2.ops.contract.path_confidence: -inf max -> 0, +inf max -> 1 / number of +inf)."""
+def walk_rows(row: torch.Tensor, T: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """contract.walk_row on a batch: row [B, K] fp32, T [B] (<= 0 or NaN: greedy), u [B] -> index [B], q [B, K]."""
+    K, inf = row.shape[-1], float("inf")
+    greedy = first_argmax(row)  # [B]
+    m = row.max(dim=-1, keepdim=True).values  # [B, 1]
+    safe_T = torch.where(T > 0, T, torch.ones_like(T))[:, None]  # [B, 1]; greedy rows ignore it
+    e = torch.where(m == inf, (row == inf).float(), torch.exp((row - m) / safe_T))
+    e = torch.where(row == -inf, torch.zeros_like(e), e)  # [B, K]
+    cdf = torch.cumsum(e, dim=-1)  # [B, K], summed in order
+    total = cdf[:, -1]  # [B]
+    count = (cdf <= (u * total)[:, None]).sum(dim=-1)  # [B]
+    pos = (e > 0).float()
+    first, last = first_argmax(pos), K - 1 - first_argmax(pos.flip(-1))
+    sampled = torch.minimum(torch.maximum(count, first), last)
+    sample = (T > 0) & (m[:, 0] > -inf)  # all -inf rows: index 0 either way
+    idx = torch.where(sample, sampled, torch.where(m[:, 0] > -inf, greedy, torch.zeros_like(greedy)))
+    one_hot = torch.nn.functional.one_hot(idx, K).float()
+    return idx, torch.where(sample[:, None], e / total[:, None], one_hot)
+
+
+def path_confidence(rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., K] fp32 walked score rows, [...] walked index (None: the first argmax) -> [...]
+    softmax(row)[index] at temperature 1 (contract.path_confidence: -inf max -> 0, +inf max ->
+    1 / number of +inf where the walked entry is +inf, else 0)."""
+    inf = float("inf")
     m = rows.max(dim=-1, keepdim=True).values  # [..., 1]
-    finite = 1.0 / torch.exp(rows - m).sum(dim=-1)  # NaN where m is infinite: replaced below
-    n_inf = (rows == float("inf")).sum(dim=-1).clamp(min=1).float()
+    picked = m[..., 0] if index is None else rows.gather(-1, index[..., None])[..., 0]  # [...]
+    finite = torch.exp(picked - m[..., 0]) / torch.exp(rows - m).sum(dim=-1)  # NaN where m is infinite
+    n_inf = (rows == inf).sum(dim=-1).clamp(min=1).float()
     m = m[..., 0]
-    return torch.where(m == float("-inf"), torch.zeros_like(finite),
-                       torch.where(m == float("inf"), 1.0 / n_inf, finite))
+    return torch.where(m == -inf, torch.zeros_like(finite),
+                       torch.where(m == inf, (picked == inf).float() / n_inf, finite))
 
 
 def first_argmax(row: torch.Tensor) -> torch.Tensor:
@@ -83,9 +111,11 @@ def first_argmax(row: torch.Tensor) -> torch.Tensor:
     return torch.where(hit, ar, row.shape[-1]).min(dim=-1).values
 
 
-def check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, **attrs) -> None:
+def check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, uniforms, temperature,
+                 **attrs) -> None:
     """The contract's shape / dtype / id rules (dflash2.ops.contract.check_io) on torch tensors."""
-    t = dict(zip(C.input_names(), (cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook)))
+    t = dict(zip(C.input_names(), (cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, uniforms,
+                                   temperature)))
     ranges = None
     if not torch.compiler.is_exporting():  # data-dependent: eager only
         ranges = {n: (int(t[n].min()), int(t[n].max())) for n in ("cand_ids", "anchor") if t[n].numel()}
@@ -104,18 +134,24 @@ def select_candidates(
     output_multiplier: float = 1.0,
     logit_softcap: float = 0.0,
     id_map: torch.Tensor | None = None,  # [N] ascending token ids of the logits' last axis, None = identity
+    uniforms: torch.Tensor | None = None,  # [B, S] fp32; None: zeros
+    temperature: torch.Tensor | None = None,  # [B] fp32; None: 0 (greedy)
+    mode: str = "greedy",
 ) -> dict[str, torch.Tensor]:
     """Top-K (stable: equal logits keep the lower token id first, as ONNX TopK) + gate + op."""
     cand_logits, cand_ids = topk_lowest_index(logits.float(), top_k)  # [B, S, K]
     if id_map is not None:  # ascending ids: the lowest-index tie rule still means the lowest token id
         cand_ids = id_map[cand_ids]
     gate = hidden.to(hidden_projection.dtype) @ hidden_projection.T  # [B, S, R]
-    draft, index, rows, conf = select_path(
+    B, S = cand_ids.shape[:2]
+    uniforms = torch.zeros(B, S) if uniforms is None else uniforms.float()
+    temperature = torch.zeros(B) if temperature is None else temperature.float()
+    draft, index, rows, conf, probs = select_path(
         cand_logits, cand_ids.int(), gate.to(pred_codebook.dtype), anchor.int(), pred_codebook,
-        succ_codebook, top_k=top_k, rank=pred_codebook.shape[1],
-        output_multiplier=float(output_multiplier), logit_softcap=float(logit_softcap))
+        succ_codebook, uniforms, temperature, top_k=top_k, rank=pred_codebook.shape[1],
+        output_multiplier=float(output_multiplier), logit_softcap=float(logit_softcap), mode=mode)
     return {"draft_ids": draft, "path_index": index, "path_scores": rows, "confidence": conf,
-            "cand_ids": cand_ids.int(), "cand_logits": cand_logits}
+            "draft_probs": probs, "cand_ids": cand_ids.int(), "cand_logits": cand_logits}
 
 
 def topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

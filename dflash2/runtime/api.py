@@ -3,6 +3,7 @@
     rt = open_runtime("out/smollm2")
     ids = rt.prompt_ids(text="Hello", chat=True)
     gen = rt.generate(ids, max_new_tokens=128)            # draft_len="auto" (default) or a fixed K
+    gen = rt.generate(ids, sampling=rt.sampling(temperature=0.7, seed=1))   # lossless sampling
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dflash2.errors import Dflash2Error
 from dflash2.runtime.schedule import AutoSchedule, calibrate
 from dflash2.runtime.session import SpecSession
 from dflash2.runtime.text import Stream, Text
+from dflash2.sampling import Sampling, defaults_from
 from dflash2.speculative import DraftSchedule, FixedSchedule, Generation, check_draft_len, generate
 
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -67,6 +69,19 @@ class Runtime:
                                                                provider, threads), max_seq_len, log)
         self._text: Text | None = None
         self._auto: AutoSchedule | None = None
+        # the target's generation_config.json (copied into the export) gives the sampling defaults
+        gen_dir = Path(self.manifest.export_dir) if isinstance(self.manifest, mf.EngineManifest) else self.folder
+        self.sampling_defaults = defaults_from(gen_dir)
+
+    def sampling(self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None) -> Sampling:
+        """Generation options: each one given, else the generation_config.json default, else greedy
+        (temperature 0), top_k off, top_p 1, seed 0."""
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        s = Sampling(**{**self.sampling_defaults, **{k: v for k, v in given.items() if v is not None}})
+        if not s.greedy:
+            self.session.check_sampling()
+        return s
 
     @property
     def auto_schedule(self) -> AutoSchedule:
@@ -117,8 +132,10 @@ class Runtime:
 
     def generate(self, ids: Sequence[int], max_new_tokens: int = 128, speculative: bool = True,
                  stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
-                 draft_len: int | str | None = "auto") -> Generation:
-        """draft_len: "auto" (the calibrated schedule) or a fixed K in 1..S drafts per round."""
+                 draft_len: int | str | None = "auto", sampling: Sampling | None = None) -> Generation:
+        """draft_len: "auto" (the calibrated schedule) or a fixed K in 1..S drafts per round.
+        sampling: None = `self.sampling()` (the model's defaults; greedy when it has none)."""
+        sampling = self.sampling() if sampling is None else sampling
         self.session.check_capacity(len(ids), max_new_tokens)
         schedule = self.schedule(draft_len) if speculative else None
         stream = Stream(self.text) if on_text else None
@@ -130,7 +147,8 @@ class Runtime:
                 on_text(stream.push(new))
             return bool(stop) and any(s in self.text.decode(out[-(len(new) + 32):]) for s in stop)
 
-        gen = generate(self.session, ids, max_new_tokens, self.eos_ids, speculative, on_tokens, schedule=schedule)
+        gen = generate(self.session, ids, max_new_tokens, self.eos_ids, speculative, on_tokens, schedule=schedule,
+                       sampling=sampling)
         if gen.stop_reason == "stop":
             gen.ids = _trim_at_stop(gen.ids, stop, self.text)
         if stream is not None:

@@ -8,6 +8,8 @@ Buffer plan (T = max_seq_len, rows of the sequence-major KV layout from the mani
     ids/next [T] int32           token staging in / target argmax out
     anchor [1], draft [S], cand [S, K] int32 (cand stays on the device unless a policy reads it),
     confidence [S] fp32          the drafter's per-position confidence (the draft-length schedule reads it)
+    logits [B, V] fp32           the target's last min(n, B) logits rows (read only when sampling)
+    uniforms [S], temperature [1], draft_probs [S, K] fp32   DFlash2's sampled walk (T > 0) and its q
 Rollback after a rejection moves `pos`; rows past it are overwritten by the next step.
 A target call writes its context rows at [pending, pending + n): committing acc+1 of them needs no
 copy, and rounds that skip the drafter leave their rows pending for the next draft.
@@ -51,8 +53,15 @@ def available_host_bytes() -> int | None:
 
 def drafter_outputs(manifest: ModelFacts) -> set[str]:
     """Output names of the drafter graph (an export lists graphs, an engine folder engines)."""
-    graph = manifest.output_names("drafter") if hasattr(manifest, "output_names") else []
-    return set(graph)
+    return graph_outputs(manifest, "drafter")
+
+
+def graph_outputs(manifest: ModelFacts, graph: str) -> set[str]:
+    return set(manifest.output_names(graph) if hasattr(manifest, "output_names") else [])
+
+
+class SamplingUnsupported(Dflash2Error, ValueError):
+    pass
 
 
 class SpecSession:
@@ -96,6 +105,16 @@ class SpecSession:
         # exports older than the confidence output lack it: the schedule then learns per position
         self.conf = backend.host_buffer((S,), np.float32) if "confidence" in drafter_outputs(m) else None
         self.confidence: np.ndarray | None = None
+        # sampling (T > 0): exports older than contract 3 lack these; sampling on them is refused
+        self.logits_buf = (backend.host_buffer((self.block_size, m.vocab_size), np.float32)
+                           if "logits" in graph_outputs(m, "target") else None)
+        self.logit_rows = 0
+        self.sampled_walk = "uniforms" in self.drafter.inputs
+        if self.sampled_walk:
+            self.uniforms = backend.host_buffer((S,), np.float32)
+            self.temperature = backend.host_buffer((1,), np.float32)
+            self.draft_probs = backend.host_buffer((S, K), np.float32)
+        self.draft_q: tuple[np.ndarray, np.ndarray] | None = None
         # an engine's drafter profile takes max(max_prefill, B) context rows at once; ONNX Runtime any number
         limit = min(getattr(m, "max_prefill", None) or T, backend.max_rows("drafter") or T)
         self.max_draft_rows = max(limit, self.block_size)
@@ -103,6 +122,23 @@ class SpecSession:
 
     def reset(self) -> None:
         self.pos = self.ctx_pos = self.pending = 0
+
+    def check_sampling(self) -> None:
+        """Sampling needs the contract-3 graphs: the target's logits output (and, for DFlash2, the
+        selector's sampled walk); an older export gets a clear error, not a greedy answer."""
+        missing = ([] if self.logits_buf is not None else ["the target graph's `logits` output"])
+        if self.has_lattice and not self.sampled_walk:
+            missing.append("the drafter graph's `uniforms` / `temperature` inputs")
+        if missing:
+            raise SamplingUnsupported(f"sampling (temperature > 0) needs {' and '.join(missing)}, found an export "
+                                      f"without them (made before sampling existed): re-export it with dflash2-export")
+
+    @property
+    def logits(self) -> np.ndarray:
+        """[min(n, B), V] fp32 of the last target call (pulled on demand: the greedy path never reads it)."""
+        if self.logits_buf is None:
+            self.check_sampling()
+        return self.logits_buf.pull(self.logit_rows)
 
     def buffers(self) -> dict[str, int]:
         """name -> base address: constant for the life of the session (tested)."""
@@ -122,8 +158,11 @@ class SpecSession:
         self.ids.host[:n] = tokens
         self.ids.push(n)
         past, new = self._kv("kv_cache", "past_kv", self.kv, self.kv_new, self.pos, n)
-        self.target.run({"input_ids": self.ids.rows(0, n), **past},
-                        {"next_ids": self.next_ids.rows(0, n), "context": self.context.rows(c, c + n), "new_kv": new})
+        outputs = {"next_ids": self.next_ids.rows(0, n), "context": self.context.rows(c, c + n), "new_kv": new}
+        if self.logits_buf is not None:
+            self.logit_rows = min(n, self.block_size)
+            outputs["logits"] = self.logits_buf.rows(0, self.logit_rows)
+        self.target.run({"input_ids": self.ids.rows(0, n), **past}, outputs)
         if self.kv_new is not None:
             self.kv.copy_rows(self.kv_new, n, self.pos)
         return self.next_ids.pull(n)
@@ -147,9 +186,19 @@ class SpecSession:
         self.pos, self.pending = len(ids), len(ids)
         return int(out[-1])
 
-    def draft(self, anchor: int) -> np.ndarray:
+    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> np.ndarray:
         self.anchor.host[0] = anchor
         self.anchor.push(1)
+        sampled = uniforms is not None and temperature > 0
+        if sampled:
+            self.check_sampling()
+        walk = {}
+        if self.sampled_walk:  # temperature 0: the greedy walk, bit-identical to the greedy mode
+            self.uniforms.host[:] = uniforms if sampled else 0.0
+            self.temperature.host[0] = temperature if sampled else 0.0
+            self.uniforms.push(self.block_size - 1)
+            self.temperature.push(1)
+            walk = {"uniforms": self.uniforms.whole(), "temperature": self.temperature.whole()}
         done = 0
         while done < self.pending:  # rows pending after skipped drafts may exceed what one call takes
             n, p = min(self.pending - done, self.max_draft_rows), self.ctx_pos
@@ -159,15 +208,21 @@ class SpecSession:
                 outputs["cand_ids"] = self.cand_ids.whole()
             if self.conf is not None:
                 outputs["confidence"] = self.conf.whole()
-            self.drafter.run({"context": self.context.rows(done, done + n), **past, "anchor": self.anchor.whole()},
-                             outputs)  # only the last call's drafts count
+            if self.sampled_walk:
+                outputs["draft_probs"] = self.draft_probs.whole()
+            self.drafter.run({"context": self.context.rows(done, done + n), **past, "anchor": self.anchor.whole(),
+                              **walk}, outputs)  # only the last call's drafts count
             if self.ctx_kv_new is not None:
                 self.ctx_kv.copy_rows(self.ctx_kv_new, n, p)
             self.ctx_pos, done = p + n, done + n
         self.pending = 0
-        if self.conf is not None:  # queued: the draft ids' pull below waits for both copies
-            self.confidence = self.conf.pull(self.block_size - 1, wait=False)
-        return self.draft_ids.pull(self.block_size - 1)
+        S = self.block_size - 1
+        if self.conf is not None:  # queued: the draft ids' pull below waits for every copy
+            self.confidence = self.conf.pull(S, wait=False)
+        self.draft_q = None
+        if sampled and self.has_lattice:
+            self.draft_q = (self.cand_ids.pull(S, wait=False), self.draft_probs.pull(S, wait=False))
+        return self.draft_ids.pull(S)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
         return self._run_target(tokens)  # writes KV rows at pos..pos+S; pos moves at commit

@@ -1,0 +1,187 @@
+"""Sampling at T > 0: the processed target distribution p, seeded uniforms, and lossless verification.
+
+No torch: the edge runtime and the PyTorch reference share this module, so the same seed gives the
+same ids on every backend (up to logits differences at a uniform's boundary).
+
+    p = softmax(top_p(top_k(logits / T)))        # HF's warper order and rules (tested against them)
+    u(seed, position, purpose)                   # counter-based: a rollback never shifts the stream
+    draft x ~ q  ->  accept if u_accept * q(x) < p(x)   (probability min(1, p(x) / q(x)))
+    first rejection: token ~ norm(max(p - q, 0)) on supp(p) U supp(q), q sparse over K candidates
+    every draft accepted: bonus ~ p of the last verified row
+Target-only sampling draws the token at position i from p with u(seed, i, TOKEN): the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflash2.errors import Dflash2Error
+
+# purposes of the uniforms: one stream per use, so no number is ever used twice
+DRAFT, ACCEPT, RESIDUAL, TOKEN = 1, 2, 3, 4
+_MASK = (1 << 64) - 1
+
+
+class SamplingError(Dflash2Error, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Generation options. temperature 0 = greedy (top_k / top_p then play no part)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [("temperature", self.temperature, math.isfinite(self.temperature) and self.temperature >= 0,
+                   "a finite number >= 0"),
+                  ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0"),
+                  ("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1]"),
+                  ("seed", self.seed, isinstance(self.seed, int) and 0 <= self.seed < 2**63, "an integer in [0, 2^63)")]
+        for name, value, ok, want in checks:
+            if not ok:
+                raise SamplingError(f"{name} expected {want}, found {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        return f"T={self.temperature:g} top_k={self.top_k or 'off'} top_p={self.top_p:g} seed={self.seed}"
+
+
+def defaults_from(model_dir: str | Path | None) -> dict:
+    """temperature / top_k / top_p of a `generation_config.json` that asks for sampling (do_sample
+    true), else {} (greedy). Unreadable or malformed files are an error naming the file and field."""
+    if model_dir is None:
+        return {}
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SamplingError(f"{path}: expected a JSON object, found unreadable content ({e})") from None
+    if not isinstance(cfg, dict):
+        raise SamplingError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
+    if not cfg.get("do_sample", False):
+        return {}
+    out = {}
+    for key, kind in (("temperature", (int, float)), ("top_k", int), ("top_p", (int, float))):
+        if key in cfg and cfg[key] is not None:
+            if isinstance(cfg[key], bool) or not isinstance(cfg[key], kind):
+                raise SamplingError(f"{path}: field {key} expected a number, found {cfg[key]!r}")
+            out[key] = cfg[key]
+    return out
+
+
+def uniform(seed: int, position: int, purpose: int) -> float:
+    """U[0, 1) from (seed, absolute position, purpose) by SplitMix64 (24-bit mantissa, exact in fp32).
+
+    Counter-based: the number for a position never depends on how many were drawn before, so a
+    rollback, a skipped draft or another backend cannot shift the stream."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + purpose * 0x8CB92BA72F3D8DD7) & _MASK
+    for _ in range(2):
+        x = (x + 0x9E3779B97F4A7C15) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        x ^= x >> 31
+    return (x >> 40) / float(1 << 24)
+
+
+def uniforms(seed: int, first_position: int, n: int, purpose: int) -> np.ndarray:
+    """[n] fp32: uniform(seed, first_position + i, purpose)."""
+    return np.array([uniform(seed, first_position + i, purpose) for i in range(n)], np.float32)
+
+
+def process(logits: np.ndarray, s: Sampling) -> np.ndarray:
+    """logits [V] -> p [V] float64: / T, top-k (ties at the k-th value kept), top-p (the smallest top
+    set whose mass reaches top_p: a token stays while the mass ranked above it is < top_p; at least
+    one), renormalised. transformers' Temperature / TopK / TopP warpers are the reference."""
+    x = logits.astype(np.float64) / s.temperature  # [V]
+    V = x.shape[0]
+    if 0 < s.top_k < V:
+        kth = np.partition(x, V - s.top_k)[V - s.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    m = x.max()
+    if not np.isfinite(m):
+        raise SamplingError(f"target logits: expected a finite maximum, found {m} (NaN or inf in the logits)")
+    p = np.exp(x - m)
+    p /= p.sum()
+    if s.top_p < 1:
+        p = _top_p(p, s.top_p)
+    return p
+
+
+def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the tokens whose exclusive prefix mass (descending, ties by lower id) is < top_p. Only the
+    top m are sorted, m doubling until they hold top_p of the mass (usually a few dozen tokens)."""
+    V, m = p.shape[0], 64
+    while True:
+        m = min(m, V)
+        top = np.argpartition(-p, m - 1)[:m] if m < V else np.arange(V)
+        top = top[np.lexsort((top, -p[top]))]  # descending p, then ascending id
+        before = np.cumsum(p[top]) - p[top]  # [m] mass ranked above each
+        if m == V or before[-1] + p[top[-1]] >= top_p:
+            break
+        m *= 2
+    keep = top[before < top_p]
+    out = np.zeros_like(p)
+    out[keep] = p[keep]
+    return out / out.sum()
+
+
+def draw(p: np.ndarray, u: float) -> int:
+    """Inverse CDF over the support in id order: the first id whose cumulative mass exceeds u * total."""
+    support = np.flatnonzero(p)  # [n] ascending ids
+    cdf = np.cumsum(p[support])
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(support[min(i, support.shape[0] - 1)])
+
+
+def accept(p: np.ndarray, x: int, qx: float, u: float) -> bool:
+    """Draft x drawn with probability qx is accepted with probability min(1, p(x) / qx)."""
+    return u * qx < p[x]
+
+
+def residual(p: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: float) -> int:
+    """After a rejection: a token ~ norm(max(p - q, 0)), q sparse (ids [K], probs [K]): only the K
+    entries of q change p, so the residual lives on supp(p) U supp(q) without a dense q."""
+    r = p.copy()
+    r[q_ids] = np.maximum(r[q_ids] - q, 0.0)
+    if not r.sum() > 0:  # p == q up to rounding: a rejection has probability ~0; p is the limit
+        r = p
+    return draw(r, u)
+
+
+def verify_round(rows: np.ndarray, drafts: list[int], q_ids: np.ndarray | None, q: np.ndarray | None,
+                 start: int, s: Sampling) -> tuple[int, int]:
+    """One round of lossless speculative sampling -> (accepted drafts, the token after them).
+
+    rows [k+1, V]: target logits of [anchor, d_1..d_k]; drafts [k] (d_j sits at position start + j);
+    q_ids / q [>= k, K]: each draft's candidates and draft distribution (None: q one-hot at the draft,
+    the DFlash v1 drafter's deterministic top-1)."""
+    for j, x in enumerate(drafts):
+        p = process(rows[j], s)  # the distribution of position start + 1 + j
+        pos = start + 1 + j
+        if q is None:
+            qx, ids, probs = 1.0, np.array([x]), np.array([1.0])
+        else:
+            ids, probs = q_ids[j], q[j].astype(np.float64)
+            hit = np.flatnonzero(ids == x)
+            qx = float(probs[hit[0]]) if hit.size else 0.0
+        if qx > 0 and accept(p, x, qx, uniform(s.seed, pos, ACCEPT)):
+            continue
+        return j, residual(p, ids, probs, uniform(s.seed, pos, RESIDUAL))
+    k = len(drafts)
+    return k, draw(process(rows[k], s), uniform(s.seed, start + 1 + k, TOKEN))
