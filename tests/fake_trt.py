@@ -268,7 +268,7 @@ class _Context:
     def get_tensor_shape(self, name):
         spec = self.engine.spec[name]
         dims = self._dims()
-        return tuple(dims[d] if isinstance(d, str) else d for d in spec["shape"])
+        return tuple(_dim(d, dims) if isinstance(d, str) else d for d in spec["shape"])
 
     def execute_async_v3(self, stream):
         shapes, addresses = dict(self.shapes), dict(self.addresses)
@@ -376,3 +376,11 @@ def reset() -> None:
     global REGISTRY, CUDART
     REGISTRY, CUDART = _Registry(), FakeCudart()
     OnnxParser.fail_with = None
+
+
+def _dim(d: str, dims: dict) -> int:
+    """A named dim, or an expression of named dims as ONNX shape inference writes them (the target's
+    `logits [Max(0, n - Max(0, n - B)), V]`): what TensorRT computes from the network."""
+    if d in dims:
+        return dims[d]
+    return int(eval(d, {"__builtins__": {}, "Max": max, "Min": min}, dict(dims)))  # noqa: S307 (test-only)

@@ -26,7 +26,7 @@ def test_compare_onnxruntime_passes(export_dir, capsys):
                           ("drafter", "confidence"), ("selector", "path_scores"), ("selector", "confidence")]:
         line = next(ln for ln in out.splitlines() if ln.startswith(graph) and f" {output} " in ln)
         assert "pytorch vs onnxrt" in line and line.rstrip().endswith("PASS")
-    assert "PASSED: 11/11 comparisons" in out  # 3 target + 4 drafter + 4 selector outputs
+    assert "PASSED: 14/14 comparisons" in out  # 4 target + 5 drafter + 5 selector outputs
 
 
 def test_compare_fails_on_tampered_reference(export_dir, tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_compare_fails_on_tampered_reference(export_dir, tmp_path, capsys):
     assert "FAIL" in bad and "feed(s) [1] of 2 out of tolerance" in bad and "0.5" in bad
     good = next(ln for ln in out.splitlines() if ln.startswith("drafter") and "draft_ids" in ln)
     assert good.rstrip().endswith("PASS")
-    assert "FAILED: 10/11 comparisons" in out
+    assert "FAILED: 13/14 comparisons" in out
 
 
 @pytest.mark.parametrize("dtype, verdict", [("float32", "FAIL"), ("float16", "PASS")])
@@ -79,7 +79,7 @@ def test_compare_engines_without_tensorrt_skips_clearly(export_dir, adopted, cap
     assert compare_cli.main([str(export_dir), "--engines", str(adopted), "--graph", "selector"]) == 0
     out = capsys.readouterr().out
     assert "TensorRT comparisons skipped: TensorRT is not installed" in out
-    assert "PASSED: 4/4 comparisons" in out  # the selector's 4 outputs
+    assert "PASSED: 5/5 comparisons" in out  # the selector's 5 outputs
 
 
 @pytest.mark.parametrize("scale, verdict", [(0.9, "PASS"), (1.1, "FAIL")])

@@ -56,7 +56,9 @@ def test_profiles_golden(export_dir):
          "shapes": {"cand_logits": {"min": [1, 7, 8], "opt": [1, 7, 8], "max": [8, 7, 8]},
                     "cand_ids": {"min": [1, 7, 8], "opt": [1, 7, 8], "max": [8, 7, 8]},
                     "gate": {"min": [1, 7, 16], "opt": [1, 7, 16], "max": [8, 7, 16]},
-                    "anchor": {"min": [1], "opt": [1], "max": [8]}}}]
+                    "anchor": {"min": [1], "opt": [1], "max": [8]},
+                    "uniforms": {"min": [1, 7], "opt": [1, 7], "max": [8, 7]},
+                    "temperature": {"min": [1], "opt": [1], "max": [8]}}}]
 
 
 def test_profiles_defaults_and_small_prefill(export_dir):
@@ -109,9 +111,9 @@ def test_trtexec_golden(export_dir, tmp_path):
         f"--maxShapes=context:32x64,ctx_kv_cache:64x1x2x2x16 {tail}",
         "# selector.engine: profiles batch",
         f"trtexec --onnx={E}/selector.trt.onnx --saveEngine={O}/selector.engine --stronglyTyped "
-        "--minShapes=cand_logits:1x7x8,cand_ids:1x7x8,gate:1x7x16,anchor:1 "
-        "--optShapes=cand_logits:1x7x8,cand_ids:1x7x8,gate:1x7x16,anchor:1 "
-        f"--maxShapes=cand_logits:8x7x8,cand_ids:8x7x8,gate:8x7x16,anchor:8 {tail}",
+        "--minShapes=cand_logits:1x7x8,cand_ids:1x7x8,gate:1x7x16,anchor:1,uniforms:1x7,temperature:1 "
+        "--optShapes=cand_logits:1x7x8,cand_ids:1x7x8,gate:1x7x16,anchor:1,uniforms:1x7,temperature:1 "
+        f"--maxShapes=cand_logits:8x7x8,cand_ids:8x7x8,gate:8x7x16,anchor:8,uniforms:8x7,temperature:8 {tail}",
         f"dflash2-build {E} --out {O} --manifest-only --max-seq-len=64 --max-prefill=32 --plugin={L}",
     ]
 
@@ -178,7 +180,7 @@ def test_export_selector_version_mismatch(export_dir, tmp_path, fake_plugin):
     copy = tmp_path / "export"
     shutil.copytree(export_dir, copy)
     edit_manifest(copy, lambda m: m["selector"].update(plugin_version="1"))  # from before the confidence output
-    with pytest.raises(ep.PluginVersionError, match="plugin_version: export has '1', this dflash2 builds '2'"):
+    with pytest.raises(ep.PluginVersionError, match=f"plugin_version: export has '1', this dflash2 builds '{C.PLUGIN_VERSION}'"):
         ep.plan_build(copy, tmp_path / "eng", plugin=fake_plugin)
 
 

@@ -49,7 +49,7 @@ def test_flavours(exports):
     assert len(nodes) == 1 and nodes[0].domain == C.ONNX_DOMAIN
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
     assert attrs["plugin_version"] == C.PLUGIN_VERSION.encode() and attrs["plugin_namespace"] == b""
-    assert attrs["top_k"] == 8 and attrs["rank"] == 16 and attrs["mode"] == b"greedy"
+    assert attrs["top_k"] == 8 and attrs["rank"] == 16 and attrs["mode"] == b"sample"  # T = 0 walks greedily
     assert len(trt.functions) == 0  # TensorRT's parser must fall through to the plugin registry
     assert [f.name for f in portable.functions] == [C.OP_NAME]
     # both flavours share one external data file
@@ -59,7 +59,8 @@ def test_flavours(exports):
     sel = onnx.load(str(out / "selector.trt.onnx"), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in sel.graph.output}
     assert types == {"draft_ids": onnx.TensorProto.INT32, "path_index": onnx.TensorProto.INT32,
-                     "path_scores": onnx.TensorProto.FLOAT, "confidence": onnx.TensorProto.FLOAT}
+                     "path_scores": onnx.TensorProto.FLOAT, "confidence": onnx.TensorProto.FLOAT,
+                     "draft_probs": onnx.TensorProto.FLOAT}
 
 
 def test_manifest_contents(exports):
@@ -196,25 +197,37 @@ def test_portable_selector_function_matches_torch_op():
     import torch
 
     so.register_schema()
-    m = so.selector_model(7, 16, 256, 300, "portable", {"output_multiplier": 0.5, "logit_softcap": 2.0})
-    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     feeds = dict(cand_logits=rng.standard_normal((3, 7, 16), dtype=np.float32),
                  cand_ids=rng.integers(0, 300, (3, 7, 16)).astype(np.int32),
                  gate=rng.standard_normal((3, 7, 256), dtype=np.float32), anchor=np.array([1, 2, 3], np.int32),
                  pred_codebook=rng.standard_normal((300, 256), dtype=np.float32) / 4,
-                 succ_codebook=rng.standard_normal((300, 256), dtype=np.float32) / 4)
+                 succ_codebook=rng.standard_normal((300, 256), dtype=np.float32) / 4,
+                 uniforms=rng.random((3, 7), dtype=np.float32), temperature=np.array([0.0, 0.7, 1.5], np.float32))
     feeds["cand_logits"][0, 2, 3] = np.nan
     feeds["cand_logits"][1, 4] = -np.inf
-    got = sess.run(None, feeds)
-    want = torch.ops.dflash2.select_path(*[torch.from_numpy(v) for v in feeds.values()], top_k=16, rank=256,
-                                         output_multiplier=0.5, logit_softcap=2.0)
-    np.testing.assert_array_equal(got[0], want[0].numpy())
-    np.testing.assert_array_equal(got[1], want[1].numpy())
-    np.testing.assert_allclose(got[2], want[2].numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got[3], want[3].numpy(), rtol=1e-5, atol=1e-7)
-    plain = [[C.path_confidence(got[2][b, s].tolist(), int(got[1][b, s])) for s in range(7)] for b in range(3)]
-    np.testing.assert_allclose(got[3], plain, rtol=1e-5, atol=1e-7)
+    for mode in C.MODES:
+        attrs = {"output_multiplier": 0.5, "logit_softcap": 2.0, "mode": mode}
+        m = so.selector_model(7, 16, 256, 300, "portable", attrs)
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = sess.run(None, feeds)
+        want = torch.ops.dflash2.select_path(*[torch.from_numpy(v) for v in feeds.values()], top_k=16, rank=256,
+                                             **attrs)
+        np.testing.assert_array_equal(got[0], want[0].numpy())
+        np.testing.assert_array_equal(got[1], want[1].numpy())
+        np.testing.assert_allclose(got[2], want[2].numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[3], want[3].numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got[4], want[4].numpy(), rtol=1e-5, atol=1e-7)
+        for b in range(3):
+            for s in range(7):
+                row = got[2][b, s].tolist()
+                index, q = C.walk_row(row, float(feeds["temperature"][b]), float(feeds["uniforms"][b, s]), mode)
+                assert index == got[1][b, s], (mode, b, s)
+                np.testing.assert_allclose(got[4][b, s], q, rtol=1e-5, atol=1e-7)
+                assert got[3][b, s] == pytest.approx(C.path_confidence(row, index), rel=1e-5, abs=1e-7)
+        if mode == "sample":  # the sampled rows really left the argmax somewhere
+            assert (got[1][1:] != want_greedy[1][1:]).any()
+        want_greedy = got
 
 
 def test_portable_selector_confidence_special_rows():
@@ -228,7 +241,8 @@ def test_portable_selector_confidence_special_rows():
     logits = np.array([[[1, 3, 3, 2], [nan, -inf, -inf, nan], [1, inf, 5, inf], [0, 0, np.log(2), 0]]], np.float32)
     feeds = dict(cand_logits=logits, cand_ids=np.arange(16, dtype=np.int32).reshape(1, 4, 4),
                  gate=np.ones((1, 4, 3), np.float32), anchor=np.array([5], np.int32),
-                 pred_codebook=np.zeros((50, 3), np.float32), succ_codebook=np.zeros((50, 3), np.float32))
+                 pred_codebook=np.zeros((50, 3), np.float32), succ_codebook=np.zeros((50, 3), np.float32),
+                 uniforms=np.zeros((1, 4), np.float32), temperature=np.zeros(1, np.float32))
     conf = sess.run(None, feeds)[3]
     want = [1 / (2 + np.exp(-1) + np.exp(-2)), 0.0, 0.5, 2 / 5]  # tie of two 3s; nothing scored; two +inf; 2/(2+3)
     np.testing.assert_allclose(conf[0], want, rtol=1e-6)

@@ -78,7 +78,8 @@ def test_fake_tensorrt_binding_checks_and_spare_output(fake_engines, fake):
     s.next_ids.push(3)
     eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "new_kv": s.kv_new.rows(0, 3)})  # context unbound
     assert s.next_ids.pull(3).tolist() == want
-    assert set(eng.spare) == {"context"} and eng.spare["context"].nbytes == 16 * 64 * 4  # max n 16 x width x fp32
+    assert set(eng.spare) == {"context", "logits"} and eng.spare["context"].nbytes == 16 * 64 * 4  # max n 16 x width
+    assert eng.spare["logits"].nbytes == s.block_size * s.vocab_size * 4  # [min(n, B), V] at most B rows
     with pytest.raises(rtrt.EngineError, match=r"output next_ids expected shape \[3\].*bound \[2\]"):
         eng.run(feeds, {"next_ids": s.next_ids.rows(0, 2), "new_kv": s.kv_new.rows(0, 3)})
     with pytest.raises(rtrt.EngineError, match=r"missing \['kv_cache', 'past_len'\]"):

@@ -62,3 +62,30 @@ def check_output_file(path: Path | None, flag: str, inputs: dict[str, Path]) -> 
     if not parent.is_dir():
         raise Dflash2Error(f"{flag} {path}: expected an existing folder {parent}, found none")
     check_writable(path, parent)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """--temperature / --top-k / --top-p / --seed; unset ones come from the target's generation_config.json
+    (greedy when it asks for no sampling). sweep: --temperature takes a comma-separated list."""
+    g = p.add_argument_group("sampling (lossless: the output has the target-only sampling distribution)")
+    if sweep:
+        g.add_argument("--temperature", type=_floats, metavar="T[,T...]",
+                       help="temperature(s); several: one interleaved run per temperature (0 = greedy)")
+    else:
+        g.add_argument("--temperature", type=float, help="0 = greedy (default: the model's generation_config.json)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, help="keep the smallest set of top tokens holding this mass (1 = off)")
+    g.add_argument("--seed", type=int, help="seed of the sampling stream (default 0): same seed, same text")
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected numbers separated by commas (e.g. 0,0.7,1)") from None
+
+
+def sampling_of(rt, a: argparse.Namespace, temperature: float | None = None):
+    """The Sampling the flags ask for on this runtime (its generation_config.json fills the rest)."""
+    t = a.temperature if temperature is None else temperature
+    return rt.sampling(temperature=t, top_k=a.top_k, top_p=a.top_p, seed=a.seed)

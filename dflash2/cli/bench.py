@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflash2.cli.args import check_output_file
+from dflash2.cli.args import add_sampling_args, check_output_file
 from dflash2.cli.run import draft_len_arg
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results as JSON here (rewritten after every prompt with "
                                               "\"complete\": false until the run ends)")
     p.add_argument("--plot", type=Path, help="write a PNG of acceptance per draft position")
+    add_sampling_args(p, sweep=True)
     p.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
                    help="instead of timing: combine bench JSONs of one prompt set split across runs")
     a = p.parse_args(argv)
@@ -59,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         for flag, path in (("--json", a.json), ("--plot", a.plot)):
             check_output_file(path, flag, {"FOLDER": a.folder})
         prompts = parse_spec(a.prompts, default_split="eval", log=print)
+        temps = a.temperature or [None]  # None: the model's default
+        if len(temps) > 1:
+            return _temperature_sweep(a, b, prompts, temps)
         r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=a.policies, repeats=a.repeats,
                     draft_len=a.draft_len, sweep=a.sweep_draft_len,
                     log=lambda line: print(line, file=sys.stderr, flush=True),
-                    partial=(lambda r: a.json.write_text(json.dumps(r, indent=2))) if a.json else None)
+                    partial=(lambda r: a.json.write_text(json.dumps(r, indent=2))) if a.json else None,
+                    sampling=_sampling(a, temps[0]))
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench: error: {e}", file=sys.stderr)
         return 2
@@ -74,7 +79,35 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"speedups": {m: round(w["speedup"], 3) for m, w in r["modes"].items()},
                       "auto_vs_best": round(r["auto_vs_best"], 3),
                       **{k: r[k] for k in ("acceptance_length", "lossless", "host_overhead_share")}}))
-    return 0 if r["lossless"] else 1
+    return 0 if r["lossless"] is not False else 1
+
+
+def _sampling(a, temperature: float | None) -> dict:
+    given = {"temperature": temperature, "top_k": a.top_k, "top_p": a.top_p, "seed": a.seed}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _temperature_sweep(a, b, prompts, temps: list[float]) -> int:
+    """One interleaved bench per temperature (AR vs speculative at the same options), one table."""
+    rows = []
+    for t in temps:
+        print(f"[temperature {t:g}]", file=sys.stderr, flush=True)
+        r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=("none",), repeats=a.repeats,
+                    draft_len=a.draft_len, log=lambda line: print(line, file=sys.stderr, flush=True),
+                    sampling=_sampling(a, t))
+        rows.append({"temperature": t, "sampling": r["sampling"], "acceptance_length":
+                     r["modes"][r["draft_len"]]["acceptance_length"], "speedup": r["speedup"],
+                     "autoregressive_tokens_per_second": r["autoregressive_tokens_per_second"],
+                     "speculative_tokens_per_second": r["speculative_tokens_per_second"], "lossless": r["lossless"]})
+    print("temperature   tau   AR tok/s  spec tok/s  speedup  lossless")
+    for w in rows:
+        print(f"{w['temperature']:>11g} {w['acceptance_length']:>5.2f} {w['autoregressive_tokens_per_second']:>10.1f} "
+              f"{w['speculative_tokens_per_second']:>11.1f} {w['speedup']:>7.2f}x  "
+              f"{'by distribution' if w['lossless'] is None else w['lossless']}")
+    if a.json:
+        a.json.write_text(json.dumps({"temperature_sweep": rows}, indent=2))
+    print(json.dumps({"temperature_sweep": rows}))
+    return 0 if all(w["lossless"] is not False for w in rows) else 1
 
 
 if __name__ == "__main__":

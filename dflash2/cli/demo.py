@@ -14,6 +14,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from dflash2.cli.args import add_sampling_args
 from dflash2.cli.run import DRAFT_LEN_HELP, draft_len_arg
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
@@ -28,10 +29,11 @@ def default_drafter() -> Path:
 def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize: str = "none") -> None:
     """Export unless OUT already holds an export of exactly these checkpoints (and quantization)."""
     from dflash2 import manifest as mf
+    from dflash2.ops import contract as C
 
     files = ("model.safetensors", "config.json", "draft_vocab.json")
     stamp = {"drafter": {f: mf.sha256(drafter / f) for f in files if (drafter / f).is_file()}, "target": str(target),
-             "format_version": mf.FORMAT_VERSION}  # an export of an older format is redone
+             "format_version": mf.FORMAT_VERSION, "contract_version": C.CONTRACT_VERSION}  # older: redone
     if quantize != "none":
         stamp["quantize"] = quantize
     if (out / "demo.json").is_file() and json.loads((out / "demo.json").read_text()) == stamp:
@@ -57,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="weight-only target + drafter for ONNX Runtime (default int4: the fastest here, "
                         "docs/quantization.md; 'none' exports fp32)")
     p.add_argument("--quiet", action="store_true")
+    add_sampling_args(p)
     a = p.parse_args(argv)
-    from dflash2.cli.args import read_prompt
+    from dflash2.cli.args import read_prompt, sampling_of
     from dflash2.cli.run import stats_table
     from dflash2.models import smollm2
     from dflash2.runtime.api import Runtime
@@ -71,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         ensure_export(a.drafter or default_drafter(), target, a.out, a.quiet, a.quantize)
         rt = Runtime(a.out)
         ids = rt.prompt_ids(text=prompt, chat=True)
+        sampling = sampling_of(rt, a)
         for spec_on in (True, False):  # warm-up: first runs of each graph shape allocate, keep them untimed
-            rt.generate(ids, 8, speculative=spec_on, draft_len=a.draft_len)
+            rt.generate(ids, 8, speculative=spec_on, draft_len=a.draft_len, sampling=sampling)
         print(f"\n>>> {a.prompt}\n")
         spec = rt.generate(ids, a.max_new_tokens, on_text=lambda t: print(t, end="", flush=True),
-                           draft_len=a.draft_len)
-        base = rt.generate(ids, a.max_new_tokens, speculative=False)
+                           draft_len=a.draft_len, sampling=sampling)
+        base = rt.generate(ids, a.max_new_tokens, speculative=False, sampling=sampling)
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-demo: error: {e}", file=sys.stderr)
         return 2
@@ -84,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n\n" + stats_table(s, rt.backend_name, rt.auto_schedule.to_dict() if a.draft_len == "auto" else None))
     speedup = s["tokens_per_second"] / b["tokens_per_second"] if b["tokens_per_second"] else 0.0
     print(f"{'target-only tokens/s':<24}{b['tokens_per_second']:>12.1f}\n{'speedup':<24}{speedup:>11.2f}x")
+    if not sampling.greedy:  # same distribution, different draws: tests/test_sampling.py proves it
+        print(f"{'sampling':<24}{sampling.describe():>12}\n{'lossless':<24}{'in distribution':>12}")
+        return 0
     print(f"{'identical to target-only':<24}{str(spec.ids == base.ids):>12}")
     return 0 if spec.ids == base.ids else 1
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflash2.cli.args import negative_ids_joined, parse_ids, read_prompt
+from dflash2.cli.args import add_sampling_args, negative_ids_joined, parse_ids, read_prompt, sampling_of
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], help="override the automatic choice")
     p.add_argument("--json", action="store_true", help="print ids and stats as one JSON object")
+    add_sampling_args(p)
     a = p.parse_args(negative_ids_joined(sys.argv[1:] if argv is None else argv))
     from dflash2.quantization import describe, label
     from dflash2.runtime.api import Runtime
@@ -89,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         rt = Runtime(a.folder, backend=a.backend, log=log)
         ids = rt.prompt_ids(text=prompt, ids=a.prompt_ids, chat=a.chat, system=a.system)
         stream = None if a.json or a.prompt is None else (lambda t: print(t, end="", flush=True))
+        sampling = sampling_of(rt, a)
         gen = rt.generate(ids, a.max_new_tokens, speculative=not a.no_spec, stop=a.stop, on_text=stream,
-                          draft_len=a.draft_len)
+                          draft_len=a.draft_len, sampling=sampling)
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-run: error: {e}", file=sys.stderr)
         return 2
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         out = {"ids": gen.ids, "stop_reason": gen.stop_reason, "backend": rt.backend_name,
                "speculative": not a.no_spec, "weights": label(rt.manifest), "draft_len": a.draft_len,
+               "sampling": sampling.describe(),
                "schedule": schedule, **stats}
         if (a.folder / "tokenizer.json").is_file():
             out["text"] = rt.text.decode(gen.ids)

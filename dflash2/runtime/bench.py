@@ -48,6 +48,8 @@ def selector_ms(rt: Runtime, repeats: int = 200) -> float | None:
              "gate": rng.standard_normal((1, S, R)).astype(dtypes.numpy_dtype(m.dtype)),
              "anchor": np.array([1], np.int32)}
     session = OrtEngine("selector", Path(rt.folder) / graph.flavours.portable, ["CPUExecutionProvider"]).session
+    if "uniforms" in {i.name for i in session.get_inputs()}:  # contract 3: the sampled walk's inputs
+        feeds |= {"uniforms": rng.random((1, S), dtype=np.float32), "temperature": np.array([0.0], np.float32)}
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -76,12 +78,19 @@ def _tps(stats: list[Stats]) -> float:
 def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, chat: bool = True,
           policies: tuple[str, ...] | None = None, repeats: int = 1, draft_len: int | str | None = "auto",
           sweep: tuple[int, ...] = (), log: Callable[[str], None] | None = None,
-          partial: Callable[[dict], None] | None = None) -> dict:
+          partial: Callable[[dict], None] | None = None, sampling: dict | None = None) -> dict:
     """Times, interleaved per prompt in ONE process: autoregressive, every fixed K of `sweep` (and
     draft_len when it is an int), and auto; the order of the modes rotates from prompt to prompt (this
     machine's speed drifts between runs, not within one). policies: draft paths whose acceptance is
-    measured at K = S (selector = what the runtime drafts; top1, oracle: measurement only)."""
+    measured at K = S (selector = what the runtime drafts; top1, oracle: measurement only).
+    sampling: temperature / top_k / top_p / seed (unset: the model's generation_config.json, else greedy).
+    At T > 0 every mode samples with the same options and seed, the baseline is target-only
+    sampling; ids then differ between modes by design (the same distribution, not the same draws: the
+    statistical tests prove it), so "lossless" is None and only the selector's acceptance is measured."""
     rt = Runtime(folder)
+    sampling = rt.sampling(**(sampling or {}))  # checks that the export can sample
+    if not sampling.greedy:
+        policies = ("none",)
     man = rt.manifest
     B, S = man.block_size, man.num_drafts
     main_mode = "auto" if draft_len in (None, "auto") else str(check_draft_len(int(draft_len), B))
@@ -114,14 +123,16 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
             for m in modes[i % len(modes):] + modes[:i % len(modes)]:  # rotated order
                 e0 = main.target.seconds + main.drafter.seconds
                 sched = None if m == "ar" else auto if m == "auto" else FixedSchedule(int(m))
-                g = generate(main, ids, max_new_tokens, rt.eos_ids, speculative=m != "ar", schedule=sched)
+                g = generate(main, ids, max_new_tokens, rt.eos_ids, speculative=m != "ar", schedule=sched,
+                             sampling=sampling)
                 engine_s[m] += main.target.seconds + main.drafter.seconds - e0
                 runs[m].append(g.stats)
                 ids_of[m] = g.ids
                 row["tokens_per_second"][m] = g.stats.tokens_per_second
                 if m == "auto":
                     row["k_histogram"], row["acceptance_length"] = g.stats.k_histogram(), g.stats.acceptance_length
-            lossless &= all(v == ids_of["ar"] for v in ids_of.values())
+            if sampling.greedy:
+                lossless &= all(v == ids_of["ar"] for v in ids_of.values())
             for p, s in sessions.items():  # acceptance of the draft paths, all S drafts verified
                 if p == "selector" and S in fixed:  # the fixed K = S run already measured it
                     per_policy[p].append(runs[str(S)][-1])
@@ -146,10 +157,13 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     best = max(["ar", *map(str, fixed)], key=lambda m: mode_rows[m]["tokens_per_second"])
     A, M = merged["ar"], merged[main_mode]
     acc = {p: _merge(v).acceptance_length for p, v in per_policy.items()}
+    if not sampling.greedy:  # the acceptance of what the runtime drafted, at the sampling options
+        acc = {"sampled": M.acceptance_length}
     result = {
         "complete": True, "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "repeats": repeats,
         "max_new_tokens": max_new_tokens,
-        "block_size": B, "dtype": man.dtype, "lossless": lossless, "draft_len": main_mode,
+        "block_size": B, "dtype": man.dtype, "lossless": lossless if sampling.greedy else None,
+        "sampling": sampling.describe(), "draft_len": main_mode,
         "weights": label(man), "quantization": describe(man),
         "draft_vocab_size": man.draft_vocab.size if man.draft_vocab else man.vocab_size,
         "autoregressive_tokens_per_second": ar_tps, "speculative_tokens_per_second": M.tokens_per_second,
@@ -160,8 +174,9 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
         # calibration wall time over one auto generation scaled to 128 new tokens
         "calibration_share_128": (calibration["calibration_seconds"]
                                   / (merged["auto"].times["total"] / max(merged["auto"].new_tokens, 1) * 128)),
-        "acceptance_length": acc, "position_acceptance": {p: _merge(v).position_acceptance()
-                                                          for p, v in per_policy.items()},
+        "acceptance_length": acc, "position_acceptance": ({p: _merge(v).position_acceptance()
+                                                           for p, v in per_policy.items()} if sampling.greedy
+                                                          else {"sampled": M.position_acceptance()}),
         "speculative_seconds": M.to_dict()["seconds"], "autoregressive_seconds": A.to_dict()["seconds"],
         "host_overhead_share": mode_rows[main_mode]["host_overhead_share"],
         "spec_step_ms": _round_ms(M), "ar_step_ms": 1e3 * A.times["decode"] / max(A.new_tokens - len(runs["ar"]), 1),
@@ -237,7 +252,8 @@ def table(r: dict) -> str:
             ("prompts", r["prompts"]),
             ("draft vocabulary (ids)", r.get("draft_vocab_size", "-")),
             ("drafts verified per round", r.get("draft_len", "-")),
-            ("lossless (spec == AR ids)", r["lossless"]),
+            ("sampling", r.get("sampling", "greedy")),
+            ("lossless (spec == AR ids)", "by distribution" if r["lossless"] is None else r["lossless"]),
             ("autoregressive tok/s", f"{r['autoregressive_tokens_per_second']:.1f}"),
             ("speculative tok/s", f"{r['speculative_tokens_per_second']:.1f}"),
             ("speedup", f"{r['speedup']:.2f}x"),
@@ -249,7 +265,8 @@ def table(r: dict) -> str:
             ("calibration / 128-token generation", f"{100 * r['calibration_share_128']:.1f}%")]
     if r.get("select_ms_standalone") is not None:
         rows.append(("select ms (standalone graph)", f"{r['select_ms_standalone']:.3f}"))
-    rows += [(f"acceptance length K=S: {p}", f"{v:.2f}") for p, v in r["acceptance_length"].items()]
+    rows += [(f"acceptance length K=S: {p}" if p != "sampled" else f"acceptance length ({r['draft_len']}, sampled)",
+              f"{v:.2f}") for p, v in r["acceptance_length"].items()]
     if r.get("selector_gap_closed") is not None:
         rows.append(("top1->oracle gap closed", f"{100 * r['selector_gap_closed']:.0f}%"))
     s = r["speculative_seconds"]

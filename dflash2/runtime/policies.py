@@ -33,10 +33,13 @@ class PolicySession(SpecSession):
         """The target-only greedy continuation of this prompt (for the oracle)."""
         self.prompt_len, self.truth = prompt_len, list(greedy_ids)
 
-    def draft(self, anchor: int) -> np.ndarray:
-        drafts = super().draft(anchor)
+    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> np.ndarray:
+        drafts = super().draft(anchor, uniforms, temperature)
         if self.policy == "selector":
             return drafts
+        if self.draft_q is not None:
+            raise ValueError(f"policy {self.policy!r} measures greedy acceptance only; at temperature > 0 "
+                             f"the drafts must be the sampled walk (policy 'selector')")
         cand = self.cand_ids.pull(self.cand_ids.capacity)  # [S, K]; only measurement reads the lattice
         if self.policy == "top1":
             return cand[:, 0]

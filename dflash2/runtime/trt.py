@@ -16,6 +16,7 @@ Importing this module never fails; constructing `TrtBackend` without TensorRT ra
 
 from __future__ import annotations
 
+import ast
 import os
 from pathlib import Path
 
@@ -33,9 +34,35 @@ GRAPHS_ENV = "DFLASH2_CUDA_GRAPHS"
 
 
 def max_shape(shape: list, profiles: list[mf.ProfileRecord]) -> tuple[int, ...]:
-    """An io-spec shape with its symbolic dims at their largest value over the manifest's profiles."""
-    return tuple(max(p.dims[d][2] for p in profiles if d in p.dims) if isinstance(d, str) else int(d)
-                 for d in shape)
+    """An io-spec shape with its symbolic dims at their largest value over the manifest's profiles.
+    A dim may be an expression of named dims as ONNX shape inference writes it (the target's logits:
+    `Max(0, n - Max(0, n - 8))`, i.e. min(n, 8)), evaluated at the named dims' largest values."""
+    names = {d for p in profiles for d in p.dims}
+    largest = {d: max(p.dims[d][2] for p in profiles if d in p.dims) for d in names}
+    return tuple(dim_value(d, largest) if isinstance(d, str) else int(d) for d in shape)
+
+
+def dim_value(expr: str, dims: dict[str, int]) -> int:
+    """Evaluate a symbolic dim: names, integers, + - *, Max / Min; anything else is an EngineError."""
+    def ev(node) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in dims:
+            return dims[node.id]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) else a * b
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Max", "Min")
+                and node.args and not node.keywords):
+            return (max if node.func.id == "Max" else min)(ev(a) for a in node.args)
+        raise EngineError(f"io shape dim {expr!r}: expected names of {sorted(dims)}, integers, + - *, Max, Min")
+
+    try:
+        return ev(ast.parse(expr, mode="eval"))
+    except SyntaxError:
+        raise EngineError(f"io shape dim {expr!r}: not an expression") from None
 
 
 def pick_profile(order: list[tuple[int, dict]], shapes: dict[str, tuple[int, ...]]) -> int | None:

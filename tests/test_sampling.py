@@ -1,0 +1,217 @@
+"""Sampling at T > 0: the processed distribution, the seeded stream, and lossless speculative sampling.
+
+Independent references: transformers' logits warpers for p; plain enumeration of the target-only
+distribution for the statistical tests (tests/sampling_models.py); the PyTorch reference backend for
+"same seed, same ids" across backends.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash2 import sampling as sm
+from dflash2.reference.backend import TorchBackend
+from dflash2.reference.load import load_pair
+from dflash2.runtime.api import Runtime
+from dflash2.runtime.session import SamplingUnsupported
+from dflash2.sampling import Sampling
+from dflash2.speculative import generate
+from tests import sampling_models as models
+
+RUNS = 20_000  # seeded runs per statistical case (the issue's floor)
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampling")
+    return {v: models.sharp_export(root, v) for v in (1, 2)} | {"root": root}
+
+
+# ----------------------------------------------------------------------------- p, u, one round
+
+
+@pytest.mark.parametrize("T,top_k,top_p", [(0.5, 0, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.9),
+                                          (0.8, 50, 0.75), (1.0, 1, 1.0), (2.0, 0, 0.05)])
+def test_processed_distribution_equals_transformers_warpers(T, top_k, top_p):
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    g = torch.Generator().manual_seed(int(T * 100) + top_k)
+    logits = torch.randn(4, 500, generator=g) * 4  # [rows, V]
+    for row in logits:
+        x = row[None].clone()
+        x = TemperatureLogitsWarper(T)(None, x)
+        if top_k:
+            x = TopKLogitsWarper(top_k)(None, x)
+        if top_p < 1:
+            x = TopPLogitsWarper(top_p)(None, x)
+        want = torch.softmax(x.double(), -1)[0].numpy()
+        got = sm.process(row.numpy(), Sampling(T, top_k, top_p))
+        assert np.array_equal(got > 0, want > 0)  # the same support
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
+
+
+def test_options_are_checked_with_clear_errors():
+    for kw, field in [({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+                      ({"top_k": -2}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                      ({"seed": -1}, "seed")]:
+        with pytest.raises(sm.SamplingError, match=field):
+            Sampling(**kw)
+    with pytest.raises(sm.SamplingError, match="finite maximum"):
+        sm.process(np.full(8, np.nan, np.float32), Sampling(1.0))
+
+
+def test_generation_config_defaults(tmp_path):
+    assert sm.defaults_from(tmp_path) == {}  # no file: greedy
+    f = tmp_path / "generation_config.json"
+    f.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    assert sm.defaults_from(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    f.write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
+    assert sm.defaults_from(tmp_path) == {}  # sampling not asked for
+    f.write_text(json.dumps({"do_sample": True, "temperature": "hot"}))
+    with pytest.raises(sm.SamplingError, match="temperature"):
+        sm.defaults_from(tmp_path)
+    f.write_text("[1, 2]")
+    with pytest.raises(sm.SamplingError, match="JSON object"):
+        sm.defaults_from(tmp_path)
+
+
+def test_uniforms_are_keyed_by_position_not_by_draw_order():
+    a = [sm.uniform(7, p, sm.ACCEPT) for p in range(100, 120)]
+    b = [sm.uniform(7, p, sm.ACCEPT) for p in reversed(range(100, 120))][::-1]
+    assert a == b and len(set(a)) == 20  # order-free, no repeats
+    assert sm.uniform(7, 100, sm.ACCEPT) != sm.uniform(7, 100, sm.RESIDUAL) != sm.uniform(8, 100, sm.ACCEPT)
+    u = np.array([sm.uniform(3, p, sm.TOKEN) for p in range(20_000)])
+    assert u.min() >= 0 and u.max() < 1
+    counts = np.histogram(u, bins=10, range=(0, 1))[0]
+    assert abs(counts - 2000).max() < 5 * np.sqrt(2000)  # uniform within 5 sigma per decile
+    np.testing.assert_array_equal(sm.uniforms(3, 5, 4, sm.DRAFT), [sm.uniform(3, 5 + i, sm.DRAFT) for i in range(4)])
+
+
+def test_one_round_of_rejection_sampling_has_the_target_distribution():
+    """Plain Python check of verify_round on hand-built p and q (no model): the first token of a
+    round, drafted from q, must follow p; q is deliberately far from p (mass where p has none)."""
+    V, S = 6, 2
+    rows = np.log(np.array([[0.5, 0.2, 0.1, 0.1, 0.1, 1e-30], [0.1, 0.1, 0.1, 0.2, 0.5, 1e-30],
+                            [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]], np.float32))  # [S+1, V] "logits"
+    q_ids = np.array([[5, 1, 0], [4, 3, 2]])  # [S, K]
+    q = np.array([[0.6, 0.3, 0.1], [0.5, 0.3, 0.2]], np.float32)
+    s = Sampling(1.0)
+    p0 = sm.process(rows[0], s)
+    first = collections.Counter()
+    N = 40_000
+    for seed in range(N):
+        rng = np.random.default_rng(seed)
+        d0 = int(rng.choice(q_ids[0], p=q[0]))
+        d1 = int(rng.choice(q_ids[1], p=q[1]))
+        acc, tok = sm.verify_round(rows, [d0, d1], q_ids, q, 10, Sampling(1.0, seed=seed))
+        first[d0 if acc > 0 else tok] += 1
+    emp = np.array([first[i] / N for i in range(V)])
+    assert 0.5 * np.abs(emp - p0).sum() < models.tv_bound(V, N)
+
+
+# ----------------------------------------------------------------------------- real tiny models
+
+
+CASES = [Sampling(0.5), Sampling(1.0), Sampling(0.5, top_k=5, top_p=0.9), Sampling(1.0, top_k=5, top_p=0.9)]
+
+
+class WrongQ:
+    """A session whose draft q ignores the temperature (softmax(row) instead of softmax(row / T)):
+    the bug the statistical test must catch."""
+
+    def __init__(self, session, T: float):
+        self.session, self.T = session, T
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    @property
+    def draft_q(self):
+        q = self.session.draft_q
+        if q is None:
+            return None
+        w = q[1].astype(np.float64) ** self.T  # q^T is proportional to softmax(row)
+        return q[0], w / w.sum(-1, keepdims=True)
+
+
+def _first_tokens(backend, s: Sampling, runs: int) -> collections.Counter:
+    counts = collections.Counter()
+    for seed in range(runs):
+        g = generate(backend, models.PROMPT, 3, (), sampling=Sampling(s.temperature, s.top_k, s.top_p, seed),
+                     draft_len=3)
+        counts[tuple(g.ids)] += 1
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("case", CASES, ids=lambda s: s.describe().replace(" ", "_"))
+def test_speculative_sampling_matches_the_exact_target_distribution(sharp, version, case):
+    """20,000 seeded speculative runs: the first 3 tokens' empirical distribution is within the TV
+    bound (delta 1e-6) of the exact target-only distribution; drafts were really accepted."""
+    rt = Runtime(sharp[version])
+    exact = models.exact_distribution(rt.session, case)
+    counts = _first_tokens(rt.session, case, RUNS)
+    bound = models.tv_bound(len(exact), RUNS)
+    got = models.tv(counts, exact, RUNS)
+    print(json.dumps({"version": version, "sampling": case.describe(), "bins": len(exact), "tv": got,
+                      "bound": bound}))
+    assert got < bound, (got, bound, exact)
+    assert sum(counts.values()) == RUNS
+
+
+@pytest.mark.slow
+def test_a_q_that_ignores_the_temperature_fails_the_same_test(sharp):
+    case = Sampling(0.5)
+    rt = Runtime(sharp[2])
+    exact = models.exact_distribution(rt.session, case)
+    counts = _first_tokens(WrongQ(rt.session, case.temperature), case, RUNS)
+    assert models.tv(counts, exact, RUNS) > models.tv_bound(len(exact), RUNS)
+
+
+def test_acceptance_is_real_in_the_statistical_models(sharp):
+    """Without accepted drafts the statistical tests would only test the residual path."""
+    rt = Runtime(sharp[2])
+    acc = [generate(rt.session, models.PROMPT, 12, (), sampling=Sampling(0.5, seed=i), draft_len=3).stats
+           for i in range(20)]
+    assert sum(sum(a.accepted) for a in acc) > 20
+
+
+# ----------------------------------------------------------------------------- T = 0, seeds, backends
+
+
+def test_temperature_zero_is_the_greedy_output(sharp):
+    rt = Runtime(sharp[2])
+    prompt = [5, 17, 42, 99, 7]
+    greedy = rt.generate(prompt, 24, speculative=False, sampling=Sampling()).ids
+    assert rt.generate(prompt, 24, sampling=Sampling(0.0, top_k=3, top_p=0.5, seed=9), draft_len=3).ids == greedy
+    assert rt.generate(prompt, 24).ids == greedy  # the tiny target's generation_config asks for no sampling
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_same_seed_same_ids_on_pytorch_and_onnx_runtime(sharp, version):
+    rt = Runtime(sharp[version])
+    root = sharp["root"]
+    ref = TorchBackend(*load_pair(root / f"drafter-v{version}", root / "target"), 64)
+    prompt = [5, 17, 42, 99, 7]
+    for seed in range(6):
+        s = Sampling(0.8, top_k=8 if seed % 2 else 0, seed=seed)
+        a = rt.generate(prompt, 24, sampling=s, draft_len=3, stop=()).ids
+        assert rt.generate(prompt, 24, sampling=s, draft_len=3).ids == a  # repeated run
+        b = generate(ref, prompt, 24, rt.eos_ids, sampling=s, draft_len=3).ids
+        assert a == b, (seed, a, b)
+        assert generate(rt.session, prompt, 24, rt.eos_ids, sampling=s, schedule=rt.auto_schedule).ids  # runs
+
+
+def test_sampling_on_an_export_without_logits_is_refused(sharp):
+    rt = Runtime(sharp[2])
+    rt.session.logits_buf = None  # what an export made before sampling existed lacks
+    with pytest.raises(SamplingUnsupported, match="re-export"):
+        rt.generate([5, 17], 4, sampling=Sampling(0.7))
+    assert rt.generate([5, 17], 4, sampling=Sampling()).ids  # greedy still runs
