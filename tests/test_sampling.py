@@ -215,3 +215,40 @@ def test_sampling_on_an_export_without_logits_is_refused(sharp):
     with pytest.raises(SamplingUnsupported, match="re-export"):
         rt.generate([5, 17], 4, sampling=Sampling(0.7))
     assert rt.generate([5, 17], 4, sampling=Sampling()).ids  # greedy still runs
+
+
+# ----------------------------------------------------------------------------- the CLIs
+
+
+def test_run_cli_samples_with_a_seed_and_reports_it(sharp, capsys):
+    from dflash2.cli import run as run_cli
+
+    args = [str(sharp[2]), "--prompt-ids", "5,17,42", "--max-new-tokens", "16", "--json", "--draft-len", "3"]
+    outs = []
+    for extra in (["--temperature", "0.8", "--seed", "4"], ["--temperature", "0.8", "--seed", "4"],
+                  ["--temperature", "0.8", "--seed", "5", "--top-k", "3", "--top-p", "0.9"], []):
+        assert run_cli.main(args + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outs[0]["ids"] == outs[1]["ids"] and outs[0]["sampling"] == "T=0.8 top_k=off top_p=1 seed=4"
+    assert outs[2]["sampling"] == "T=0.8 top_k=3 top_p=0.9 seed=5"
+    assert outs[3]["sampling"] == "greedy"
+    greedy = generate(Runtime(sharp[2]).session, [5, 17, 42], 16, Runtime(sharp[2]).eos_ids, speculative=False).ids
+    assert outs[3]["ids"] == greedy
+    for bad, field in ((["--temperature", "-1"], "temperature"), (["--temperature", "1", "--top-p", "2"], "top_p")):
+        assert run_cli.main(args + bad) == 2
+        assert field in capsys.readouterr().err
+
+
+def test_bench_cli_temperature_sweep(sharp, tmp_path, capsys):
+    from dflash2.cli import bench as bench_cli
+
+    out, prompts = tmp_path / "sweep.json", tmp_path / "prompts.txt"
+    prompts.write_text("the cat sat\nhello there\n")
+    code = bench_cli.main([str(sharp[2]), "--prompts", str(prompts), "--raw", "--max-new-tokens", "12",
+                           "--temperature", "0,0.7", "--draft-len", "3", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["temperature_sweep"]
+    assert [r["temperature"] for r in rows] == [0.0, 0.7]
+    assert rows[0]["lossless"] is True and rows[1]["lossless"] is None  # T > 0: by distribution
+    assert rows[1]["sampling"].startswith("T=0.7") and rows[1]["acceptance_length"] >= 1.0
+    assert "temperature   tau" in capsys.readouterr().out
