@@ -64,6 +64,22 @@ def test_fake_tensorrt_runtime_matches_onnxruntime(fake_engines, export_dir, fak
     assert used == ({0, 1})  # prefill (11 rows) on profile 0, decode / verify on profile 1
 
 
+@pytest.mark.parametrize("draft_len", [7, 3])
+def test_fake_tensorrt_samples_what_onnxruntime_samples(fake_engines, export_dir, fake, draft_len):
+    """Same seed, same ids on the TensorRT path (fixed-shape graphs, device buffers, the logits pulled
+    only when sampling reads them) as on ONNX Runtime, speculative and target-only. A fixed draft
+    length: `auto` picks K from measured timings, so its draws differ run to run (docs/sampling.md)."""
+    from dflash2.sampling import Sampling
+
+    ort_rt, trt_rt = Runtime(export_dir), Runtime(fake_engines)
+    for seed in range(3):
+        s = Sampling(0.8, top_k=20 if seed else 0, top_p=0.95 if seed == 2 else 1.0, seed=seed)
+        for spec in (True, False):
+            want = ort_rt.generate(PROMPT, 20, speculative=spec, sampling=s, draft_len=draft_len).ids
+            assert trt_rt.generate(PROMPT, 20, speculative=spec, sampling=s, draft_len=draft_len).ids == want
+    assert trt_rt.session.draft_q is not None and trt_rt.session.draft_q[1].shape == (7, 8)  # q of the walk
+
+
 def test_fake_tensorrt_binding_checks_and_spare_output(fake_engines, fake):
     s = Runtime(fake_engines).session
     s.ids.host[:3] = [5, 6, 7]
