@@ -85,7 +85,13 @@ def _floats(s: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{s!r}: expected numbers separated by commas (e.g. 0,0.7,1)") from None
 
 
-def sampling_of(rt, a: argparse.Namespace, temperature: float | None = None):
-    """The Sampling the flags ask for on this runtime (its generation_config.json fills the rest)."""
-    t = a.temperature if temperature is None else temperature
-    return rt.sampling(temperature=t, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+def sampling_options(a: argparse.Namespace, temperature: float | None) -> dict:
+    """The sampling flags given, with this temperature (None and unset flags are left to the model's
+    generation_config.json)."""
+    given = {"temperature": temperature, "top_k": a.top_k, "top_p": a.top_p, "seed": a.seed}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def sampling_of(rt, a: argparse.Namespace):
+    """The Sampling the flags ask for on this runtime."""
+    return rt.sampling(**sampling_options(a, a.temperature))

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflash2.cli.args import add_sampling_args, check_output_file
+from dflash2.cli.args import add_sampling_args, check_output_file, sampling_options
 from dflash2.cli.run import draft_len_arg
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     draft_len=a.draft_len, sweep=a.sweep_draft_len,
                     log=lambda line: print(line, file=sys.stderr, flush=True),
                     partial=(lambda r: a.json.write_text(json.dumps(r, indent=2))) if a.json else None,
-                    sampling=_sampling(a, temps[0]))
+                    sampling=sampling_options(a, temps[0]))
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench: error: {e}", file=sys.stderr)
         return 2
@@ -82,11 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if r["lossless"] is not False else 1
 
 
-def _sampling(a, temperature: float | None) -> dict:
-    given = {"temperature": temperature, "top_k": a.top_k, "top_p": a.top_p, "seed": a.seed}
-    return {k: v for k, v in given.items() if v is not None}
-
-
 def _temperature_sweep(a, b, prompts, temps: list[float]) -> int:
     """One interleaved bench per temperature (AR vs speculative at the same options), one table."""
     rows = []
@@ -94,7 +89,7 @@ def _temperature_sweep(a, b, prompts, temps: list[float]) -> int:
         print(f"[temperature {t:g}]", file=sys.stderr, flush=True)
         r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=("none",), repeats=a.repeats,
                     draft_len=a.draft_len, log=lambda line: print(line, file=sys.stderr, flush=True),
-                    sampling=_sampling(a, t))
+                    sampling=sampling_options(a, t))
         rows.append({"temperature": t, "sampling": r["sampling"], "acceptance_length":
                      r["modes"][r["draft_len"]]["acceptance_length"], "speedup": r["speedup"],
                      "autoregressive_tokens_per_second": r["autoregressive_tokens_per_second"],

@@ -51,12 +51,8 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def drafter_outputs(manifest: ModelFacts) -> set[str]:
-    """Output names of the drafter graph (an export lists graphs, an engine folder engines)."""
-    return graph_outputs(manifest, "drafter")
-
-
 def graph_outputs(manifest: ModelFacts, graph: str) -> set[str]:
+    """Output names of a graph (an export lists graphs, an engine folder engines)."""
     return set(manifest.output_names(graph) if hasattr(manifest, "output_names") else [])
 
 
@@ -103,17 +99,19 @@ class SpecSession:
             self.ctx_kv_new = backend.device_buffer((min(T, backend.max_rows("drafter") or T), *m.kv.rows.drafter), dt)
             self.ctx_kv_len = backend.host_buffer((1,), np.int32)
         # exports older than the confidence output lack it: the schedule then learns per position
-        self.conf = backend.host_buffer((S,), np.float32) if "confidence" in drafter_outputs(m) else None
+        self.conf = backend.host_buffer((S,), np.float32) if "confidence" in graph_outputs(m, "drafter") else None
         self.confidence: np.ndarray | None = None
         # sampling (T > 0): exports older than contract 3 lack these; sampling on them is refused
         self.logits_buf = (backend.host_buffer((self.block_size, m.vocab_size), np.float32)
                            if "logits" in graph_outputs(m, "target") else None)
         self.logit_rows = 0
         self.sampled_walk = "uniforms" in self.drafter.inputs
-        if self.sampled_walk:
+        if self.sampled_walk:  # zeros (the greedy walk) until a sampled draft writes them
             self.uniforms = backend.host_buffer((S,), np.float32)
             self.temperature = backend.host_buffer((1,), np.float32)
             self.draft_probs = backend.host_buffer((S, K), np.float32)
+            self._set_walk(np.zeros(S, np.float32), 0.0)
+        self.walk_sampled = False  # what the uniforms / temperature buffers hold now
         self.draft_q: tuple[np.ndarray, np.ndarray] | None = None
         # an engine's drafter profile takes max(max_prefill, B) context rows at once; ONNX Runtime any number
         limit = min(getattr(m, "max_prefill", None) or T, backend.max_rows("drafter") or T)
@@ -194,10 +192,9 @@ class SpecSession:
             self.check_sampling()
         walk = {}
         if self.sampled_walk:  # temperature 0: the greedy walk, bit-identical to the greedy mode
-            self.uniforms.host[:] = uniforms if sampled else 0.0
-            self.temperature.host[0] = temperature if sampled else 0.0
-            self.uniforms.push(self.block_size - 1)
-            self.temperature.push(1)
+            if sampled or self.walk_sampled:  # greedy rounds after greedy rounds copy nothing
+                self._set_walk(uniforms if sampled else 0.0, temperature if sampled else 0.0)
+                self.walk_sampled = sampled
             walk = {"uniforms": self.uniforms.whole(), "temperature": self.temperature.whole()}
         done = 0
         while done < self.pending:  # rows pending after skipped drafts may exceed what one call takes
@@ -223,6 +220,12 @@ class SpecSession:
         if sampled and self.has_lattice:
             self.draft_q = (self.cand_ids.pull(S, wait=False), self.draft_probs.pull(S, wait=False))
         return self.draft_ids.pull(S)
+
+    def _set_walk(self, uniforms, temperature: float) -> None:
+        self.uniforms.host[:] = uniforms
+        self.temperature.host[0] = temperature
+        self.uniforms.push(self.block_size - 1)
+        self.temperature.push(1)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
         return self._run_target(tokens)  # writes KV rows at pos..pos+S; pos moves at commit
