@@ -155,7 +155,7 @@ def test_cli_prints_quantization(tmp_path, pairs):
 
 def test_quant_bench_interleaved(quantized):
     fp32, int4 = quantized["fp32"], quantized["int4"]
-    r = bench_quant([fp32, int4, fp32], PROMPTS[:2], max_new_tokens=24, draft_len=2)
+    r = bench_quant([fp32, int4, fp32], PROMPTS[:2], max_new_tokens=24, draft_len="auto")  # each export's schedule
     assert list(r["exports"]) == ["fp32", "int4", "fp32-2"]
     assert all(r["lossless"].values())
     assert r["top1_agreement_vs_first"]["fp32-2"] == 1.0  # the same target agrees with itself everywhere
@@ -163,7 +163,9 @@ def test_quant_bench_interleaved(quantized):
     assert set(r["tokens_per_second"]) == {f"{lab} {m}" for lab in r["exports"]
                                            for m in ("autoregressive", "speculative")}
     assert all(v > 0 for v in r["tokens_per_second"].values())
-    assert "K=2" in table(r) and "int4 speculative" in table(r)
+    assert r["draft_len"] == "auto" and "K=auto" in table(r) and "int4 speculative" in table(r)
+    with pytest.raises(Dflash2Error, match="expected 'auto' or an integer"):
+        bench_quant([fp32], PROMPTS[:1], max_new_tokens=4, draft_len="two")
 
 
 def test_genai_runner_needs_a_builder_folder(tmp_path):

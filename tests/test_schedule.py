@@ -18,19 +18,19 @@ STEEP = [10.0 * n for n in range(1, B + 1)]  # every row costs a full decode ste
 
 
 def test_flat_verify_cost_verifies_every_draft_when_confident():
-    s = AutoSchedule(costs(FLAT))
+    s = AutoSchedule(B, costs(FLAT))
     assert s.choose([0.95] * 7, 7) == 7
     assert s.choose([0.3] * 7, 7) == 7  # extra rows are free: any chance of acceptance pays
 
 
 def test_steep_verify_cost_verifies_nothing():
-    s = AutoSchedule(costs(STEEP))
+    s = AutoSchedule(B, costs(STEEP))
     assert s.choose([0.95] * 7, 7) == 0  # each draft costs a decode step and yields < 1 token
     assert s.choose([0.95] * 7, 7) == 0
 
 
 def test_cpu_like_cost_follows_confidence():
-    s = AutoSchedule(costs(CPU))
+    s = AutoSchedule(B, costs(CPU))
     assert s.choose([0.95] * 7, 7) == 7
     assert s.choose([0.05] * 7, 7) == 0
     k = s.choose([0.95, 0.9, 0.6, 0.1, 0.9, 0.9, 0.9], 7)  # confidence collapses at draft 4
@@ -59,7 +59,7 @@ def test_acceptance_without_confidence_is_per_position():
 
 
 def test_an_over_confident_drafter_turns_drafting_off_then_probes_with_backoff():
-    s = AutoSchedule(costs(CPU))
+    s = AutoSchedule(B, costs(CPU))
     drafted = []
     for _ in range(400):
         d = s.wants_draft()
@@ -71,7 +71,7 @@ def test_an_over_confident_drafter_turns_drafting_off_then_probes_with_backoff()
 
 
 def test_drafting_resumes_when_drafts_are_accepted_again():
-    s = AutoSchedule(costs(CPU))
+    s = AutoSchedule(B, costs(CPU))
     s.probing, s.skip_left, s.backoff = True, 3, 4
     assert [s.wants_draft() for _ in range(4)] == [False, False, False, True]
     k = s.choose([0.95] * 7, 7)
@@ -88,10 +88,36 @@ def test_cost_model_refines_from_the_loop():
     assert c.decode == pytest.approx(0.012, rel=0.02)
     # rows never measured keep the calibrated shape but follow the machine, which got slower
     assert c.verify[2] > CPU[1] / 1e3 and c.verify[3] / c.verify[2] == pytest.approx(CPU[2] / CPU[1])
-    assert set(c.to_dict()) == {"verify_ms", "decode_ms", "draft_ms", "calibration_seconds", "measured_seconds"}
+    assert set(c.to_dict()) == {"verify_ms", "decode_ms", "draft_ms"}
 
 
 def test_cost_model_ignores_a_single_hiccup():
     c = costs(CPU)
     c.observe(Round(True, 1, 0, 0.002, 5.0))  # one 5 s stall (another process): bounded influence
     assert c.verify[2] < 2 * CPU[1] / 1e3 and c.verify[8] < 1.1 * CPU[7] / 1e3
+
+
+def test_calibration_is_the_first_rounds_on_a_fixed_plan():
+    """No separate engine calls: the session's first four rounds draft-and-verify-all, decode, again;
+    the smaller of each pair of timings makes the cost model (the first run of a shape allocates)."""
+    s = AutoSchedule(B)
+    timings = [(0.050, 0.300), (0.0, 0.040), (0.004, 0.024), (0.0, 0.012)]  # first runs slow, then clean
+    for (draft_s, verify_s), drafts in zip(timings, [True, False, True, False]):
+        assert s.wants_draft() is drafts
+        k = s.choose([0.01] * 7 if drafts else None, 7 if drafts else 0)  # even a hopeless draft: all 7
+        assert k == (7 if drafts else 0)
+        s.observe(Round(drafts, k, 0, draft_s, verify_s))  # every draft rejected
+    c = s.costs
+    assert (c.decode, c.draft, c.verify[8]) == (0.012, 0.004, 0.024)
+    assert c.verify[1] == 0.012 and c.verify[4] == pytest.approx(0.012 + 0.012 * 3 / 7)  # linear between
+    cal = s.to_dict()["costs"]
+    assert cal["calibrated"] and cal["calibration_rounds"] == 4 and cal["measured_seconds"] == pytest.approx(0.43)
+    # added: the rounds' 0.43 s beyond their 4 tokens at the session's rate (at least plain decoding's)
+    assert 0 < cal["calibration_seconds"] <= 0.43 - 4 * 0.012 + 1e-9
+    assert s.choose([0.01] * 7, 7) == 0  # calibrated: the policy decides again
+
+
+def test_a_given_cost_model_skips_calibration():
+    s = AutoSchedule(B, costs(FLAT))
+    assert s.to_dict()["costs"]["calibration_rounds"] == 0 and s.to_dict()["costs"]["calibrated"]
+    assert s.choose([0.3] * 7, 7) == 7

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
                                               "-i TARGET -o OUT -p int4 -e cpu` (optional)")
     p.add_argument("--prompts", default="default", help="as dflash2-bench: 'default', 'sharegpt:eval:N' or a file")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--draft-len", type=int, default=2, metavar="K", help="drafts verified per round (default 2)")
+    p.add_argument("--draft-len", default="2", metavar="K|auto",
+                   help="drafts verified per round, or auto: each export's runtime schedule (default 2)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, help="intra-op threads of every session (dflash2's and genai's)")
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")

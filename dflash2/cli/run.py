@@ -59,7 +59,8 @@ def stats_table(stats: dict, backend: str, schedule: dict | None = None) -> str:
         c = schedule["costs"]
         out += (f"\n{'cost model ms':<24}decode {c['decode_ms']:.1f}, draft {c['draft_ms']:.1f}, verify "
                 + "/".join(f"{v:.1f}" for v in c["verify_ms"])
-                + f" (calibrated in {c['calibration_seconds']:.2f} s)")
+                + (f" (measured by the first {c['calibration_rounds']} rounds, +{c['calibration_seconds']:.3f} s)"
+                   if c["calibration_rounds"] else ""))
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
-from dflash2.runtime.schedule import AutoSchedule, calibrate
+from dflash2.runtime.schedule import AutoSchedule
 from dflash2.runtime.session import SpecSession
 from dflash2.runtime.text import Stream, Text
 from dflash2.sampling import Sampling, defaults_from
@@ -85,10 +85,10 @@ class Runtime:
 
     @property
     def auto_schedule(self) -> AutoSchedule:
-        """The session's draft-length policy; its cost model is calibrated on first use (a fraction of
-        a second) and then learns from every round this runtime generates."""
+        """The session's draft-length policy: its first rounds measure the cost model (no separate
+        engine calls), and it then learns from every round this runtime generates."""
         if self._auto is None:
-            self._auto = AutoSchedule(calibrate(self.session))
+            self._auto = AutoSchedule(self.session.block_size)
         return self._auto
 
     def schedule(self, draft_len: int | str | None = "auto") -> DraftSchedule:

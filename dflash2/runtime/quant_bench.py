@@ -22,7 +22,7 @@ from pathlib import Path
 from dflash2.errors import Dflash2Error
 from dflash2.quantization import describe, label
 from dflash2.runtime.api import Runtime
-from dflash2.speculative import check_draft_len, generate
+from dflash2.speculative import generate
 
 
 class GenaiRunner:
@@ -83,9 +83,11 @@ def _labels(runtimes: list[Runtime]) -> list[str]:
 
 
 def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path | None = None,
-                max_new_tokens: int = 128, chat: bool = True, draft_len: int | None = 2, repeats: int = 1,
+                max_new_tokens: int = 128, chat: bool = True, draft_len: int | str | None = 2, repeats: int = 1,
                 threads: int | None = None) -> dict:
     """folders: export folders of the same target; the first is the reference (normally fp32).
+    draft_len: K drafts verified per round, or "auto" (each export's own runtime schedule, learning
+    across the prompts as in dflash2-run).
     threads: intra-op threads of every session, dflash2's and onnxruntime-genai's (default: ONNX Runtime's)."""
     if not folders:
         raise Dflash2Error("give at least one export folder")
@@ -96,7 +98,10 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
         if rt.manifest.vocab_size != ref.manifest.vocab_size:
             raise Dflash2Error(f"{f}: vocab_size {rt.manifest.vocab_size} != {ref.manifest.vocab_size} of "
                                f"{folders[0]}: the exports must share one target")
-    K = check_draft_len(draft_len, ref.manifest.block_size)
+    S = ref.manifest.block_size - 1
+    schedules = [rt.schedule(S if draft_len is None else draft_len) for rt in runtimes]  # checks the value
+    K = schedules[0].name if schedules[0].name == "auto" else int(schedules[0].name)
+    warm_k = S if K == "auto" else K  # the warm-up allocates every shape the runs use
     runner = GenaiRunner(Path(genai), threads) if genai is not None else None
     names = [f"{lab} {mode}" for lab in labels for mode in ("autoregressive", "speculative")]
     names += ["onnxruntime-genai int4"] if runner else []
@@ -113,14 +118,14 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
         if i == 0:  # untimed warm-up: first runs of each graph shape allocate
             for rt in runtimes:
                 generate(rt.session, ids, 8, rt.eos_ids, speculative=False)
-                generate(rt.session, ids, 8, rt.eos_ids, draft_len=K)
+                generate(rt.session, ids, 8, rt.eos_ids, draft_len=warm_k)
             if runner:
                 runner.generate(ids, 8)
         for _ in range(repeats):
             first_ar = None
-            for lab, rt in zip(labels, runtimes):
+            for lab, rt, sched in zip(labels, runtimes, schedules):
                 ar = generate(rt.session, ids, max_new_tokens, rt.eos_ids, speculative=False)
-                sp = generate(rt.session, ids, max_new_tokens, rt.eos_ids, draft_len=K)
+                sp = generate(rt.session, ids, max_new_tokens, rt.eos_ids, schedule=sched)
                 lossless[lab] &= sp.ids == ar.ids
                 for mode, g in (("autoregressive", ar), ("speculative", sp)):
                     tokens[f"{lab} {mode}"] += max(g.stats.new_tokens - 1, 0)

@@ -3,8 +3,8 @@
 Per runtime session (one opened export or engine folder):
 - `CostModel`: seconds of a target call on n = 1..B rows right after a draft (`verify[n]`), of a
   plain decode step (`decode`: one row, no draft before it) and of one drafter call (`draft`).
-  `calibrate` measures them when the session opens (an untimed warm-up first: the first run of each
-  shape allocates); every round of the loop then refines them with its own timings (EMA).
+  `Calibration` measures them from the session's first four rounds (they generate tokens like any
+  other round, on a fixed plan: no extra engine calls); every later round refines them (EMA).
 - `AcceptanceModel`: P(draft k accepted | drafts 1..k-1 accepted) as a function of the drafter's
   confidence (the selector's walked-candidate probability, DFlash v1's top-1 probability), learned
   from the session's own accept / reject history; prior: the confidence squared (drafters are over-confident).
@@ -19,7 +19,6 @@ No torch, no numpy in the hot path: S <= 16 floats per round.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -36,12 +35,18 @@ class CostModel:
     verify: list[float]
     decode: float
     draft: float
-    calibration_seconds: float = 0.0  # wall time of `calibrate`, warm-up included
-    measured_seconds: float = 0.0  # of which the timed calls (the warm-up is what any first run pays)
 
     @property
     def block_size(self) -> int:
         return len(self.verify) - 1
+
+    @classmethod
+    def from_samples(cls, block_size: int, decode: float, draft: float, full: float) -> "CostModel":
+        """decode (1 row), draft and a verify of all B rows measured; the rows between are interpolated
+        linearly (a CPU's verify cost is close to linear in n, a GPU's flat) until the loop measures them."""
+        B = block_size
+        return cls([0.0] + [decode + (full - decode) * (n - 1) / max(B - 1, 1) for n in range(1, B + 1)],
+                   decode, draft)
 
     def observe(self, r: Round) -> None:
         """One round's timings. The observed entry follows them (EMA); every entry follows the ratio
@@ -62,38 +67,54 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"verify_ms": [round(1e3 * v, 3) for v in self.verify[1:]], "decode_ms": round(1e3 * self.decode, 3),
-                "draft_ms": round(1e3 * self.draft, 3), "calibration_seconds": round(self.calibration_seconds, 4),
-                "measured_seconds": round(self.measured_seconds, 4)}
+                "draft_ms": round(1e3 * self.draft, 3)}
 
 
-def calibrate(session, token: int = 0, repeats: int = 1) -> CostModel:
-    """Time the session's own graphs: decode (1 row), draft, verify of B rows. The rows between 1 and
-    B are interpolated linearly (a CPU's verify cost is close to linear in n; a GPU's is flat) until
-    the loop measures them. Leaves the session reset (its buffers' contents are scratch)."""
-    B = session.block_size
-    t0 = time.perf_counter()
-    block = [token] * B
-    session.prefill(block)  # warm-up, untimed: every shape's first run allocates
-    session.draft(token)
-    session.verify(block)
-    session.commit(1)
-    decode, draft, full = [], [], []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        session.verify([token])
-        decode.append(time.perf_counter() - t)
-        session.commit(1)
-        t = time.perf_counter()
-        session.draft(token)
-        draft.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        session.verify(block)
-        full.append(time.perf_counter() - t)
-        session.commit(1)
-    session.reset()
-    d1, dB = min(decode), min(full)  # min: the least disturbed sample on a shared machine
-    verify = [0.0] + [d1 + (dB - d1) * (n - 1) / max(B - 1, 1) for n in range(1, B + 1)]
-    return CostModel(verify, d1, min(draft), time.perf_counter() - t0, sum(decode) + sum(draft) + sum(full))
+@dataclass
+class Calibration:
+    """The cost model's first measurements, taken from the session's first rounds instead of separate
+    engine calls: those rounds generate tokens like any other (the verify decides them), they only
+    follow a fixed plan. "full" drafts and verifies all S drafts (times the drafter and a verify of B
+    rows), "decode" verifies the anchor alone (a decode step). Each is taken twice and the smaller
+    sample kept: the first run of a shape allocates, and on a shared machine the least disturbed
+    sample is the truest. What it costs is what those rounds took beyond producing their tokens at the
+    rate the session then achieves (`added_seconds`); on a GPU, where verifying all drafts is what the
+    policy would choose anyway, that is about nothing."""
+
+    plan: tuple[str, ...] = ("full", "decode", "full", "decode")
+    samples: dict[str, list[float]] = field(default_factory=lambda: {"decode": [], "draft": [], "full": []})
+    rounds: int = 0
+    seconds: float = 0.0  # wall time of the calibration rounds (draft + verify)
+    tokens: int = 0  # tokens they produced
+
+    @property
+    def active(self) -> bool:
+        return self.rounds < len(self.plan)
+
+    @property
+    def drafts_now(self) -> bool:
+        return self.plan[self.rounds] == "full"
+
+    def observe(self, r: Round, num_drafts: int) -> None:
+        if r.drafted and r.verified == num_drafts:
+            self.samples["draft"].append(r.draft_seconds)
+            self.samples["full"].append(r.verify_seconds)
+        elif not r.drafted:
+            self.samples["decode"].append(r.verify_seconds)
+        self.rounds += 1
+        self.seconds += r.verify_seconds + (r.draft_seconds if r.drafted else 0.0)
+        self.tokens += r.accepted + 1
+
+    def costs(self, block_size: int) -> CostModel:
+        m = {k: min(v) if v else 0.0 for k, v in self.samples.items()}
+        return CostModel.from_samples(block_size, m["decode"], m["draft"], m["full"] or m["decode"])
+
+    def added_seconds(self, rate: float) -> float:
+        return max(0.0, self.seconds - self.tokens / rate) if rate > 0 else 0.0
+
+    def to_dict(self, rate: float) -> dict:
+        return {"calibration_seconds": round(self.added_seconds(rate), 4), "measured_seconds": round(self.seconds, 4),
+                "calibration_rounds": self.rounds, "calibrated": not self.active}
 
 
 @dataclass
@@ -147,13 +168,18 @@ class AcceptanceModel:
 
 
 class AutoSchedule:
-    """The per-session draft-length policy (implements `dflash2.speculative.DraftSchedule`)."""
+    """The per-session draft-length policy (implements `dflash2.speculative.DraftSchedule`).
+    costs: a known cost model (tests, a scripted machine); without one the session's first rounds
+    measure it (`Calibration`)."""
 
     name = "auto"
     MAX_BACKOFF = 64  # rounds skipped between probes at most: a failed probe costs ~one draft call
 
-    def __init__(self, costs: CostModel, acceptance: AcceptanceModel | None = None):
-        self.costs, self.acceptance = costs, acceptance or AcceptanceModel()
+    def __init__(self, block_size: int, costs: CostModel | None = None, acceptance: AcceptanceModel | None = None):
+        self.block_size = block_size
+        self.calibration = Calibration(plan=() if costs is not None else Calibration.plan)
+        self.costs = costs or CostModel([0.0] * (block_size + 1), 0.0, 0.0)
+        self.acceptance = acceptance or AcceptanceModel()
         self.surplus = 0.5  # EMA of expected tokens over plain decoding per drafted round; > 0: draft first
         self.skip_left, self.backoff, self.probing = 0, 1, False
         self.expected = 0.0  # surplus the last choose() predicted
@@ -168,6 +194,8 @@ class AutoSchedule:
         return max(ar, self.tokens / self.seconds if self.seconds > 0 else 0.0)
 
     def wants_draft(self) -> bool:
+        if self.calibration.active:
+            return self.calibration.drafts_now
         if self.skip_left > 0:
             self.skip_left -= 1
             return False
@@ -177,6 +205,8 @@ class AutoSchedule:
         self.confidence = confidence
         if available == 0:
             return 0
+        if self.calibration.active:  # a "full" calibration round: every draft
+            return min(available, self.block_size - 1)
         c, rate, acc = self.costs, self.rate, self.acceptance
         best_k, best_v, best_t = 0, 1.0 - rate * c.verify[1], 1.0
         expected, reach = 1.0, 1.0  # expected tokens of K drafts; P(drafts 1..k all accepted)
@@ -191,13 +221,19 @@ class AutoSchedule:
         return best_k
 
     def observe(self, r: Round) -> None:
-        self.costs.observe(r)
         spent = r.verify_seconds + (r.draft_seconds if r.drafted else 0.0)
         self.tokens += EMA * (r.accepted + 1 - self.tokens)
         self.seconds += EMA * (spent - self.seconds)
+        if r.drafted:
+            self.acceptance.observe(self.confidence, r.verified, r.accepted)
+        if self.calibration.active:
+            self.calibration.observe(r, self.block_size - 1)
+            if not self.calibration.active:
+                self.costs = self.calibration.costs(self.block_size)
+            return
+        self.costs.observe(r)
         if not r.drafted:
             return
-        self.acceptance.observe(self.confidence, r.verified, r.accepted)
         if self.probing:
             if self.expected > 0:  # the probe says drafting pays again
                 self.surplus, self.backoff, self.probing = self.expected, 1, False
@@ -210,5 +246,7 @@ class AutoSchedule:
             self.probing, self.skip_left = True, self.backoff
 
     def to_dict(self) -> dict:
-        return {"costs": self.costs.to_dict(), "acceptance": self.acceptance.to_dict(),
-                "backoff": self.backoff, "surplus": round(self.surplus, 4)}
+        """costs: the cost model and what its calibration took (rounds, their wall time, and the seconds
+        they cost beyond the tokens they produced at the session's rate)."""
+        return {"costs": {**self.costs.to_dict(), **self.calibration.to_dict(self.rate)},
+                "acceptance": self.acceptance.to_dict(), "backoff": self.backoff, "surplus": round(self.surplus, 4)}
