@@ -155,7 +155,10 @@ def test_cli_prints_quantization(tmp_path, pairs):
 
 def test_quant_bench_interleaved(quantized):
     fp32, int4 = quantized["fp32"], quantized["int4"]
-    r = bench_quant([fp32, int4, fp32], PROMPTS[:2], max_new_tokens=24, draft_len="auto")  # each export's schedule
+    lines: list[str] = []
+    r = bench_quant([fp32, int4, fp32], PROMPTS[:2], max_new_tokens=24, draft_len="auto",  # each export's schedule
+                    log=lines.append)
+    assert len(lines) == 2 and lines[-1].startswith("[prompt 2/2]") and "int4 speculative" in lines[-1]
     assert list(r["exports"]) == ["fp32", "int4", "fp32-2"]
     assert all(r["lossless"].values())
     assert r["top1_agreement_vs_first"]["fp32-2"] == 1.0  # the same target agrees with itself everywhere

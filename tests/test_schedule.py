@@ -121,3 +121,15 @@ def test_a_given_cost_model_skips_calibration():
     s = AutoSchedule(B, costs(FLAT))
     assert s.to_dict()["costs"]["calibration_rounds"] == 0 and s.to_dict()["costs"]["calibrated"]
     assert s.choose([0.3] * 7, 7) == 7
+
+
+def test_every_entry_follows_the_machine_not_only_the_one_observed():
+    """Calibrated during a slow spell, then the machine gets 1.5x faster and the loop verifies 6 rows
+    every round: the unobserved decode step must get faster too, or K = 5 would soon look cheaper
+    than a decode step (a real failure: verify of 6 rows at 37 ms beside a stale 56 ms decode)."""
+    c = costs([1.5 * v for v in CPU], decode_ms=15.0, draft_ms=3.0)
+    for _ in range(300):
+        c.observe(Round(True, 5, 2, 0.002, CPU[5] / 1e3))  # the true, faster cost of 6 rows
+    assert c.verify[6] == pytest.approx(CPU[5] / 1e3, rel=0.02)
+    assert c.decode == pytest.approx(0.010, rel=0.1) and c.verify[6] > c.decode
+    assert c.verify[8] / c.verify[1] == pytest.approx(CPU[7] / CPU[0], rel=0.1)  # the calibrated shape holds

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         r = qb.bench_quant(a.folders, parse_spec(a.prompts, default_split="eval", log=print), a.genai,
-                           a.max_new_tokens, not a.raw, a.draft_len, a.repeats, a.threads)
+                           a.max_new_tokens, not a.raw, a.draft_len, a.repeats, a.threads,
+                           log=lambda line: print(line, file=sys.stderr, flush=True))
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench-quant: error: {e}", file=sys.stderr)
         return 2

@@ -84,11 +84,12 @@ def _labels(runtimes: list[Runtime]) -> list[str]:
 
 def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path | None = None,
                 max_new_tokens: int = 128, chat: bool = True, draft_len: int | str | None = 2, repeats: int = 1,
-                threads: int | None = None) -> dict:
+                threads: int | None = None, log=None) -> dict:
     """folders: export folders of the same target; the first is the reference (normally fp32).
     draft_len: K drafts verified per round, or "auto" (each export's own runtime schedule, learning
     across the prompts as in dflash2-run).
-    threads: intra-op threads of every session, dflash2's and onnxruntime-genai's (default: ONNX Runtime's)."""
+    threads: intra-op threads of every session, dflash2's and onnxruntime-genai's (default: ONNX Runtime's).
+    log: gets a progress line after every prompt (running tokens/s of each configuration)."""
     if not folders:
         raise Dflash2Error("give at least one export folder")
     runtimes = [Runtime(f, threads=threads) for f in folders]
@@ -143,6 +144,9 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
             a, n = top1_agreement(rt, ids, first_ar)
             agree[lab][0] += a
             agree[lab][1] += n
+        if log is not None:
+            run = "  ".join(f"{n} {tokens[n] / seconds[n]:.1f}" for n in names if seconds[n])
+            log(f"[prompt {i + 1}/{len(prompts)}] {len(ids)} tokens, running tok/s: {run}")
     tps = {n: tokens[n] / seconds[n] if seconds[n] else 0.0 for n in names}
     tau = {lab: a / r if r else 0.0 for lab, (a, r) in acc.items()}
     result = {

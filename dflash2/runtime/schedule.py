@@ -4,7 +4,8 @@ Per runtime session (one opened export or engine folder):
 - `CostModel`: seconds of a target call on n = 1..B rows right after a draft (`verify[n]`), of a
   plain decode step (`decode`: one row, no draft before it) and of one drafter call (`draft`).
   `Calibration` measures them from the session's first four rounds (they generate tokens like any
-  other round, on a fixed plan: no extra engine calls); every later round refines them (EMA).
+  other round, on a fixed plan: no extra engine calls); every later round refines them: all entries
+  follow the machine's speed, the observed one also the curve's shape.
 - `AcceptanceModel`: P(draft k accepted | drafts 1..k-1 accepted) as a function of the drafter's
   confidence (the selector's walked-candidate probability, DFlash v1's top-1 probability), learned
   from the session's own accept / reject history; prior: the confidence squared (drafters are over-confident).
@@ -25,7 +26,8 @@ from typing import Sequence
 from dflash2.speculative import Round
 
 EMA = 0.15  # weight of a new timing: ~7 rounds of memory, fast enough for a shared, drifting CPU
-DRIFT = 0.05  # weight of a round's observed/predicted ratio on the entries it did not measure
+SPEED = 0.12  # weight (in log space) of a round's observed/predicted ratio on EVERY entry: the machine's speed
+SHAPE = 0.03  # and on the observed entry alone: the cost curve's shape
 
 
 @dataclass
@@ -49,21 +51,25 @@ class CostModel:
                    decode, draft)
 
     def observe(self, r: Round) -> None:
-        """One round's timings. The observed entry follows them (EMA); every entry follows the ratio
-        observed / predicted a little (DRIFT), so rows the loop rarely uses track a machine whose speed
-        drifts (a shared CPU) instead of keeping stale calibration values."""
+        """One round's timings, as a ratio to what the model predicted. Every entry follows that ratio
+        (SPEED: the machine got faster or slower, which on a shared CPU changes by 2x within a minute)
+        and the observed entry a little more (SHAPE: the curve itself was off). A model whose observed
+        entry alone followed the machine would, after a slow spell, think the one K it keeps using
+        cheaper than a decode step (measured: verify of 6 rows at 37 ms beside a stale 56 ms decode)."""
         n = r.verified + 1
         predicted = self.verify[n] if r.drafted else self.decode
-        seen = min(max(r.verify_seconds, 0.5 * predicted), 2.0 * predicted)  # a stall moves it 2x at most
-        g = 1.0 + DRIFT * (seen / predicted - 1.0) if predicted > 0 else 1.0
+        if predicted <= 0:
+            return
+        ratio = min(max(r.verify_seconds / predicted, 0.5), 2.0)  # a stall moves it 2x at most
+        g, local = ratio ** SPEED, ratio ** SHAPE
         self.verify = [v * g for v in self.verify]
         self.decode *= g
         if r.drafted:
+            self.verify[n] *= local
             self.draft += EMA * (min(r.draft_seconds, 2.0 * self.draft) - self.draft)
-            self.verify[n] += EMA * (seen - self.verify[n])
         else:
+            self.decode *= local
             self.draft *= g
-            self.decode += EMA * (seen - self.decode)
 
     def to_dict(self) -> dict:
         return {"verify_ms": [round(1e3 * v, 3) for v in self.verify[1:]], "decode_ms": round(1e3 * self.decode, 3),
