@@ -168,3 +168,24 @@ def test_draft_vocab_cli_counts_the_corpus_answers(tmp_path, corpus, capsys):
     assert "expected a complete corpus" in capsys.readouterr().err
     assert dv_cli.main(args + ["--size", "2"]) == 2  # fewer ids than the selector's top-K
     assert "at least top_k = 4 ids" in capsys.readouterr().err
+
+
+def test_finished_rows_leave_the_batch_without_changing_the_others(corpus):
+    """With an EOS the tiny target emits early in some rows, those rows leave the batch (and their KV
+    rows the cache) while the others go on: every row's answer and taps are what they are when no row
+    ever stops, cut after its first EOS."""
+    from dflash2.train.generate import chat_ids, generate_batch, load_hf_target
+
+    target_dir, _ = corpus
+    model, tok, _ = load_hf_target(target_dir)
+    batch = sorted(chat_ids(tok, make_prompts(8)), key=len)
+    full = generate_batch(model, batch, [1, 2], 20, [], 0)  # no EOS: every row runs 20 tokens
+    answers = [r["ids"][r["prompt_len"]:].tolist() for r in full]
+    stop = answers[0][2]  # row 0's third token: an EOS for this test
+    cut = [a[: a.index(stop) + 1] if stop in a else a for a in answers]
+    assert min(map(len, cut)) < 20 and max(map(len, cut)) == 20  # rows stop at different steps
+    got = generate_batch(model, batch, [1, 2], 20, [stop], 0)
+    for r, f, want in zip(got, full, cut):
+        assert r["ids"][r["prompt_len"]:].tolist() == want
+        n = len(r["ids"]) - 1  # taps of every position fed to the target: prompt + answer minus its last token
+        assert r["taps"].shape[0] == n and torch.allclose(r["taps"].float(), f["taps"][:n].float(), atol=2e-3)

@@ -158,7 +158,8 @@ def test_corpus_bench_times_both_generators_on_the_same_answers(tmp_path, tiny_c
     target, _ = tiny_corpus
     r = genbench.bench(target, ["Tell me about bees.", "What is 2 plus 2?", "Write a haiku."], batch=3, max_new=6,
                        repeats=1, taps=[1, 2], log=lambda m: None)
-    assert set(r["tok_per_s"]) == {"transformers generate fp32", "transformers generate bf16",
-                                   "dflash2 corpus fp32 (+taps)", "dflash2 corpus bf16 (+taps)"}
+    assert set(r["tok_per_s"]) == {"transformers generate fp32", "transformers generate bf16 autocast",
+                                   "transformers generate bf16 weights", "dflash2 corpus fp32 (+taps)",
+                                   "dflash2 corpus bf16 (+taps)"}
     assert all(v > 0 for v in r["tok_per_s"].values()) and "x" in genbench.table(r)
-    assert r["same_answers_fp32"]  # the corpus generator's greedy answers ARE transformers' generate's
+    assert r["same_answers_fp32"] and r["same_answers_bf16"]  # the corpus generator's answers ARE generate's

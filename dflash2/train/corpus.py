@@ -151,9 +151,12 @@ def write_meta(folder: Path, meta: dict) -> None:
     os.replace(tmp, folder / META)
 
 
-def start_or_resume(folder: Path, meta: dict, keys=("tap_ids", "prompts", "max_new_tokens", "dtype")) -> set[int]:
+def start_or_resume(folder: Path, meta: dict,
+                    keys=("tap_ids", "prompts", "max_new_tokens", "dtype", "generation")) -> set[int]:
     """Write the metadata of a new corpus, or check a started one was made the same way; returns
-    the indices of the shards already written (resumed by index: only valid for the same settings)."""
+    the indices of the shards already written (resumed by index: only valid for the same settings).
+    generation: how answers were computed (a corpus from before bf16 meant cast weights, when it meant
+    autocast, has none and is not resumed into a mix)."""
     folder.mkdir(parents=True, exist_ok=True)
     old = read_meta(folder)
     if old is None:

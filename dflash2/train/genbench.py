@@ -1,9 +1,10 @@
 """dflash2-corpus-bench: corpus generation tokens/s against transformers' own `generate`, same run.
 
 The same prompts (chat template), batch and answer length for each contender, interleaved round by
-round so a noisy shared machine slows them alike: transformers' `generate` (greedy) in fp32 and under
-bf16 autocast, and dflash2's corpus generator (which also captures the taps) in both. Tokens counted
-are answer tokens up to and including EOS. Prints a table and writes JSON.
+round so a noisy shared machine slows them alike: transformers' `generate` (greedy) in fp32, under
+bf16 autocast and on the model cast to bf16, and dflash2's corpus generator (which also captures the
+taps) in fp32 and bf16 (its bf16 casts the model once). Tokens counted are answer tokens up to and
+including EOS. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -21,15 +22,13 @@ from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
 
-def _hf_generate(model, batch, max_new, eos, pad, dtype):
-    from dflash2.train.generate import autocast
-
+def _hf_generate(model, batch, max_new, eos, pad, autocast: bool = False):
     B, L = len(batch), max(len(x) for x in batch)
     ids = torch.full((B, L), pad, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.long)
     for i, x in enumerate(batch):
         ids[i, L - len(x):], mask[i, L - len(x):] = torch.tensor(x), 1
-    with torch.inference_mode(), autocast("cpu", dtype):
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
                              pad_token_id=pad, eos_token_id=eos, min_new_tokens=1)
     return [row.tolist()[: _answer_len(row.tolist(), eos)] for row in out[:, L:]]
@@ -39,24 +38,28 @@ def _answer_len(g: list[int], eos) -> int:
     return next((k + 1 for k, t in enumerate(g) if t in eos), len(g))
 
 
-def _ours(model, batch, max_new, eos, pad, dtype, taps):
+def _ours(model, batch, max_new, eos, pad, taps):
     from dflash2.train.generate import generate_batch
 
-    recs = generate_batch(model, batch, taps, max_new, eos, pad, "cpu", dtype)
+    recs = generate_batch(model, batch, taps, max_new, eos, pad, "cpu")
     return [r["ids"][r["prompt_len"]:].tolist() for r in recs]
 
 
 def bench(target: Path, prompts: list[str], batch: int, max_new: int, repeats: int, taps: list[int], log=print) -> dict:
-    from dflash2.train.generate import chat_ids, load_hf_target
+    import copy
+
+    from dflash2.train.generate import as_generation_dtype, chat_ids, load_hf_target
 
     model, tok, tc = load_hf_target(target)
+    bf16 = as_generation_dtype(copy.deepcopy(model), "bf16")
     pad = json.loads((target / "config.json").read_text()).get("pad_token_id") or 0
     ids = sorted(chat_ids(tok, prompts), key=len)[:batch]
     eos = list(tc.eos_token_ids)
-    runs = {"transformers generate fp32": lambda: _hf_generate(model, ids, max_new, eos, pad, "fp32"),
-            "transformers generate bf16": lambda: _hf_generate(model, ids, max_new, eos, pad, "bf16"),
-            "dflash2 corpus fp32 (+taps)": lambda: _ours(model, ids, max_new, eos, pad, "fp32", taps),
-            "dflash2 corpus bf16 (+taps)": lambda: _ours(model, ids, max_new, eos, pad, "bf16", taps)}
+    runs = {"transformers generate fp32": lambda: _hf_generate(model, ids, max_new, eos, pad),
+            "transformers generate bf16 autocast": lambda: _hf_generate(model, ids, max_new, eos, pad, autocast=True),
+            "transformers generate bf16 weights": lambda: _hf_generate(bf16, ids, max_new, eos, pad),
+            "dflash2 corpus fp32 (+taps)": lambda: _ours(model, ids, max_new, eos, pad, taps),
+            "dflash2 corpus bf16 (+taps)": lambda: _ours(bf16, ids, max_new, eos, pad, taps)}
     rates, answers = {k: [] for k in runs}, {}
     for r in range(repeats):
         for name, fn in runs.items():
@@ -72,7 +75,8 @@ def bench(target: Path, prompts: list[str], batch: int, max_new: int, repeats: i
             "threads": torch.get_num_threads(), "tok_per_s": med, "runs": rates,
             "ours_vs_best_transformers": best_ours / best_hf,
             # an independent check of the generator: fp32 greedy answers identical to transformers' generate
-            "same_answers_fp32": answers["transformers generate fp32"] == answers["dflash2 corpus fp32 (+taps)"]}
+            "same_answers_fp32": answers["transformers generate fp32"] == answers["dflash2 corpus fp32 (+taps)"],
+            "same_answers_bf16": answers["transformers generate bf16 weights"] == answers["dflash2 corpus bf16 (+taps)"]}
 
 
 def table(r: dict) -> str:
@@ -80,7 +84,8 @@ def table(r: dict) -> str:
     return "\n".join([f"batch {r['batch']}, {r['max_new_tokens']} new tokens, {r['threads']} thread(s), "
                       f"median of {r['repeats']} interleaved rounds", "| generator | answer tok/s |", "| --- | --- |",
                       *rows, f"dflash2 (best) / transformers (best): {r['ours_vs_best_transformers']:.2f}x",
-                      f"fp32 answers identical to transformers' generate: {r['same_answers_fp32']}"])
+                      f"fp32 answers identical to transformers' generate: {r['same_answers_fp32']}",
+                      f"bf16 answers identical to transformers' generate on the bf16 model: {r['same_answers_bf16']}"])
 
 
 @interruptible("dflash2-corpus-bench", "nothing was written")
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))
-    print(json.dumps({k: r[k] for k in ("tok_per_s", "ours_vs_best_transformers", "same_answers_fp32")}))
+    print(json.dumps({k: r[k] for k in ("tok_per_s", "ours_vs_best_transformers", "same_answers_fp32",
+                                        "same_answers_bf16")}))
     return 0
 
 
