@@ -133,3 +133,16 @@ def test_every_entry_follows_the_machine_not_only_the_one_observed():
     assert c.verify[6] == pytest.approx(CPU[5] / 1e3, rel=0.02)
     assert c.decode == pytest.approx(0.010, rel=0.1) and c.verify[6] > c.decode
     assert c.verify[8] / c.verify[1] == pytest.approx(CPU[7] / CPU[0], rel=0.1)  # the calibrated shape holds
+
+
+def test_calibration_repeats_its_plan_until_it_timed_a_full_verify():
+    """A drafter that returned fewer than S drafts in the planned full rounds timed no full verify:
+    the plan goes on (at most four times) instead of leaving a zero cost in the model."""
+    s = AutoSchedule(B)
+    for i in range(4):
+        d = s.wants_draft()
+        s.observe(Round(d, 3 if d else 0, 0, 0.003, 0.015 if d else 0.010))  # 3 of 7 drafts only
+    assert s.to_dict()["costs"]["calibrated"] is False and s.wants_draft()
+    assert s.choose([0.5] * 7, 7) == 7
+    s.observe(Round(True, 7, 0, 0.003, 0.020))
+    assert s.to_dict()["costs"]["calibrated"] and s.costs.verify[8] == 0.020 and s.costs.decode == 0.010

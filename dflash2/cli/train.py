@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (chat template included)")
     p.add_argument("--gen-batch", type=int, default=32, help="prompts per generation batch")
     p.add_argument("--gen-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="corpus generation precision (bf16: the target cast once, ~1.9x fp32 on AVX-512 BF16 CPUs, native on GPUs; "
+                   help="corpus generation precision (bf16: the target cast once, ~1.7x fp32 on AVX-512 BF16 CPUs, native on GPUs; "
                         "answers may differ from fp32 greedy after a few tokens)")
     p.add_argument("--shard-size", type=int, default=128, help="prompts per corpus shard (the resume unit)")
     p.add_argument("--corpus-only", action="store_true", help="generate the corpus, then stop")

@@ -95,11 +95,14 @@ class Calibration:
 
     @property
     def active(self) -> bool:
-        return self.rounds < len(self.plan)
+        """Until the plan is done and every quantity has a sample (a round that verified fewer than
+        S drafts times nothing of a full verify: the plan repeats, four times at most)."""
+        missing = not all(self.samples.values())
+        return self.rounds < len(self.plan) or (missing and self.rounds < 4 * len(self.plan))
 
     @property
     def drafts_now(self) -> bool:
-        return self.plan[self.rounds] == "full"
+        return self.plan[self.rounds % len(self.plan)] == "full"
 
     def observe(self, r: Round, num_drafts: int) -> None:
         if r.drafted and r.verified == num_drafts:
@@ -113,7 +116,8 @@ class Calibration:
 
     def costs(self, block_size: int) -> CostModel:
         m = {k: min(v) if v else 0.0 for k, v in self.samples.items()}
-        return CostModel.from_samples(block_size, m["decode"], m["draft"], m["full"] or m["decode"])
+        decode = m["decode"] or m["full"] or 1e-3  # never a zero cost: the loop refines it multiplicatively
+        return CostModel.from_samples(block_size, decode, m["draft"] or 0.2 * decode, m["full"] or decode)
 
     def added_seconds(self, rate: float) -> float:
         return max(0.0, self.seconds - self.tokens / rate) if rate > 0 else 0.0
