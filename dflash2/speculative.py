@@ -56,6 +56,8 @@ class Round:
 class DraftSchedule(Protocol):
     name: str
 
+    def start(self) -> None: ...  # a new generation begins
+
     def wants_draft(self) -> bool: ...
 
     def choose(self, confidence: Sequence[float] | None, available: int) -> int: ...
@@ -68,6 +70,9 @@ class FixedSchedule:
 
     def __init__(self, k: int):
         self.k, self.name = k, str(k)
+
+    def start(self) -> None:
+        pass
 
     def wants_draft(self) -> bool:
         return True
@@ -190,6 +195,8 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
     sampler = None if sampling is None or sampling.greedy else sampling
     stats, eos, clock = Stats(backend.block_size, len(prompt)), frozenset(eos_ids), time.perf_counter
     out: list[int] = []
+    if speculative:
+        schedule.start()
     t0 = clock()
     t = backend.prefill(prompt)
     if sampler:

@@ -17,6 +17,9 @@ class PlannedSchedule:
     def __init__(self, plan):
         self.plan, self.i, self.rounds = plan, 0, []
 
+    def start(self):
+        pass
+
     def wants_draft(self):
         return self.plan[self.i % len(self.plan)] != "skip"
 

@@ -98,18 +98,19 @@ def test_cost_model_ignores_a_single_hiccup():
 
 
 def test_calibration_is_the_first_rounds_on_a_fixed_plan():
-    """No separate engine calls: the session's first four rounds draft-and-verify-all, decode, again;
+    """No separate engine calls: the session's first four rounds draft-and-verify-half, decode, again;
     the smaller of each pair of timings makes the cost model (the first run of a shape allocates)."""
     s = AutoSchedule(B)
     timings = [(0.050, 0.300), (0.0, 0.040), (0.004, 0.024), (0.0, 0.012)]  # first runs slow, then clean
     for (draft_s, verify_s), drafts in zip(timings, [True, False, True, False]):
         assert s.wants_draft() is drafts
-        k = s.choose([0.01] * 7 if drafts else None, 7 if drafts else 0)  # even a hopeless draft: all 7
-        assert k == (7 if drafts else 0)
+        k = s.choose([0.01] * 7 if drafts else None, 7 if drafts else 0)  # even a hopeless draft: 4 of 7
+        assert k == (4 if drafts else 0)
         s.observe(Round(drafts, k, 0, draft_s, verify_s))  # every draft rejected
     c = s.costs
-    assert (c.decode, c.draft, c.verify[8]) == (0.012, 0.004, 0.024)
-    assert c.verify[1] == 0.012 and c.verify[4] == pytest.approx(0.012 + 0.012 * 3 / 7)  # linear between
+    assert (c.decode, c.draft, c.verify[5]) == (0.012, 0.004, 0.024)
+    assert c.verify[1] == 0.012 and c.verify[3] == pytest.approx(0.018)  # the line through 1 and 5 rows
+    assert c.verify[8] == pytest.approx(0.012 + 0.003 * 7)  # and beyond
     cal = s.to_dict()["costs"]
     assert cal["calibrated"] and cal["calibration_rounds"] == 4 and cal["measured_seconds"] == pytest.approx(0.43)
     # added: the rounds' 0.43 s beyond their 4 tokens at the session's rate (at least plain decoding's)
@@ -136,13 +137,28 @@ def test_every_entry_follows_the_machine_not_only_the_one_observed():
 
 
 def test_calibration_repeats_its_plan_until_it_timed_a_full_verify():
-    """A drafter that returned fewer than S drafts in the planned full rounds timed no full verify:
-    the plan goes on (at most four times) instead of leaving a zero cost in the model."""
+    """A drafter that returned fewer drafts than the planned rounds verify timed no verify: the plan
+    goes on (at most four times) instead of leaving a zero cost in the model."""
     s = AutoSchedule(B)
     for i in range(4):
         d = s.wants_draft()
         s.observe(Round(d, 3 if d else 0, 0, 0.003, 0.015 if d else 0.010))  # 3 of 7 drafts only
     assert s.to_dict()["costs"]["calibrated"] is False and s.wants_draft()
-    assert s.choose([0.5] * 7, 7) == 7
-    s.observe(Round(True, 7, 0, 0.003, 0.020))
-    assert s.to_dict()["costs"]["calibrated"] and s.costs.verify[8] == 0.020 and s.costs.decode == 0.010
+    assert s.choose([0.5] * 7, 7) == 4
+    s.observe(Round(True, 4, 0, 0.003, 0.020))
+    assert s.to_dict()["costs"]["calibrated"] and s.costs.verify[5] == 0.020 and s.costs.decode == 0.010
+
+
+def test_a_new_answer_ends_a_carried_back_off():
+    """A back-off built on one prompt's rejections does not keep the next prompt from drafting: its
+    first round probes."""
+    s = AutoSchedule(B, costs(CPU))
+    s.probing, s.skip_left, s.backoff = True, 40, 64
+    s.start()
+    assert s.wants_draft() and s.backoff == 1 and s.probing  # the probe still decides by its expected surplus
+    k = s.choose([0.95] * 7, 7)
+    s.observe(Round(True, k, k, 0.002, CPU[k] / 1e3))
+    assert not s.probing and s.wants_draft()
+    d = AutoSchedule(B, costs(CPU))  # drafting normally: a new answer changes nothing
+    d.start()
+    assert d.wants_draft() and not d.probing and d.backoff == 1
