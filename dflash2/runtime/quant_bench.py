@@ -101,7 +101,7 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
                                f"{folders[0]}: the exports must share one target")
     S = ref.manifest.block_size - 1
     schedules = [rt.schedule(S if draft_len is None else draft_len) for rt in runtimes]  # checks the value
-    K = schedules[0].name if schedules[0].name == "auto" else int(schedules[0].name)
+    K = getattr(schedules[0], "k", "auto")  # a FixedSchedule's K, else the runtime's auto schedule
     warm_k = S if K == "auto" else K  # the warm-up allocates every shape the runs use
     runner = GenaiRunner(Path(genai), threads) if genai is not None else None
     names = [f"{lab} {mode}" for lab in labels for mode in ("autoregressive", "speculative")]

@@ -195,7 +195,7 @@ class AutoSchedule:
 
     def __init__(self, block_size: int, costs: CostModel | None = None, acceptance: AcceptanceModel | None = None):
         self.block_size = block_size
-        self.calibration = Calibration(plan=() if costs is not None else Calibration.plan)
+        self.calibration = Calibration(plan=()) if costs is not None else Calibration()
         self.costs = costs or CostModel([0.0] * (block_size + 1), 0.0, 0.0)
         self.acceptance = acceptance or AcceptanceModel()
         self.surplus = 0.5  # EMA of expected tokens over plain decoding per drafted round; > 0: draft first

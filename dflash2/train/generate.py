@@ -81,9 +81,9 @@ def generate_batch(model, batch: list[list[int]], tap_ids, max_new: int, eos: li
                     output_hidden_states=True)
         cache = out.past_key_values
         t = torch.cat([out.hidden_states[k + 1][:, 0] for k in tap_ids], -1).half()  # [b, n*H]
-        taps[rows[live], step - 1] = t[live]  # finished rows not yet compacted computed nothing of use
         nxt = torch.where(live, out.logits[:, -1].argmax(-1), nxt)  # a finished row keeps its EOS
-        gen[rows[live], step] = nxt[live]
+        fed = rows[live]  # finished rows not yet compacted computed nothing of use
+        taps[fed, step - 1], gen[fed, step] = t[live], nxt[live]
     gen_ids, gen_taps, prompt_taps = gen.cpu(), taps.cpu(), prompt_taps.cpu()
     records = []
     for i, x in enumerate(batch):
