@@ -100,6 +100,7 @@ class Kv:
     rows: KvRows
     dtype: str
     binding: str = ""
+    target_attention: str = "plain"  # "gqa": the target graph is ONNX Runtime's fused-op one (per-layer KV)
 
 
 @dataclass

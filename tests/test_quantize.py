@@ -30,8 +30,10 @@ PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], list(range(40, 90)), [300, 8, 12, 12, 
 def quantized(tmp_path_factory, pairs):
     """method -> export folder: int4 of the Llama DFlash2 pair, int8 of the Qwen3 DFlash pair."""
     root = tmp_path_factory.mktemp("quant")
-    out = {"int4": root / "int4", "int8": root / "int8", "fp32": root / "fp32"}
+    out = {"int4": root / "int4", "int8": root / "int8", "fp32": root / "fp32", "int4-plain": root / "int4-plain"}
     export(*pairs[("llama", 2)], out["int4"], max_seq_len=256, quiet=True, quantize=qz.OrtQuant("int4"))
+    export(*pairs[("llama", 2)], out["int4-plain"], max_seq_len=256, quiet=True, quantize=qz.OrtQuant("int4"),
+           target_attention="plain")  # the default for ONNX Runtime quantizations is the gqa graph
     export(*pairs[("qwen3", 1)], out["int8"], max_seq_len=256, quiet=True, quantize=qz.OrtQuant("int8", 16))
     export(*pairs[("llama", 2)], out["fp32"], max_seq_len=256, quiet=True)
     return out
@@ -41,9 +43,10 @@ def ops(path):
     return Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "int4-plain"])
 def test_speculative_equals_quantized_target_greedy(quantized, method):
     rt = Runtime(quantized[method])
+    assert rt.session.gqa == (method != "int4-plain")
     for prompt in PROMPTS:
         base = generate(rt.session, prompt, 48, speculative=False)
         for k in (None, 2):
@@ -51,9 +54,10 @@ def test_speculative_equals_quantized_target_greedy(quantized, method):
             assert spec.ids == base.ids and len(base.ids) == 48
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "int4-plain"])
 def test_graphs_and_manifest(quantized, method):
     out = quantized[method]
+    method = method.split("-")[0]
     typed = mf.load(out)
     assert typed.quantization.method == method and typed.quantization.graphs["target"].quantized > 0
     m = json.loads((out / "manifest.json").read_text())
@@ -158,15 +162,15 @@ def test_quant_bench_interleaved(quantized):
     lines: list[str] = []
     r = bench_quant([fp32, int4, fp32], PROMPTS[:2], max_new_tokens=24, draft_len="auto",  # each export's schedule
                     log=lines.append)
-    assert len(lines) == 2 and lines[-1].startswith("[prompt 2/2]") and "int4 speculative" in lines[-1]
-    assert list(r["exports"]) == ["fp32", "int4", "fp32-2"]
+    assert len(lines) == 2 and lines[-1].startswith("[prompt 2/2]") and "int4 gqa speculative" in lines[-1]
+    assert list(r["exports"]) == ["fp32", "int4 gqa", "fp32-2"]  # the label says the graph
     assert all(r["lossless"].values())
     assert r["top1_agreement_vs_first"]["fp32-2"] == 1.0  # the same target agrees with itself everywhere
-    assert 0.0 <= r["top1_agreement_vs_first"]["int4"] <= 1.0
+    assert 0.0 <= r["top1_agreement_vs_first"]["int4 gqa"] <= 1.0
     assert set(r["tokens_per_second"]) == {f"{lab} {m}" for lab in r["exports"]
                                            for m in ("autoregressive", "speculative")}
     assert all(v > 0 for v in r["tokens_per_second"].values())
-    assert r["draft_len"] == "auto" and "K=auto" in table(r) and "int4 speculative" in table(r)
+    assert r["draft_len"] == "auto" and "K=auto" in table(r) and "int4 gqa speculative" in table(r)
     with pytest.raises(Dflash2Error, match="expected 'auto' or an integer"):
         bench_quant([fp32], PROMPTS[:1], max_new_tokens=4, draft_len="two")
 

@@ -34,15 +34,16 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize:
     files = ("model.safetensors", "config.json", "draft_vocab.json")
     stamp = {"drafter": {f: mf.sha256(drafter / f) for f in files if (drafter / f).is_file()}, "target": str(target),
              "format_version": mf.FORMAT_VERSION, "contract_version": C.CONTRACT_VERSION}  # older: redone
-    if quantize != "none":
-        stamp["quantize"] = quantize
+    if quantize != "none":  # the target only (the fp32 drafter was faster), its fused-op graph (auto)
+        stamp["quantize"], stamp["layout"] = quantize, "target-only gqa"
     if (out / "demo.json").is_file() and json.loads((out / "demo.json").read_text()) == stamp:
         return
     from dflash2.export.api import export
     from dflash2.export.quantize import OrtQuant
 
     print(f"exporting {drafter.name} + {target.name} -> {out}", file=sys.stderr)
-    export(drafter, target, out, force=True, quiet=quiet, quantize=None if quantize == "none" else OrtQuant(quantize))
+    export(drafter, target, out, force=True, quiet=quiet,
+           quantize=None if quantize == "none" else OrtQuant(quantize, drafter=False))
     (out / "demo.json").write_text(json.dumps(stamp))
 
 
@@ -56,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", type=Path, default=None, help="default: the drafter shipped in the package")
     p.add_argument("--draft-len", type=draft_len_arg, default="auto", metavar="auto|K", help=DRAFT_LEN_HELP)
     p.add_argument("--quantize", choices=["int4", "int8", "none"], default="int4",
-                   help="weight-only target + drafter for ONNX Runtime (default int4: the fastest here, "
-                        "docs/quantization.md; 'none' exports fp32)")
+                   help="weight-only target for ONNX Runtime, its fused-op graph, the drafter fp32 (default int4: "
+                        "the fastest here, docs/quantization.md; 'none' exports fp32)")
     p.add_argument("--quiet", action="store_true")
     add_sampling_args(p)
     a = p.parse_args(argv)

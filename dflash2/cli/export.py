@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="target emits raw taps; the drafter applies fc + hidden_norm itself")
     p.add_argument("--full-vocab", action="store_true",
                    help="ignore the drafter's draft_vocab.json: its LM head covers the whole vocabulary")
+    p.add_argument("--target-attention", choices=["auto", "plain", "gqa"], default="auto",
+                   help="gqa: the target graph uses ONNX Runtime's fused ops (GroupQueryAttention over per-layer KV "
+                        "buffers shared in place, SkipSimplifiedLayerNormalization): the CPU path, no TensorRT "
+                        "flavour of the target; plain: ONNX ops, with a TensorRT flavour; auto (default): gqa with "
+                        "--quantize int4|int8, plain otherwise")
     q = p.add_argument_group("quantization (docs/quantization.md)")
     q.add_argument("--quantize", choices=["int4", "int8", "int4_awq", "fp8", "int8_qdq"],
                    help="int4 / int8: weight-only MatMulNBits graphs for ONNX Runtime (the TensorRT flavour is "
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             quant = OrtQuant(a.quantize, a.quant_block_size or 32, a.quant_accuracy_level, lm_head=not a.quant_keep_head,
                              drafter=not a.quant_target_only, fuse=not a.quant_no_fuse)
         m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, not a.no_fuse_context, a.quiet,
-                   a.full_vocab, a.beyond_max_positions, quantize=quant)
+                   a.full_vocab, a.beyond_max_positions, quantize=quant, target_attention=a.target_attention)
     except Dflash2Error as e:
         print(f"dflash2-export: error: {e}", file=sys.stderr)
         return 2

@@ -82,6 +82,11 @@ def check_quantization(export: mf.ExportManifest, export_dir: Path) -> None:
         raise PrecisionError(f"{export_dir / mf.NAME}: quantization {q.method} is ONNX Runtime's MatMulNBits "
                              f"(weight-only, CPU), which TensorRT cannot build; for TensorRT export with "
                              f"--quantize int4_awq or fp8 (nvidia-modelopt Q/DQ graphs), or build a float export")
+    if export.kv is not None and export.kv.target_attention != "plain":
+        raise PrecisionError(f"{export_dir / mf.NAME}: kv.target_attention is {export.kv.target_attention!r}: the "
+                             f"target graph is ONNX Runtime's fused-op one (GroupQueryAttention), which TensorRT "
+                             f"cannot parse, and the export has no TensorRT flavour of it; for TensorRT re-export "
+                             f"with --target-attention plain (the default)")
 
 
 def check_selector_contract(export: mf.ExportManifest, export_dir: Path) -> None:

@@ -17,7 +17,7 @@ from dflash2 import __version__, draft_vocab, dtypes
 from dflash2 import manifest as mf
 from dflash2.config import check_pair, check_tokenizer_files, load_drafter_config, load_target_config
 from dflash2.errors import Dflash2Error
-from dflash2.export import deviation, qdq
+from dflash2.export import deviation, gqa, qdq
 from dflash2.export import quantize as qz
 from dflash2.export import trace as tr
 from dflash2.export.graphs import graph_specs
@@ -35,6 +35,7 @@ from dflash2.reference.load import load_pair
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json")
+ATTENTION = ("plain", "gqa")
 KV_BINDING = ("prefix-view: past_kv is the contiguous prefix buffer[:P] of one preallocated sequence-major buffer "
               "[max_seq_len, L, 2, kv, hd]; new_kv is bound to buffer[P:P+n], so a step copies nothing and "
               "rollback moves P. A static buffer + write position would make every step attend over max_seq_len "
@@ -55,12 +56,25 @@ def tool_versions() -> dict[str, str]:
 def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
            max_seq_len: int = 2048, force: bool = False, fuse_context: bool = True,
            quiet: bool = False, full_vocab: bool = False, beyond_max_positions: bool = False,
-           quantize: qz.OrtQuant | qdq.TrtQuant | None = None) -> mf.ExportManifest:
+           quantize: qz.OrtQuant | qdq.TrtQuant | None = None,
+           target_attention: str = "auto") -> mf.ExportManifest:
     """Returns the manifest written. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
     full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary).
     beyond_max_positions: allow max_seq_len past the target's max_position_embeddings.
     quantize: weight-only int4 / int8 target (and drafter) graphs for ONNX Runtime (dflash2.export.quantize), or
-    a Q/DQ TensorRT flavour of the target (dflash2.export.qdq)."""
+    a Q/DQ TensorRT flavour of the target (dflash2.export.qdq).
+    target_attention: "plain" (ONNX ops, with a TensorRT flavour) or "gqa" (ONNX Runtime's fused ops,
+    dflash2.export.gqa: the CPU path; no TensorRT flavour of the target); "auto": gqa for the ONNX Runtime
+    quantizations (which have no TensorRT flavour anyway: 1.5x faster int4 decode, docs/quantization.md),
+    plain otherwise."""
+    if target_attention == "auto":
+        target_attention = "gqa" if isinstance(quantize, qz.OrtQuant) else "plain"
+    if target_attention not in ATTENTION:
+        raise OutputError(f"--target-attention: expected one of {['auto', *ATTENTION]}, found {target_attention!r}")
+    if target_attention == "gqa" and (dtype != "float32" or isinstance(quantize, qdq.TrtQuant)):
+        raise OutputError(f"--target-attention gqa: expected --dtype float32 and no TensorRT quantization (it is "
+                          f"ONNX Runtime's CPU graph), found --dtype {dtype}"
+                          + (f", --quantize {quantize.method}" if quantize is not None else ""))
     if quantize is not None and dtype != "float32":
         raise OutputError(f"--quantize {quantize.method}: expected --dtype float32 (weights are quantized from "
                           f"fp32; activations stay fp32), found {dtype}")
@@ -70,12 +84,13 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
     steps = 1 + 2 * specs_count + 2 + 1  # + the validations of the two fixed-shape TensorRT flavours
+    steps -= target_attention == "gqa"  # whose target has no TensorRT flavour
     progress = Progress(steps + (len(quantize.graphs()) if quantize else 0), quiet)
     with progress.step("loading and checking the checkpoints"):
         target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype), use_draft_vocab=not full_vocab)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
         manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context, progress,
-                              quantize)
+                              quantize, target_attention)
         raise_if_failed([f for v in manifest.validation.values() for f in v.failures])
         manifest.sources = mf.Sources(drafter=str(Path(drafter_dir).absolute()), target=str(Path(target_dir).absolute()))
         manifest.draft_vocab = _draft_vocab_entry(drafter, drafter_dir)
@@ -123,14 +138,20 @@ def _draft_vocab_entry(drafter, drafter_dir) -> mf.DraftVocab | None:
 
 
 def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
-               progress, quantize=None) -> mf.ExportManifest:
+               progress, quantize=None, target_attention="plain") -> mf.ExportManifest:
     graphs, validation, quantized = {}, {}, {}
     for spec in graph_specs(target, drafter, fuse_context):
-        with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
-            t0 = time.perf_counter()
-            model = tr.trace(spec, max_seq_len)
-            fixed = tr.trace(spec.tensorrt, max_seq_len) if spec.tensorrt is not None else None
-            files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
+        t0 = time.perf_counter()
+        if spec.name == "target" and target_attention == "gqa":
+            spec = gqa.gqa_spec(spec)
+            with progress.step("target.onnx: ONNX Runtime's fused ops (GroupQueryAttention)"):
+                model = gqa.build_target(target, drafter, fuse_context, max_seq_len)
+                files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False)
+        else:
+            with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
+                model = tr.trace(spec, max_seq_len)
+                fixed = tr.trace(spec.tensorrt, max_seq_len) if spec.tensorrt is not None else None
+                files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
         with progress.step(f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime"):
             f, report = validate_graph(spec, tmp / files["portable"], dtype, save_dir=tmp)
         validation[spec.name] = mf.Validation(ok=not f, failures=f, skipped=report.pop("skipped", None), steps=report)
@@ -176,7 +197,8 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
         context=mf.Context(fused=fuse_context, width=graphs["drafter"].inputs[0].shape[1], why=why),
         kv=mf.Kv(layout=["seq", "layer", "k|v", "kv_head", "head_dim"],
                  rows=mf.KvRows(target=list(target.kv_row_shape()), drafter=list(drafter.kv_row_shape())),
-                 dtype=dtype, binding=KV_BINDING),
+                 dtype=dtype, binding=KV_BINDING if target_attention == "plain" else
+                 f"target: {gqa.GQA_BINDING} drafter: {KV_BINDING}", target_attention=target_attention),
         selector=selector, target_config=tc.to_dict(), drafter_config=dc.to_dict(), graphs=graphs,
         validation=validation, quantization=quantize.manifest_entry(quantized) if quantize is not None else None)
 

@@ -39,9 +39,8 @@ def _with_logits(path: Path) -> Path | None:
 
 
 def _reference_logits(spec: GraphSpec, feeds: list[dict[str, torch.Tensor]]) -> list[np.ndarray]:
-    target = spec.module.target
     with torch.no_grad():
-        return [np_of(target(f["input_ids"].long(), f["past_kv"])[0].float()) for f in feeds]
+        return [np_of(spec.module.target_logits(f)) for f in feeds]
 
 
 def measure(spec: GraphSpec, path: Path) -> tuple[list[str], dict, mf.Deviation]:
@@ -63,6 +62,8 @@ def measure(spec: GraphSpec, path: Path) -> tuple[list[str], dict, mf.Deviation]
         row = {}
         for name, want in r.items():
             out = g[name]
+            if spec.trim is not None:
+                out, want = spec.trim(name, out, feeds[step]), spec.trim(name, want, feeds[step])
             if out.shape != want.shape:
                 failures.append(f"{spec.name}.{name} (step {step}, quantized): shape {list(out.shape)} != "
                                 f"reference {list(want.shape)}")

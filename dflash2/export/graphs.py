@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,6 +36,10 @@ class TargetGraph(nn.Module):
         logits = logits.float()  # argmax over fp32: one rule whatever the graph dtype
         context = self.drafter.context(taps) if self.fuse else taps
         return logits.argmax(-1).to(torch.int32), context, new_kv, logits[-self.block_size:]
+
+    def target_logits(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[n, V] fp32 logits of every row of a validation feed (the deviation measurement reads them)."""
+        return self.target(feed["input_ids"].long(), feed["past_kv"])[0].float()
 
 
 class DrafterGraph(nn.Module):
@@ -112,6 +117,8 @@ class GraphSpec:
     feeds: Callable[[], list[dict[str, torch.Tensor]]]  # deterministic validation steps
     has_selector: bool = False
     tensorrt: GraphSpec | None = None  # a separate TensorRT flavour with fixed step shapes (fixed_shapes())
+    # (output name, value, feed) -> the part compared: rows a graph leaves unspecified are cut (gqa's buffers)
+    trim: Callable[[str, np.ndarray, dict], np.ndarray] | None = None
 
 
 def _gen(seed: int) -> torch.Generator:

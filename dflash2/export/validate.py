@@ -98,6 +98,9 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
     failures, report = [], {}
     for step, (feed, ref) in enumerate(zip(feeds, refs)):
         got = run(sess, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # fed in the graph's dtype
+        if spec.trim is not None:
+            got = {k: spec.trim(k, v, feed) for k, v in got.items()}
+            ref = {k: spec.trim(k, v, feed) for k, v in ref.items()}
         f, r = compare(spec.name, got, ref, dtype, step)
         failures += f
         report[f"step{step}"] = r

@@ -74,7 +74,9 @@ def top1_agreement(rt: Runtime, prompt: list[int], reference: list[int]) -> tupl
 def _labels(runtimes: list[Runtime]) -> list[str]:
     out: list[str] = []
     for rt in runtimes:
-        base = label(rt.manifest)
+        m = rt.manifest
+        base = label(m) + (" target-only" if m.quantization and not m.quantization.drafter else "")
+        base += " gqa" if m.kv is not None and m.kv.target_attention == "gqa" else ""
         name, k = base, 2
         while name in out:
             name, k = f"{base}-{k}", k + 1

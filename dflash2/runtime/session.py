@@ -11,6 +11,8 @@ Buffer plan (T = max_seq_len, rows of the sequence-major KV layout from the mani
     logits [B, V] fp32           the target's last min(n, B) logits rows (read only when sampling)
     uniforms [S], temperature [1], draft_probs [S, K] fp32   DFlash2's sampled walk (T > 0) and its q
 Rollback after a rejection moves `pos`; rows past it are overwritten by the next step.
+A gqa-shared target graph (dflash2.kv_binding) gets kv as [2L, kv, T, hd] instead: row j is layer j//2's
+K or V buffer [1, kv, T, hd], bound as both past and present; the graph writes its rows in place.
 A target call writes its context rows at [pending, pending + n): committing acc+1 of them needs no
 copy, and rounds that skip the drafter leave their rows pending for the next draft.
 """
@@ -23,6 +25,7 @@ import numpy as np
 
 from dflash2 import dtypes
 from dflash2.errors import Dflash2Error
+from dflash2.kv_binding import is_gqa, kv_names
 from dflash2.manifest import ModelFacts
 from dflash2.runtime.engines import Backend
 
@@ -77,7 +80,17 @@ class SpecSession:
                                 f"{free / 2**30:.1f} GiB of memory is available (export with a smaller --max-seq-len)")
         dt = dtypes.numpy_dtype(m.dtype)  # bfloat16: ml_dtypes' type, the engines' own element type
         self.target, self.drafter = backend.engine("target"), backend.engine("drafter")
-        self.kv = backend.device_buffer((T, *m.kv.rows.target), dt)
+        self.gqa = is_gqa(self.target.inputs)
+        if self.gqa:  # same bytes as the plain layout: buffer_bytes holds
+            L, _, kvh, hd = m.kv.rows.target
+            self.kv = backend.device_buffer((2 * L, kvh, T, hd), dt)
+            self.kv_len = backend.host_buffer((1,), np.int32)
+            past, present = kv_names(L)
+            views = [self.kv.rows(j, j + 1) for j in range(2 * L)]  # [1, kv, T, hd] each, fixed for the session
+            self.kv_past, self.kv_present = dict(zip(past, views)), dict(zip(present, views))
+        else:
+            self.kv = backend.device_buffer((T, *m.kv.rows.target), dt)
+        self.kv_spare = 1 if self.gqa else 0  # the gqa kernel also writes the row after the step's
         self.ctx_kv = backend.device_buffer((T, *m.kv.rows.drafter), dt)
         self.context = backend.device_buffer((T, m.context.width), dt)
         self.ids = backend.host_buffer((T,), np.int32)
@@ -92,7 +105,7 @@ class SpecSession:
         # step of n rows binds the same addresses and its CUDA graph replays.
         # Per engine: a Q/DQ-quantized target engine, for one, is built from a prefix-view graph.
         self.kv_new = self.ctx_kv_new = None
-        if "past_len" in self.target.inputs:
+        if "past_len" in self.target.inputs and not self.gqa:
             self.kv_new = backend.device_buffer((min(T, backend.max_rows("target") or T), *m.kv.rows.target), dt)
             self.kv_len = backend.host_buffer((1,), np.int32)
         if "past_len" in self.drafter.inputs:
@@ -151,18 +164,25 @@ class SpecSession:
 
     def _run_target(self, tokens: Sequence[int]) -> np.ndarray:
         n, c = len(tokens), self.pending
-        if self.pos + n > self.max_seq_len:
-            raise CapacityError(f"KV cache full: {self.pos} + {n} > max_seq_len {self.max_seq_len}")
+        if self.pos + n + self.kv_spare > self.max_seq_len:
+            raise CapacityError(f"KV cache full: {self.pos} + {n}{' + 1' if self.kv_spare else ''} > max_seq_len "
+                                f"{self.max_seq_len}")
         self.ids.host[:n] = tokens
         self.ids.push(n)
-        past, new = self._kv("kv_cache", "past_kv", self.kv, self.kv_new, self.pos, n)
-        outputs = {"next_ids": self.next_ids.rows(0, n), "context": self.context.rows(c, c + n), "new_kv": new}
+        outputs = {"next_ids": self.next_ids.rows(0, n), "context": self.context.rows(c, c + n)}
+        if self.gqa:
+            self.kv_len.host[0] = self.pos
+            self.kv_len.push(1)
+            past = {"past_len": self.kv_len.whole(), **self.kv_past}
+            outputs.update(self.kv_present)
+        else:
+            past, outputs["new_kv"] = self._kv("kv_cache", "past_kv", self.kv, self.kv_new, self.pos, n)
         if self.logits_buf is not None:
-            self.logit_rows = min(n, self.block_size)
-            outputs["logits"] = self.logits_buf.rows(0, self.logit_rows)
+            outputs["logits"] = self.logits_buf.rows(0, min(n, self.block_size))
         self.target.run({"input_ids": self.ids.rows(0, n), **past}, outputs)
         if self.kv_new is not None:
             self.kv.copy_rows(self.kv_new, n, self.pos)
+        self.logit_rows = min(n, self.block_size)
         return self.next_ids.pull(n)
 
     def _kv(self, cache: str, prefix: str, kv, staging, pos: int, n: int) -> tuple[dict, object]:

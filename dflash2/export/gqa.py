@@ -1,0 +1,252 @@
+"""The target as ONNX Runtime's fused-op graph (`dflash2-export --target-attention gqa`).
+
+What onnxruntime-genai's builder emits for a Llama, written from the reference module's weights:
+`GroupQueryAttention` (rotary inside, one past/present buffer per layer and K|V shared in place),
+`SkipSimplifiedLayerNormalization` (residual add + RMSNorm), `SimplifiedLayerNormalization`,
+packed q|k|v and gate|up MatMuls. The plain-op graph spends ~38% of an int4 decode step on data
+movement (slicing each layer's past out of one [P, L, 2, kv, hd] buffer, concatenating the new rows,
+the rotary halves; docs/quantization.md); here nothing is sliced or concatenated.
+
+KV binding (dflash2.kv_binding): per layer `past_key_values.{i}.key|value` [1, kv, cap, hd] (rotated keys),
+`past_len` [1] int32 the valid rows; the runtime binds `present.{i}.key|value` to the SAME memory, and
+the kernel writes the step's rows at [past_len, past_len + n) in place. Rollback = a smaller past_len.
+The kernel gets one more row than the step, a copy of its last (causal: no real row sees it), and its
+K|V lands at past_len + n, overwritten by the next step; the runtime keeps that row free. Why: the
+kernel's attention takes another path for a 1-row query (GEMMs with M = 1), ~1e-7 off the multi-row
+one; with int8 activations that can flip an argmax, so a decode would not equal the verify of the
+same token (measured on SmolLM2 int4). Padding the whole step to 2 rows instead made every int4
+decode 39% slower (MatMulNBits' 1-row kernel is its fastest); padding the attention alone costs two
+small copies per layer.
+Outputs otherwise as the plain target graph: next_ids [n], context [n, C], logits [min(n, B), V].
+
+The graph is checked like every flavour: against the PyTorch reference (`GqaTargetGraph`, the plain
+Target over the same past) on the target's validation feeds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from dflash2.export.graphs import STALE_ROWS, GraphSpec, TargetGraph
+from dflash2.kv_binding import GQA_BINDING, kv_names  # noqa: F401  (GQA_BINDING: the manifest's text)
+from dflash2.reference.drafter import Drafter
+from dflash2.reference.layers import rope_cos_sin
+from dflash2.reference.target import Target
+
+OPSET = 17
+
+
+class _Builder:
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.names: set[str] = set()
+
+    def weight(self, name: str, t: torch.Tensor | np.ndarray) -> str:
+        if name in self.names:  # ONNX Runtime would only warn and keep one of them
+            raise ValueError(f"gqa builder: initializer {name!r} defined twice")
+        self.names.add(name)
+        a = t.detach().float().numpy() if isinstance(t, torch.Tensor) else t
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
+        return name
+
+    def const(self, name: str, values, dtype=np.int64) -> str:
+        return self.weight(name, np.asarray(values, dtype))
+
+    def op(self, op: str, inputs: list[str], name: str, outputs: int | list[str] = 1, domain: str = "",
+           **attrs) -> list[str]:
+        outs = outputs if isinstance(outputs, list) else [f"{name}.out{i}" if outputs > 1 else f"{name}.out"
+                                                          for i in range(outputs)]
+        self.nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain, **attrs))
+        return outs
+
+    def linear(self, x: str, name: str, weights: list[nn.Linear]) -> str:
+        """One MatMul over the [K, sum N] concatenation of Linear weights (+ their biases)."""
+        w = torch.cat([m.weight.T for m in weights], dim=1)
+        y = self.op("MatMul", [x, self.weight(f"{name}.weight", w)], name)[0]
+        if weights[0].bias is not None:
+            b = torch.cat([m.bias for m in weights])
+            y = self.op("Add", [y, self.weight(f"{name}.bias", b)], f"{name}.bias")[0]
+        return y
+
+
+def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_len: int) -> onnx.ModelProto:
+    """The fp32 fused-op target graph (module docstring)."""
+    c = target.config
+    if target.embed_tokens.weight.dtype != torch.float32:
+        raise ValueError("the gqa target graph is built from fp32 weights")
+    nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
+    B = drafter.config.block_size
+    b = _Builder()
+    eps = float(c.rms_norm_eps)
+    past, present = kv_names(L)
+
+    cos, sin = rope_cos_sin(torch.arange(max_seq_len), target.inv_freq)  # [T, hd] (halves repeated)
+    cos_cache, sin_cache = b.weight("rope.cos", cos[:, :hd // 2]), b.weight("rope.sin", sin[:, :hd // 2])
+    # The kernel sees n + 1 rows: the last one repeated (module docstring: one path for every step).
+    n = b.op("Shape", ["input_ids"], "n")[0]  # [1] int64
+    seqlens_k = b.op("Add", ["past_len", b.op("Cast", [n], "n32", to=TensorProto.INT32)[0]], "seqlens_k")[0]
+    total = b.op("Add", [seqlens_k, b.const("one32", [1], np.int32)], "total")[0]  # [1]: past + n + 1
+    total_len = b.op("Squeeze", [total, b.const("axis0", [0])], "total_len")[0]  # [] int32
+    first, last, end = b.const("first_row", [0]), b.const("last_row", [-1]), b.const("to_end", [2**62])
+    axis1 = b.const("axis1", [1])
+
+    def pad(x: str, name: str) -> str:  # [1, n, W] -> [1, n + 1, W]
+        return b.op("Concat", [x, b.op("Slice", [x, last, end, axis1], f"{name}.last")[0]], f"{name}.pad",
+                    axis=1)[0]
+
+    embed = b.weight("embed_tokens.weight", target.embed_tokens.weight)
+    h = b.op("Gather", [embed, "input_ids"], "embed")[0]  # [n, H]
+    h = b.op("Unsqueeze", [h, "axis0"], "embed.batch")[0]  # [1, n, H]
+    pending = None  # the sublayer output not yet added to the residual h
+    taps = {}
+
+    def norm(weight: torch.Tensor, name: str) -> str:
+        """RMSNorm of h + pending; updates h to the sum (SkipSimplifiedLayerNormalization's 4th output)."""
+        nonlocal h, pending
+        w = b.weight(f"{name}.weight", weight)
+        if pending is None:
+            return b.op("SimplifiedLayerNormalization", [h, w], name, axis=-1, epsilon=eps, stash_type=1)[0]
+        y, _, _, h = b.op("SkipSimplifiedLayerNormalization", [pending, h, w], name, outputs=4,
+                          domain="com.microsoft", epsilon=eps)
+        pending = None
+        return y
+
+    for i, layer in enumerate(target.layers):
+        p, a = f"layers.{i}", layer.self_attn
+        u = norm(layer.input_layernorm.weight, f"{p}.input_layernorm")
+        if i - 1 in target.tap_ids:
+            taps[i - 1] = h  # the OUTPUT of layer i-1 (HF hidden_states[i])
+        qkv = b.linear(u, f"{p}.qkv_proj", [a.q_proj, a.k_proj, a.v_proj])  # [1, n, (nh + 2kv) hd]
+        if a.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotary
+            q, k, v = b.op("Split", [qkv, b.const(f"{p}.qkv_sizes", [nh * hd, kv * hd, kv * hd])], f"{p}.qkv",
+                           outputs=3, axis=-1)
+            q, k = (_head_norm(b, t, heads, hd, m.weight, eps, f"{p}.{nm}")
+                    for t, heads, m, nm in ((q, nh, a.q_norm, "q_norm"), (k, kv, a.k_norm, "k_norm")))
+            qkv_in = [pad(q, f"{p}.q"), pad(k, f"{p}.k"), pad(v, f"{p}.v")]
+        else:
+            qkv_in = [pad(qkv, f"{p}.qkv"), "", ""]  # packed
+        attn = b.op("GroupQueryAttention", qkv_in + [past[2 * i], past[2 * i + 1], seqlens_k, total_len, cos_cache,
+                                                      sin_cache],
+                    f"{p}.attn", outputs=[f"{p}.attn.out", present[2 * i], present[2 * i + 1]],
+                    domain="com.microsoft", num_heads=nh, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
+                    scale=float(hd ** -0.5))[0]  # [1, n + 1, nh hd]
+        attn = b.op("Slice", [attn, first, last, axis1], f"{p}.attn.rows")[0]  # [1, n, nh hd]
+        pending = b.linear(attn, f"{p}.o_proj", [a.o_proj])
+        u = norm(layer.post_attention_layernorm.weight, f"{p}.post_attention_layernorm")
+        m = layer.mlp
+        gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", [m.gate_proj, m.up_proj]),
+                                  b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
+                        outputs=2, axis=-1)
+        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
+        pending = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", [m.down_proj])
+    y = norm(target.norm.weight, "norm")  # h is now the last layer's output
+    if L - 1 in target.tap_ids:
+        taps[L - 1] = h
+
+    y = b.op("Squeeze", [y, "axis0"], "norm.rows")[0]  # [n, H]: the LM head's MatMul feeds the ArgMax directly
+    head_t = b.op("Transpose", [embed if target.lm_head is None else b.weight("lm_head.weight", target.lm_head.weight)],
+                  "lm_head.t", perm=[1, 0])[0]
+    logits = b.op("MatMul", [y, head_t], "lm_head")[0]  # [n, V] fp32
+    ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
+    b.op("Cast", [ids], "next_ids", outputs=["next_ids"], to=TensorProto.INT32)
+    b.op("Slice", [logits, b.const("last_b", [-B]), end, "axis0"], "logits",
+         outputs=["logits"])
+    tap_rows = [b.op("Squeeze", [taps[t], "axis0"], f"tap.{t}")[0] for t in target.tap_ids]  # [n, H] each
+    t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]
+    if fuse_context:  # drafter.context: hidden_norm(fc(taps)), as TargetGraph fuses it
+        t = b.linear(t, "context.fc", [drafter.fc])
+        b.op("SimplifiedLayerNormalization", [t, b.weight("context.hidden_norm.weight", drafter.hidden_norm.weight)],
+             "context.hidden_norm", outputs=["context"], axis=-1, epsilon=float(drafter.config.rms_norm_eps),
+             stash_type=1)
+    else:
+        b.op("Identity", [t], "context", outputs=["context"])
+
+    f32, buf = TensorProto.FLOAT, [1, kv, "cap", hd]
+    inputs = ([helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["n"]),
+               helper.make_tensor_value_info("past_len", TensorProto.INT32, [1])]
+              + [helper.make_tensor_value_info(name, f32, buf) for name in past])
+    ctx_width = drafter.config.hidden_size if fuse_context else len(target.tap_ids) * H
+    outputs = ([helper.make_tensor_value_info("next_ids", TensorProto.INT32, ["n"]),
+                helper.make_tensor_value_info("context", f32, ["n", ctx_width]),
+                helper.make_tensor_value_info("logits", f32, ["rows", c.vocab_size])]
+               + [helper.make_tensor_value_info(name, f32, buf) for name in present])
+    graph = helper.make_graph(b.nodes, "dflash2_target_gqa", inputs, outputs, b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid("com.microsoft", 1)],
+                              producer_name="dflash2")
+    model.ir_version = 8
+    return model
+
+
+def _head_norm(b: _Builder, x: str, heads: int, hd: int, weight: torch.Tensor, eps: float, name: str) -> str:
+    """[1, n, heads*hd] -> RMSNorm over each head's hd -> [1, n, heads*hd]."""
+    shape = b.const(f"{name}.heads", [1, -1, heads, hd])
+    y = b.op("Reshape", [x, shape], f"{name}.split_heads")[0]
+    y = b.op("SimplifiedLayerNormalization", [y, b.weight(f"{name}.weight", weight)], name, axis=-1, epsilon=eps,
+             stash_type=1)[0]
+    return b.op("Reshape", [y, b.const(f"{name}.flat", [1, -1, heads * hd])], f"{name}.merge_heads")[0]
+
+
+class GqaTargetGraph(nn.Module):
+    """The reference of the gqa graph: the plain TargetGraph over the same past.
+    (input_ids [n], past_len [1], per-layer buffers [1, kv, cap, hd]) -> (next_ids, context, logits,
+    the buffers with rows [past_len, past_len + n) written). Rows past that are not compared (`trim`)."""
+
+    def __init__(self, plain: TargetGraph):
+        super().__init__()
+        self.plain = plain
+        self.target = plain.target  # the deviation measurement reads the target's logits
+
+    def forward(self, input_ids: torch.Tensor, past_len: torch.Tensor, *buffers: torch.Tensor):
+        P, n = int(past_len[0]), input_ids.shape[0]
+        past_kv = to_rows(buffers, P)
+        next_ids, context, new_kv, logits = self.plain(input_ids, past_kv)
+        present = []
+        for j, buf in enumerate(buffers):
+            out = buf.clone()
+            out[0, :, P:P + n] = new_kv[:, j // 2, j % 2].transpose(0, 1)  # [kv, n, hd]
+            present.append(out)
+        return (next_ids, context, logits, *present)
+
+    def target_logits(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        buffers = [v for k, v in feed.items() if k.startswith("past_key_values.")]
+        past = to_rows(buffers, int(feed["past_len"][0]))
+        return self.target(feed["input_ids"].long(), past)[0].float()
+
+
+def to_rows(buffers, P: int) -> torch.Tensor:
+    """Per-layer [1, kv, cap, hd] buffers -> the plain layout's past [P, L, 2, kv, hd]."""
+    ks = torch.stack([buf[0, :, :P].transpose(0, 1) for buf in buffers])  # [2L, P, kv, hd]
+    return ks.view(len(buffers) // 2, 2, P, *ks.shape[2:]).permute(2, 0, 1, 3, 4)
+
+
+def gqa_spec(plain: GraphSpec) -> GraphSpec:
+    """The gqa flavour of the target's spec: the plain feeds moved into per-layer buffers with
+    STALE_ROWS random rows past the valid ones (the kernel must not read them), same reference."""
+    L = plain.module.target.config.num_layers
+    past_names, present_names = kv_names(L)
+
+    def convert(feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        p, n = feed["past_kv"], feed["input_ids"].shape[0]
+        cap = p.shape[0] + n + STALE_ROWS
+        g = torch.Generator().manual_seed(cap)
+        out = {"input_ids": feed["input_ids"], "past_len": torch.tensor([p.shape[0]], dtype=torch.int32)}
+        for j, name in enumerate(past_names):
+            buf = torch.randn(1, p.shape[3], cap, p.shape[4], generator=g).to(p.dtype)
+            buf[0, :, :p.shape[0]] = p[:, j // 2, j % 2].transpose(0, 1)
+            out[name] = buf
+        return out
+
+    def trim(name: str, value: np.ndarray, feed: dict) -> np.ndarray:
+        if name not in present_names:
+            return value
+        return value[:, :, :int(feed["past_len"][0]) + feed["input_ids"].shape[0]]
+
+    return GraphSpec("target", GqaTargetGraph(plain.module), ["input_ids", "past_len", *past_names],
+                     ["next_ids", "context", "logits", *present_names], {}, (),
+                     lambda: [convert(f) for f in plain.feeds()], trim=trim)

@@ -1,0 +1,162 @@
+"""dflash2-export --target-attention gqa: ONNX Runtime's fused-op target graph (GroupQueryAttention over
+per-layer KV buffers shared in place), checked against the PyTorch reference and the plain graph."""
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+from dflash2 import manifest as mf
+from dflash2.engines.plan import PrecisionError, plan_build
+from dflash2.export import gqa
+from dflash2.export import quantize as qz
+from dflash2.export.api import OutputError, export
+from dflash2.export.graphs import graph_specs
+from dflash2.export.validate import validate_graph
+from dflash2.reference.load import load_pair
+from dflash2.runtime.api import Runtime
+from dflash2.speculative import generate
+from tests.exports import PROMPT
+
+PROMPTS = [PROMPT, [1, 2, 3], list(range(40, 90)), [300, 8, 12, 12, 12, 12]]
+FAMILIES = [("llama", 2), ("qwen3", 1)]  # packed q|k|v into the kernel; Qwen3's q/k norms split it first
+
+
+@pytest.fixture(scope="module")
+def gqa_exports(tmp_path_factory, pairs):
+    """(family, version, quantized) -> a gqa export of the tiny pair."""
+    root = tmp_path_factory.mktemp("gqa")
+    out = {}
+    for fam, ver in FAMILIES:
+        for q in (False, True):
+            folder = root / f"{fam}{ver}{'-int4' if q else ''}"
+            export(*pairs[(fam, ver)], folder, max_seq_len=256, quiet=True, target_attention="gqa",
+                   quantize=qz.OrtQuant("int4") if q else None)
+            out[(fam, ver, q)] = folder
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_exports(tmp_path_factory, pairs):
+    root = tmp_path_factory.mktemp("gqa-plain")
+    out = {}
+    for fam, ver in FAMILIES:
+        export(*pairs[(fam, ver)], root / f"{fam}{ver}", max_seq_len=256, quiet=True)
+        out[(fam, ver)] = root / f"{fam}{ver}"
+    return out
+
+
+def ops(path):
+    return Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+@pytest.mark.parametrize("fam,ver", FAMILIES)
+def test_graph_is_the_fused_one_and_validated(gqa_exports, fam, ver):
+    folder = gqa_exports[(fam, ver, False)]
+    m = mf.load(folder, mf.ExportManifest)
+    L = m.target_config["num_layers"]
+    assert m.kv.target_attention == "gqa" and "gqa-shared" in m.kv.binding
+    assert m.validation["target"].ok and "target.trt" not in m.validation
+    assert m.graphs["target"].flavours.tensorrt is None and not (folder / "target.trt.onnx").exists()
+    c = ops(folder / "target.onnx")
+    assert c["GroupQueryAttention"] == L and c["SkipSimplifiedLayerNormalization"] == 2 * L  # + 1 plain norm
+    # no KV concatenation: per layer the kernel's extra row (llama: packed q|k|v; qwen3: q, k, v), + the taps
+    assert c["Concat"] <= (1 if ver == 2 else 3) * L + 1 and c["Slice"] <= 4 * L + 1
+    names = [i.name for i in m.graphs["target"].inputs]
+    assert names[:2] == ["input_ids", "past_len"] and gqa.kv_names(L)[0] == names[2:]
+    assert m.graphs["drafter"].flavours.tensorrt  # the drafter keeps both flavours
+    # validation compared every output, the present buffers' valid rows included, and they matched
+    step = m.validation["target"].steps["step1"]
+    assert step["next_ids"]["mismatches"] == 0 and "present.0.key" in step
+
+
+@pytest.mark.parametrize("fam,ver", FAMILIES)
+def test_same_answers_as_the_plain_graph_and_lossless(gqa_exports, plain_exports, fam, ver):
+    plain, fused = Runtime(plain_exports[(fam, ver)]), Runtime(gqa_exports[(fam, ver, False)])
+    assert fused.session.gqa and not plain.session.gqa
+    for prompt in PROMPTS:
+        want = generate(plain.session, prompt, 48, speculative=False).ids
+        assert generate(fused.session, prompt, 48, speculative=False).ids == want
+        for k in (None, 1, 3):  # rejections roll the in-place buffers back by past_len alone
+            assert generate(fused.session, prompt, 48, draft_len=k).ids == want, (prompt, k)
+        assert fused.generate(prompt, 48).ids == want  # the runtime's auto schedule
+
+
+def test_kernel_writes_the_shared_buffers_in_place(gqa_exports, plain_exports):
+    """After a prefill the session's [2L, kv, T, hd] buffer holds what the plain graph wrote to its
+    [T, L, 2, kv, hd] one: the present outputs were bound to the past buffers and written there."""
+    plain, fused = Runtime(plain_exports[("llama", 2)]), Runtime(gqa_exports[("llama", 2, False)])
+    ptrs = fused.session.buffers()
+    for rt in (plain, fused):
+        rt.session.prefill(PROMPT)
+    P = len(PROMPT)
+    want = plain.session.kv.host[:P]  # [P, L, 2, kv, hd]
+    got = fused.session.kv.host[:, :, :P]  # [2L, kv, P, hd]
+    L = want.shape[1]
+    np.testing.assert_allclose(got.reshape(L, 2, *got.shape[1:]).transpose(3, 0, 1, 2, 4), want, atol=1e-5)
+    # the kernel's extra row (a copy of the last, dflash2.export.gqa) lands at P; nothing after it
+    assert np.abs(fused.session.kv.host[:, :, P]).max() > 0 and np.abs(fused.session.kv.host[:, :, P + 1:]).max() == 0
+    assert fused.session.buffers() == ptrs
+
+
+@pytest.mark.parametrize("fam,ver", FAMILIES)
+def test_int4_gqa_lossless_against_its_own_target(gqa_exports, fam, ver):
+    folder = gqa_exports[(fam, ver, True)]
+    m = mf.load(folder, mf.ExportManifest)
+    assert m.quantization.method == "int4" and m.kv.target_attention == "gqa"
+    assert ops(folder / "target.onnx")["MatMulNBits"] >= 3 * m.target_config["num_layers"]
+    assert m.validation["target"].deviation.top1_agreement is not None
+    rt = Runtime(folder)
+    for prompt in PROMPTS:
+        base = generate(rt.session, prompt, 40, speculative=False).ids
+        for k in (None, 2):
+            assert generate(rt.session, prompt, 40, draft_len=k).ids == base
+
+
+def test_validation_catches_a_wrong_kernel_setting(tmp_path, pairs):
+    """The reference check can fail: interleaved rotary halves (the wrong convention for Llama)."""
+    target, drafter = load_pair(*pairs[("llama", 2)])
+    spec = gqa.gqa_spec(graph_specs(target, drafter)[0])
+    model = gqa.build_target(target, drafter, True, 64)
+    for n in model.graph.node:
+        if n.op_type == "GroupQueryAttention":
+            next(a for a in n.attribute if a.name == "rotary_interleaved").i = 1
+    onnx.save_model(model, str(tmp_path / "target.onnx"))
+    failures, _ = validate_graph(spec, tmp_path / "target.onnx", "float32")
+    assert any("target.context" in f for f in failures)
+    assert any("target.present.0.key" in f for f in failures)
+
+
+def test_bad_combinations_are_refused_before_writing(tmp_path, pairs):
+    d, t = pairs[("llama", 2)]
+    with pytest.raises(OutputError, match="--target-attention: expected one of"):
+        export(d, t, tmp_path / "a", quiet=True, target_attention="flash")
+    with pytest.raises(OutputError, match="--target-attention gqa: expected --dtype float32"):
+        export(d, t, tmp_path / "b", dtype="float16", quiet=True, target_attention="gqa")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_tensorrt_build_refuses_a_gqa_export(gqa_exports, tmp_path):
+    with pytest.raises(PrecisionError, match="target_attention is 'gqa'.*--target-attention plain"):
+        plan_build(gqa_exports[("llama", 2, False)], tmp_path / "engines", mode="print")
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_decode_row_equals_the_verify_row_of_the_same_token(gqa_exports, quantized):
+    """Bit for bit: the kernel's 1-row path differs from its multi-row one, so the graph gives it one
+    extra row (dflash2.export.gqa); without it, greedy speculative output could leave the target's."""
+    s = Runtime(gqa_exports[("llama", 2, quantized)]).session
+    tokens = generate(s, PROMPT, 24, speculative=False).ids[:24]
+    s.prefill(PROMPT)
+    one = []
+    for t in tokens:
+        s.decode(t)
+        one.append(s.logits.copy())  # [1, V]
+    s.prefill(PROMPT)
+    rows = []
+    for i in range(0, len(tokens), 3):
+        s.verify(tokens[i:i + 3])
+        rows.append(s.logits.copy())
+        s.commit(3)
+    np.testing.assert_array_equal(np.concatenate(rows), np.concatenate(one))
