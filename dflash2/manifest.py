@@ -298,6 +298,9 @@ class ModelFacts:
         rows = self.kv.rows if self.kv is not None else None
         rules = [("kv.rows.target", rows and rows.target, dims("target", 0, "past_kv"), slice(1, None)),
                  ("kv.rows.drafter", rows and rows.drafter, dims("drafter", 0, "past_ctx_kv"), slice(1, None)),
+                 # a gqa target's per-layer buffers [1, kv, cap, hd]: kv heads and head_dim
+                 ("kv.rows.target[2:]", rows and rows.target and rows.target[2:],
+                  dims("target", 0, "past_key_values.0.key"), slice(1, None, 2)),
                  ("context.width", self.context and self.context.width, dims("target", 1, "context"), -1),
                  ("num_drafts", self.num_drafts, dims("drafter", 1, "draft_ids"), -1)]
         problems = []

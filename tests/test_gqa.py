@@ -134,7 +134,24 @@ def test_bad_combinations_are_refused_before_writing(tmp_path, pairs):
         export(d, t, tmp_path / "a", quiet=True, target_attention="flash")
     with pytest.raises(OutputError, match="--target-attention gqa: expected --dtype float32"):
         export(d, t, tmp_path / "b", dtype="float16", quiet=True, target_attention="gqa")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(OutputError, match="--target-attention gqa: expected --max-seq-len >= "):
+        export(d, t, tmp_path / "c", max_seq_len=12, quiet=True, target_attention="gqa")
+    assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def test_auto_picks_gqa_only_where_the_kernel_fits():
+    from types import SimpleNamespace as NS
+
+    from dflash2.export.api import _attention
+    from dflash2.export.qdq import TrtQuant
+
+    dc, int4 = NS(block_size=8), qz.OrtQuant("int4")
+    assert _attention("auto", int4, NS(head_dim=64), dc, 256) == "gqa"
+    assert _attention("auto", None, NS(head_dim=64), dc, 256) == "plain"  # float exports keep TensorRT's flavour
+    assert _attention("auto", TrtQuant("fp8"), NS(head_dim=64), dc, 256) == "plain"
+    assert _attention("auto", int4, NS(head_dim=24), dc, 256) == "plain"  # the kernel's rotary wants hd % 16
+    with pytest.raises(OutputError, match="head_dim divisible by 16"):
+        _attention("gqa", int4, NS(head_dim=24), dc, 256)
 
 
 def test_tensorrt_build_refuses_a_gqa_export(gqa_exports, tmp_path):
@@ -160,3 +177,19 @@ def test_a_decode_row_equals_the_verify_row_of_the_same_token(gqa_exports, quant
         rows.append(s.logits.copy())
         s.commit(3)
     np.testing.assert_array_equal(np.concatenate(rows), np.concatenate(one))
+
+
+def test_manifest_kv_rows_are_checked_against_the_per_layer_buffers(gqa_exports, tmp_path):
+    import shutil
+
+    from tests.exports import edit_manifest
+
+    folder = tmp_path / "edited"
+    shutil.copytree(gqa_exports[("llama", 2, False)], folder)
+
+    def wrong_heads(d):
+        d["kv"]["rows"]["target"][2] += 1
+
+    edit_manifest(folder, wrong_heads)
+    with pytest.raises(mf.ManifestError, match=r"kv.rows.target\[2:\]: expected \[\d+, \d+\]"):
+        Runtime(folder)

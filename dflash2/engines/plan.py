@@ -86,7 +86,7 @@ def check_quantization(export: mf.ExportManifest, export_dir: Path) -> None:
         raise PrecisionError(f"{export_dir / mf.NAME}: kv.target_attention is {export.kv.target_attention!r}: the "
                              f"target graph is ONNX Runtime's fused-op one (GroupQueryAttention), which TensorRT "
                              f"cannot parse, and the export has no TensorRT flavour of it; for TensorRT re-export "
-                             f"with --target-attention plain (the default)")
+                             f"with --target-attention plain (the default for float exports)")
 
 
 def check_selector_contract(export: mf.ExportManifest, export_dir: Path) -> None:

@@ -67,19 +67,18 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     dflash2.export.gqa: the CPU path; no TensorRT flavour of the target); "auto": gqa for the ONNX Runtime
     quantizations (which have no TensorRT flavour anyway: 1.5x faster int4 decode, docs/quantization.md),
     plain otherwise."""
-    if target_attention == "auto":
-        target_attention = "gqa" if isinstance(quantize, qz.OrtQuant) else "plain"
-    if target_attention not in ATTENTION:
+    if target_attention not in ("auto", *ATTENTION):
         raise OutputError(f"--target-attention: expected one of {['auto', *ATTENTION]}, found {target_attention!r}")
+    if quantize is not None and dtype != "float32":
+        raise OutputError(f"--quantize {quantize.method}: expected --dtype float32 (weights are quantized from "
+                          f"fp32; activations stay fp32), found {dtype}")
     if target_attention == "gqa" and (dtype != "float32" or isinstance(quantize, qdq.TrtQuant)):
         raise OutputError(f"--target-attention gqa: expected --dtype float32 and no TensorRT quantization (it is "
                           f"ONNX Runtime's CPU graph), found --dtype {dtype}"
                           + (f", --quantize {quantize.method}" if quantize is not None else ""))
-    if quantize is not None and dtype != "float32":
-        raise OutputError(f"--quantize {quantize.method}: expected --dtype float32 (weights are quantized from "
-                          f"fp32; activations stay fp32), found {dtype}")
     out = Path(out_dir).absolute()
     dc, tc = check_inputs(drafter_dir, target_dir, out, dtype, max_seq_len, force, beyond_max_positions)
+    target_attention = _attention(target_attention, quantize, tc, dc, max_seq_len)
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
@@ -118,6 +117,16 @@ def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dty
                           f"{Path(target_dir) / 'config.json'}, found {max_seq_len} (the target was not trained on "
                           f"longer sequences; pass --beyond-max-positions to export it anyway)")
     return dc, tc
+
+
+def _attention(asked: str, quantize, tc, dc, max_seq_len: int) -> str:
+    """auto -> gqa for the ONNX Runtime quantizations when the target fits the kernel, else plain."""
+    why = gqa.unsupported(tc, dc, max_seq_len)
+    if asked == "gqa" and why:
+        raise OutputError(f"--target-attention gqa: {why}")
+    if asked == "auto":
+        return "gqa" if isinstance(quantize, qz.OrtQuant) and not why else "plain"
+    return asked
 
 
 def preflight(drafter_dir: str | Path, target_dir: str | Path, out: str | Path, dtype: str = "float32",

@@ -74,6 +74,16 @@ class _Builder:
         return y
 
 
+def unsupported(tc, dc, max_seq_len: int) -> str | None:
+    """Why a target cannot have the gqa graph (None: it can). tc / dc: the target / drafter configs."""
+    if tc.head_dim % 16:  # ONNX Runtime's GroupQueryAttention with a rotary cache
+        return f"expected a head_dim divisible by 16 (ONNX Runtime's GroupQueryAttention), found {tc.head_dim}"
+    need = 11 + dc.block_size + 1  # the validation feeds: an 11-token prompt, a verify, the kernel's extra row
+    if max_seq_len < need:
+        return f"expected --max-seq-len >= {need} (validation feeds + the kernel's extra row), found {max_seq_len}"
+    return None
+
+
 def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_len: int) -> onnx.ModelProto:
     """The fp32 fused-op target graph (module docstring)."""
     c = target.config

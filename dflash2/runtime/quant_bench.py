@@ -75,7 +75,8 @@ def _labels(runtimes: list[Runtime]) -> list[str]:
     out: list[str] = []
     for rt in runtimes:
         m = rt.manifest
-        base = label(m) + (" target-only" if m.quantization and not m.quantization.drafter else "")
+        q = m.quantization  # "target-only": ONNX Runtime's choice; modelopt's Q/DQ covers the target only anyway
+        base = label(m) + (" target-only" if q and q.backend == "onnxruntime" and not q.drafter else "")
         base += " gqa" if m.kv is not None and m.kv.target_attention == "gqa" else ""
         name, k = base, 2
         while name in out:
