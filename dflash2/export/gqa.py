@@ -15,8 +15,8 @@ K|V lands at past_len + n, overwritten by the next step; the runtime keeps that 
 kernel's attention takes another path for a 1-row query (GEMMs with M = 1), ~1e-7 off the multi-row
 one; with int8 activations that can flip an argmax, so a decode would not equal the verify of the
 same token (measured on SmolLM2 int4). Padding the whole step to 2 rows instead made every int4
-decode 39% slower (MatMulNBits' 1-row kernel is its fastest); padding the attention alone costs two
-small copies per layer.
+decode 39% slower (MatMulNBits' 1-row kernel is its fastest); padding the attention's inputs costs one
+`Pad` (mode edge) per q|k|v input and one `Slice` of its output per layer.
 Outputs otherwise as the plain target graph: next_ids [n], context [n, C], logits [min(n, B), V].
 
 The graph is checked like every flavour: against the PyTorch reference (`GqaTargetGraph`, the plain
@@ -105,9 +105,10 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
     first, last, end = b.const("first_row", [0]), b.const("last_row", [-1]), b.const("to_end", [2**62])
     axis1 = b.const("axis1", [1])
 
-    def pad(x: str, name: str) -> str:  # [1, n, W] -> [1, n + 1, W]
-        return b.op("Concat", [x, b.op("Slice", [x, last, end, axis1], f"{name}.last")[0]], f"{name}.pad",
-                    axis=1)[0]
+    edge_row = b.const("edge_row", [0, 0, 0, 0, 1, 0])  # Pad's [begins..., ends...]: one row after the last
+
+    def pad(x: str, name: str) -> str:  # [1, n, W] -> [1, n + 1, W], the new row a copy of the last (one node)
+        return b.op("Pad", [x, edge_row], f"{name}.pad", mode="edge")[0]
 
     embed = b.weight("embed_tokens.weight", target.embed_tokens.weight)
     h = b.op("Gather", [embed, "input_ids"], "embed")[0]  # [n, H]
