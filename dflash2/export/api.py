@@ -29,6 +29,7 @@ from dflash2.folders import (
     replace_folder,
     temp_folder,
 )
+from dflash2.kv_binding import GQA_BINDING
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
 from dflash2.reference.load import load_pair
@@ -207,7 +208,7 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
         kv=mf.Kv(layout=["seq", "layer", "k|v", "kv_head", "head_dim"],
                  rows=mf.KvRows(target=list(target.kv_row_shape()), drafter=list(drafter.kv_row_shape())),
                  dtype=dtype, binding=KV_BINDING if target_attention == "plain" else
-                 f"target: {gqa.GQA_BINDING} drafter: {KV_BINDING}", target_attention=target_attention),
+                 f"target: {GQA_BINDING} drafter: {KV_BINDING}", target_attention=target_attention),
         selector=selector, target_config=tc.to_dict(), drafter_config=dc.to_dict(), graphs=graphs,
         validation=validation, quantization=quantize.manifest_entry(quantized) if quantize is not None else None)
 

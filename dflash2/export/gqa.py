@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from dflash2.export.graphs import STALE_ROWS, GraphSpec, TargetGraph
-from dflash2.kv_binding import GQA_BINDING, kv_names  # noqa: F401  (GQA_BINDING: the manifest's text)
+from dflash2.kv_binding import kv_names
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.layers import rope_cos_sin
 from dflash2.reference.target import Target
