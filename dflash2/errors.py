@@ -36,3 +36,16 @@ class ValidationError(Dflash2Error):
     def __init__(self, failures: list[str]):
         self.failures = failures
         super().__init__("validation failed for {} output(s):\n  ".format(len(failures)) + "\n  ".join(failures))
+
+
+def require_extra(prog: str, extra: str, *modules: str) -> None:
+    """A CLI whose install extra is missing says which one, instead of an ImportError traceback: the base
+    install is the torch-free runtime (`pip install dflash2[runtime]`)."""
+    import importlib.util
+    import sys
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"{prog}: error: needs {', '.join(missing)}, which this install lacks: pip install 'dflash2[{extra}]'",
+              file=sys.stderr)
+        raise SystemExit(2)

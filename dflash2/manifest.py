@@ -45,7 +45,8 @@ from dflash2.ops import contract as C
 
 EXPORT_FORMAT = "dflash2-export"
 ENGINE_FORMAT = "dflash2-engines"
-FORMAT_VERSION = 2  # 2: typed manifests sealed by manifest_sha256
+FORMAT_VERSION = 3  # 2: typed manifests sealed by manifest_sha256; 3: + typed graph signatures
+MIN_CONTRACT_VERSION = 3  # older exports (no confidence / sampling i/o) are refused: re-export them
 NAME = "manifest.json"
 
 
@@ -140,6 +141,95 @@ class GraphIo:
     outputs: list[IoSpec]
 
 
+KV_KINDS = ("prefix", "fixed", "gqa-shared")
+# The role vocabulary of the signatures (dflash2.export.signature names the tensors): what every graph of a kind
+# must bind, and what each capability adds. The runtime reads these roles and nothing else.
+REQUIRED_ROLES = {"target": ({"ids"}, {"next_ids", "context", "logits"}),
+                  "drafter": ({"context", "anchor"}, {"draft_ids", "confidence"})}
+CAPABILITY_ROLES = {"logits": (set(), {"logits"}), "confidence": (set(), {"confidence"}),
+                    "lattice": (set(), {"cand_ids"}),
+                    "sampled-walk": ({"uniforms", "temperature"}, {"draft_probs"})}
+
+
+@dataclass
+class KvSignature:
+    """How a graph binds its KV cache (dflash2.runtime.binding has one class per kind):
+    prefix      past = [rows [0, P) of the sequence buffer], present = [rows [P, P + n)]
+    fixed       past = [the whole buffer], length = its valid rows, present = [n rows to a staging buffer]
+    gqa-shared  past = per layer K, V buffers, present = the same buffers (written in place), length = valid rows
+    """
+    kind: str
+    past: list[str]
+    present: list[str]
+    length: str | None = None
+
+
+@dataclass
+class Signature:
+    """A graph's typed contract with the runtime: tensor name per role (`ids`, `next_ids`, `draft_ids`, ...),
+    its KV binding, and what it can do. Written by the export (dflash2.export.signature); nothing after the
+    export knows a tensor name."""
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+    kv: KvSignature | None = None  # None: a graph without a cache (the standalone selector)
+    capabilities: list[str] = field(default_factory=list)  # "logits", "confidence", "lattice", "sampled-walk"
+
+    def names(self) -> tuple[set[str], set[str]]:
+        """(input names, output names) the signature binds."""
+        kv = self.kv or KvSignature("", [], [])
+        ins = set((self.inputs or {}).values()) | set(kv.past or []) | ({kv.length} if kv.length else set())
+        return ins, set((self.outputs or {}).values()) | set(kv.present or [])
+
+    def has(self, capability: str) -> bool:
+        return capability in (self.capabilities or [])
+
+    def problems(self, where: str, io: "GraphIo | None", graph: str = "") -> list[str]:
+        """The signature agrees with the graph's own io: every name it binds exists, every graph input is bound,
+        and its KV binding has the tensors its kind needs. (Fields that failed their type check are None here,
+        already reported: each rule skips them.)"""
+        out, kv = [], self.kv
+        if kv is not None:
+            if kv.kind not in KV_KINDS:
+                out.append(f"{where}.kv.kind: expected one of {list(KV_KINDS)}, found {kv.kind!r}")
+            past, present = kv.past or [], kv.present or []
+            one = kv.kind in ("prefix", "fixed")
+            if one and (len(past) != 1 or len(present) != 1):
+                out.append(f"{where}.kv: a {kv.kind} binding expects one past and one present tensor, found "
+                           f"{len(past)} and {len(present)}")
+            if kv.kind == "gqa-shared" and len(past) != len(present):
+                out.append(f"{where}.kv: a gqa-shared binding expects a present tensor per past one, found "
+                           f"{len(past)} and {len(present)}")
+            if kv.kind in ("fixed", "gqa-shared") and not kv.length:
+                out.append(f"{where}.kv.length: expected the valid-length input of a {kv.kind} binding, found none")
+            if len(set(past)) != len(past) or len(set(present)) != len(present):
+                out.append(f"{where}.kv: expected distinct tensor names, found past {past}, present {present}")
+        if self.inputs is not None and self.outputs is not None and graph in REQUIRED_ROLES:
+            need_in, need_out = REQUIRED_ROLES[graph]
+            for cap in self.capabilities or []:
+                if isinstance(cap, str) and cap in CAPABILITY_ROLES:
+                    need_in, need_out = need_in | CAPABILITY_ROLES[cap][0], need_out | CAPABILITY_ROLES[cap][1]
+            missing = sorted(need_in - set(self.inputs)) + sorted(need_out - set(self.outputs))
+            if missing:
+                out.append(f"{where}: expected roles {missing} (a {graph} graph"
+                           f"{' with ' + ', '.join(map(str, self.capabilities)) if self.capabilities else ''}), "
+                           "found none")
+            if kv is None:
+                out.append(f"{where}.kv: expected the {graph} graph's KV binding, found none")
+        if out or io is None or self.inputs is None or self.outputs is None or io.inputs is None or io.outputs is None:
+            return out
+        ins, outs = self.names()
+        have_in = {s.name for s in io.inputs if s is not None}
+        have_out = {s.name for s in io.outputs if s is not None}
+        if not all(isinstance(n, str) for n in ins | outs | have_in | have_out):
+            return out  # a name that is not a string: reported by the type check
+        if ins != have_in:
+            out.append(f"{where}: inputs expected {sorted(have_in)} (the graph's), found {sorted(ins)} in its signature")
+        if not outs <= have_out:
+            out.append(f"{where}: outputs {sorted(outs - have_out)} of its signature are not outputs of the graph "
+                       f"({sorted(have_out)})")
+        return out
+
+
 @dataclass
 class Graph:
     flavours: Flavours
@@ -148,8 +238,10 @@ class Graph:
     outputs: list[IoSpec]
     seconds: float = 0.0
     # the TensorRT flavour's own inputs/outputs where it is a separate, fixed-shape graph (target, drafter:
-    # whole KV buffer + past_len instead of the prefix view); None: the portable ones
+    # whole KV buffer + valid length instead of the prefix view); None: the portable ones
     tensorrt_io: GraphIo | None = None
+    signature: Signature | None = None  # of the portable flavour (required: checked)
+    tensorrt_signature: Signature | None = None  # of the TensorRT flavour where it is a separate graph
 
     @property
     def tensorrt(self) -> GraphIo:
@@ -249,6 +341,7 @@ class EngineEntry:
     outputs: list[IoSpec]
     profiles: list[ProfileRecord]
     seconds: float | None = None
+    signature: Signature | None = None  # the signature of the graph the engine was built from (required: checked)
 
 
 # ------------------------------------------------------------------------------------------- manifests
@@ -287,20 +380,30 @@ class ModelFacts:
             problems.append(f"num_drafts: expected block_size - 1 = {self.block_size - 1}, found {self.num_drafts}")
         return problems
 
-    def io_problems(self, graphs: dict[str, tuple[list[IoSpec], list[IoSpec]]], where: str) -> list[str]:
+    def io_problems(self, graphs: dict[str, tuple[list[IoSpec], list[IoSpec], Signature | None]],
+                    where: str) -> list[str]:
         """The buffer facts the runtime allocates from must agree with the graphs' own io shapes, or the
-        first step fails inside the engine: kv rows, context width, drafts per block.
-        graphs: name -> (inputs, outputs) of the export's graphs or the engine folder's engines."""
-        def dims(graph: str, io: int, name: str) -> list | None:
-            specs = (graphs.get(graph) or (None, None))[io] or []
+        first step fails inside the engine: kv rows, context width, drafts per block. Tensors are found by
+        their role in the graph's signature.
+        graphs: name -> (inputs, outputs, signature) of the export's graphs or the engine folder's engines."""
+        def dims(graph: str, io: int, role: str) -> list | None:
+            specs, sig = (graphs.get(graph) or (None, None, None))[io] or [], (graphs.get(graph) or (None,) * 3)[2]
+            if sig is None or sig.kv is None or sig.inputs is None or sig.outputs is None:
+                return None
+            name = sig.kv.past[0] if role == "kv" and sig.kv.past else (sig.inputs, sig.outputs)[io].get(role)
             return next((s.shape for s in specs if s is not None and s.name == name), None)
 
+        def kind(graph: str) -> str | None:
+            sig = (graphs.get(graph) or (None,) * 3)[2]
+            return sig.kv.kind if sig is not None and sig.kv is not None else None
+
         rows = self.kv.rows if self.kv is not None else None
-        rules = [("kv.rows.target", rows and rows.target, dims("target", 0, "past_kv"), slice(1, None)),
-                 ("kv.rows.drafter", rows and rows.drafter, dims("drafter", 0, "past_ctx_kv"), slice(1, None)),
+        gqa = kind("target") == "gqa-shared"
+        rules = [("kv.rows.drafter", rows and rows.drafter, dims("drafter", 0, "kv"), slice(1, None)),
                  # a gqa target's per-layer buffers [1, kv, cap, hd]: kv heads and head_dim
-                 ("kv.rows.target[2:]", rows and rows.target and rows.target[2:],
-                  dims("target", 0, "past_key_values.0.key"), slice(1, None, 2)),
+                 ("kv.rows.target[2:]", rows and rows.target and rows.target[2:], dims("target", 0, "kv"),
+                  slice(1, None, 2)) if gqa else
+                 ("kv.rows.target", rows and rows.target, dims("target", 0, "kv"), slice(1, None)),
                  ("context.width", self.context and self.context.width, dims("target", 1, "context"), -1),
                  ("num_drafts", self.num_drafts, dims("drafter", 1, "draft_ids"), -1)]
         problems = []
@@ -337,15 +440,29 @@ class ExportManifest(ModelFacts, Sealed):
     validation: dict[str, Validation]
     sources: Sources | None = None
 
-    def output_names(self, graph: str) -> list[str]:
-        """A graph's output names (the runtime asks whether the drafter has `confidence`)."""
-        return [o.name for o in self.graphs[graph].outputs] if graph in self.graphs else []
+    def signature(self, graph: str, tensorrt: bool = False) -> Signature:
+        """The signature of a graph's portable flavour (or of its TensorRT flavour: the same one where the
+        graph has no separate TensorRT file)."""
+        g = self.graphs[graph]
+        return (g.tensorrt_signature or g.signature) if tensorrt else g.signature
 
     def check(self) -> list[str]:
         problems = super().check()
         want = ("target", "drafter") + (("selector",) if self.drafter_version == 2 else ())
         problems += [f"graphs.{g}: expected a graph, found none" for g in want if g not in (self.graphs or {})]
-        io = {n: (g.inputs, g.outputs) for n, g in (self.graphs or {}).items() if g is not None}
+        for n, g in (self.graphs or {}).items():
+            if g is None:
+                continue
+            if g.signature is None:
+                problems.append(f"graphs.{n}.signature: expected the graph's signature, found none (made by an "
+                                "older dflash2: re-export with dflash2-export)")
+            else:
+                problems += g.signature.problems(f"graphs.{n}.signature", GraphIo(g.inputs, g.outputs), n)
+            if g.tensorrt_io is not None and g.tensorrt_signature is None:
+                problems.append(f"graphs.{n}.tensorrt_signature: expected the TensorRT flavour's signature, found none")
+            elif g.tensorrt_signature is not None:
+                problems += g.tensorrt_signature.problems(f"graphs.{n}.tensorrt_signature", g.tensorrt, n)
+        io = {n: (g.inputs, g.outputs, g.signature) for n, g in (self.graphs or {}).items() if g is not None}
         return problems + self.io_problems(io, "graphs'")
 
 
@@ -362,15 +479,21 @@ class EngineManifest(ModelFacts, Sealed):
     build: BuildInfo = field(default_factory=BuildInfo)
     engines: dict[str, EngineEntry]
 
-    def output_names(self, graph: str) -> list[str]:
-        """A graph's output names, as its engine was built."""
-        return [o.name for o in self.engines[graph].outputs] if graph in self.engines else []
+    def signature(self, graph: str) -> Signature:
+        """The signature of the graph the engine was built from."""
+        return self.engines[graph].signature
 
     def check(self) -> list[str]:
         problems = super().check()
         problems += [f"engines.{g}: expected an engine (the runtime needs both target and drafter engines), "
                      f"found none" for g in ("target", "drafter") if g not in (self.engines or {})]
-        io = {n: (e.inputs, e.outputs) for n, e in (self.engines or {}).items() if e is not None}
+        for n, e in (self.engines or {}).items():
+            if e is not None and e.signature is None:
+                problems.append(f"engines.{n}.signature: expected the engine's signature, found none (made by an "
+                                "older dflash2: rebuild with dflash2-build)")
+            elif e is not None:
+                problems += e.signature.problems(f"engines.{n}.signature", GraphIo(e.inputs, e.outputs), n)
+        io = {n: (e.inputs, e.outputs, e.signature) for n, e in (self.engines or {}).items() if e is not None}
         return problems + self.io_problems(io, "engines'")
 
 
@@ -520,6 +643,10 @@ def load(folder: str | Path, kinds: type | tuple[type, ...] = (ExportManifest, E
                          _newer(data, "contract_version", C.CONTRACT_VERSION)) if p]
     if newer:
         raise ManifestError(path, newer)
+    old = data.get("contract_version")
+    if isinstance(old, int) and not isinstance(old, bool) and old < MIN_CONTRACT_VERSION:
+        raise ManifestError(path, [f"contract_version: expected >= {MIN_CONTRACT_VERSION}, found {old} (made by an "
+                                   "older dflash2, before confidence and sampling: re-export with dflash2-export)"])
     if data.get("format_version") != FORMAT_VERSION:
         raise ManifestError(path, [f"format_version: expected {FORMAT_VERSION}, found {data.get('format_version')!r} "
                                    f"(made by an older dflash2: re-export / rebuild this folder)"])

@@ -46,29 +46,43 @@ def sharegpt_path() -> Path:
     return Path(str(root.joinpath(SHAREGPT_FILE)))
 
 
-def read_sharegpt(path: str | Path | None = None) -> ShareGPTRead:
-    """Every whole conversation's first human turn (filtered), tolerant of a cut-off tail."""
+def iter_sharegpt(path: str | Path | None = None):
+    """(conversation index, its turns) for every whole record of the file, then a final
+    (-1, truncated: bool); tolerant of the wheel's cut-off tail."""
     path = Path(path) if path else sharegpt_path()
     text = path.read_text(encoding="utf-8")
     dec = json.JSONDecoder()
     i = text.index("[") + 1
-    n, out, truncated = 0, [], False
+    n = 0
     while True:
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1
         if i >= len(text) or text[i] == "]":
-            break
+            yield -1, False
+            return
         try:
             rec, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:
-            truncated = True  # the wheel's file stops mid-record
-            break
+            yield -1, True  # the wheel's file stops mid-record
+            return
         turns = rec.get("conversations") if isinstance(rec, dict) else None
-        if isinstance(turns, list) and turns and isinstance(turns[0], dict) and turns[0].get("from") == "human":
+        yield n, turns if isinstance(turns, list) else []
+        n += 1
+
+
+def read_sharegpt(path: str | Path | None = None) -> ShareGPTRead:
+    """Every whole conversation's first human turn (filtered), tolerant of a cut-off tail."""
+    path = Path(path) if path else sharegpt_path()
+    out, n, truncated = [], 0, False
+    for idx, turns in iter_sharegpt(path):
+        if idx < 0:
+            truncated = turns
+            break
+        n += 1
+        if turns and isinstance(turns[0], dict) and turns[0].get("from") == "human":
             prompt = str(turns[0].get("value", "")).strip()
             if _keep(prompt):
-                out.append((n, prompt))
-        n += 1
+                out.append((idx, prompt))
     return ShareGPTRead(out, n, truncated, str(path))
 
 

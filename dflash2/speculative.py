@@ -1,10 +1,10 @@
 """The speculative loop, written once for every backend (PyTorch reference, ONNX Runtime,
 TensorRT). No torch: it moves token ids; the backend owns tensors, caches and write pointers.
 
-    t = prefill(prompt)                              # first token + context rows of the prompt
-    loop: d = draft(anchor=t) if schedule.wants_draft() else []   # [S]; skipped: context rows pend
-          K = schedule.choose(confidence, len(d))    # drafts to verify, 0..S (0: a plain decode step)
-          p = verify([t, *d[:K]])                    # [K+1] target argmax at start..start+K
+    t = prefill(prompt).ids[-1]                      # first token + context rows of the prompt
+    loop: d = draft(anchor=t) if schedule.wants_draft() else None   # Drafted: ids [S], confidence [S], q
+          K = schedule.choose(d.confidence, len(d.ids))  # drafts to verify, 0..S (0: a plain decode step)
+          p = verify([t, *d.ids[:K]]).ids            # [K+1] target argmax at start..start+K
           acc = leading matches d[k] == p[k]
           commit(acc + 1)                            # KV keeps anchor + accepted; rest: pointer rollback
           emit d[:acc] + [p[acc]]; t = p[acc]        # the bonus becomes the next anchor
@@ -17,29 +17,49 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from dflash2.sampling import DRAFT, TOKEN, Sampling, draw, process, uniform, uniforms, verify_round
 
 
+@dataclass(frozen=True)
+class Drafted:
+    """What one draft returns: everything the loop reads of it."""
+
+    ids: Sequence[int]  # [S] the drafts
+    confidence: Sequence[float] | None = None  # [S] the drafter's per-position confidence (the schedule reads it)
+    q: tuple[Any, Any] | None = None  # (candidate ids [S, K], q [S, K]) of a sampled DFlash2 draft; None: one-hot
+
+
+def _no_logits():
+    raise ValueError("this target call has no logits (the backend was not asked to keep them)")
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What one target call (prefill / verify / decode) returns: the argmax ids of its rows, and a lazy handle
+    on the fp32 logits of its last min(n, B) rows (pulled only when sampling reads them)."""
+
+    ids: Sequence[int]  # [n]
+    logits: Callable[[], Any] = _no_logits  # () -> [min(n, B), V] fp32
+
+
 class SpecBackend(Protocol):
-    """draft() may also leave `confidence` [S] (the drafter's per-position confidence) on the backend.
-    verify + commit without a draft in between keep the context rows pending for the next draft.
-    Sampling reads `logits` [min(n, B), V] fp32 (the last target call's last rows) and, after a draft
-    with uniforms, `draft_q` = (candidate ids [S, K], q [S, K]) or None (q one-hot at the draft)."""
+    """Exactly what the loop uses. verify + commit without a draft in between keep the context rows pending
+    for the next draft. A Verified's logits stay valid until the backend's next call."""
 
     block_size: int  # B; S = B - 1 drafts per round
 
-    def prefill(self, ids: Sequence[int]) -> int: ...
+    def prefill(self, ids: Sequence[int]) -> Verified: ...
 
-    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> Sequence[int]:
+    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> Drafted:
         ...
 
-    def verify(self, tokens: Sequence[int]) -> Sequence[int]: ...
+    def verify(self, tokens: Sequence[int]) -> Verified: ...
 
     def commit(self, n: int) -> None: ...
 
-    def decode(self, token: int) -> int: ...
+    def decode(self, token: int) -> Verified: ...
 
 
 @dataclass(frozen=True)
@@ -164,6 +184,27 @@ def check_draft_len(draft_len: int | None, block_size: int) -> int:
     return draft_len
 
 
+def parse_draft_len(value, block_size: int | None = None) -> int | str:
+    """The one draft-length rule of the CLIs, the API and the benches: 'auto' (or None) -> "auto"; an int or
+    its digits -> K, checked against 1..block_size-1 when the block size is known (a CLI parses before it
+    knows it: the range is checked, and named, once the drafter is loaded)."""
+    if value is None or value == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"draft length: expected 'auto' or an integer, found {value!r}")
+    return value if block_size is None else check_draft_len(value, block_size)
+
+
+def parse_draft_lens(text: str, block_size: int | None = None) -> tuple[int, ...]:
+    """A comma-separated list of fixed draft lengths (--sweep-draft-len 1,2,7)."""
+    out = [parse_draft_len(x.strip(), block_size) for x in text.split(",") if x.strip()]
+    if not out or "auto" in out:
+        raise ValueError(f"draft lengths: expected integers like 1,2,7, found {text!r}")
+    return tuple(out)
+
+
 def accepted_prefix(drafts: Sequence[int], preds: Sequence[int]) -> int:
     acc = 0
     while acc < len(drafts) and drafts[acc] == preds[acc]:
@@ -198,9 +239,8 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
     if speculative:
         schedule.start()
     t0 = clock()
-    t = backend.prefill(prompt)
-    if sampler:
-        t = _sample_next(backend, sampler, len(prompt))
+    v = backend.prefill(prompt)
+    t = _sample_next(v, sampler, len(prompt)) if sampler else int(v.ids[-1])
     stats.times["prefill"] = clock() - t0
     new, reason = _take([t], out, max_new_tokens, eos)
     while True:
@@ -212,33 +252,33 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
         at = len(prompt) + len(out) - 1  # absolute position of the anchor t
         if speculative:
             t1 = clock()
-            drafted = schedule.wants_draft()
-            drafts = [int(d) for d in _draft(backend, t, at, sampler)] if drafted else []  # [S] or none
-            k = schedule.choose(getattr(backend, "confidence", None) if drafted else None, len(drafts))
+            d = _draft(backend, t, at, sampler) if schedule.wants_draft() else None
+            drafts = [int(x) for x in d.ids] if d else []  # [S] or none
+            k = schedule.choose(d.confidence if d else None, len(drafts))
             t2 = clock()
-            preds = [int(p) for p in backend.verify([t, *drafts[:k]])]  # [k+1] target argmax
+            v = backend.verify([t, *drafts[:k]])
+            preds = [int(p) for p in v.ids]  # [k+1] target argmax
             t3 = clock()
-            if sampler:  # rejection sampling on the verified rows' logits
-                acc, bonus = verify_round(backend.logits[-(k + 1):], drafts[:k], *_draft_q(backend, drafted), at,
-                                          sampler)
+            if sampler:  # rejection sampling on the verified rows' logits; q one-hot at a draft without one
+                acc, bonus = verify_round(v.logits()[-(k + 1):], drafts[:k], *(d.q if d and d.q else (None, None)),
+                                          at, sampler)
             else:
                 acc = accepted_prefix(drafts[:k], preds)
                 bonus = preds[acc]
             backend.commit(acc + 1)
-            schedule.observe(Round(drafted, k, acc, t2 - t1, t3 - t2))
+            schedule.observe(Round(d is not None, k, acc, t2 - t1, t3 - t2))
             new, reason = _take([*drafts[:acc], bonus], out, max_new_tokens, eos)
             stats.times["draft"] += t2 - t1
             stats.times["verify"] += t3 - t2
             stats.accepted.append(acc)
             stats.verified.append(k)
-            stats.skipped.append(not drafted)
+            stats.skipped.append(d is None)
             stats.emitted.append(len(new))
             t = bonus
         else:
             t1 = clock()
-            t = backend.decode(t)
-            if sampler:
-                t = _sample_next(backend, sampler, at + 1)
+            v = backend.decode(t)
+            t = _sample_next(v, sampler, at + 1) if sampler else int(v.ids[0])
             stats.times["decode"] += clock() - t1
             new, reason = _take([t], out, max_new_tokens, eos)
     stats.times["total"] = clock() - t0
@@ -246,20 +286,13 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
     return Generation(out, stats, reason)
 
 
-def _sample_next(backend: SpecBackend, s: Sampling, position: int) -> int:
-    """Target-only sampling of the token at `position` from the last target call's last logits row."""
-    return draw(process(backend.logits[-1], s), uniform(s.seed, position, TOKEN))
+def _sample_next(v: Verified, s: Sampling, position: int) -> int:
+    """Target-only sampling of the token at `position` from a target call's last logits row."""
+    return draw(process(v.logits()[-1], s), uniform(s.seed, position, TOKEN))
 
 
-def _draft(backend: SpecBackend, anchor: int, at: int, s: Sampling | None) -> Sequence[int]:
+def _draft(backend: SpecBackend, anchor: int, at: int, s: Sampling | None) -> Drafted:
     if s is None:
         return backend.draft(anchor)
     S = backend.block_size - 1  # row j drafts position at + 1 + j
     return backend.draft(anchor, uniforms(s.seed, at + 1, S, DRAFT), s.temperature)
-
-
-def _draft_q(backend: SpecBackend, drafted: bool):
-    """(candidate ids [S, K], q [S, K]) of the last sampled draft, or (None, None): q one-hot at each
-    draft (DFlash v1's top-1; nothing drafted)."""
-    q = getattr(backend, "draft_q", None) if drafted else None
-    return q if q is not None else (None, None)

@@ -52,8 +52,7 @@ def exact_distribution(session, s: Sampling, n: int = 3, min_mass: float = 1e-3)
     probability of a sequence is the product of the processed p of each step. Sequences of mass
     >= min_mass are bins of their own; the rest is one bin, None, of exactly the remaining mass."""
     def p_next(prefix: list[int]) -> np.ndarray:
-        session.prefill(PROMPT + prefix)
-        return process(session.logits[-1], s)
+        return process(session.prefill(PROMPT + prefix).logits()[-1], s)
 
     bins: dict[tuple, float] = {}
     frontier = [((), 1.0)]

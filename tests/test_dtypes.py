@@ -62,8 +62,14 @@ class _HostOnly:
 
     name = "host"
 
+    def __init__(self, manifest):
+        self.manifest = manifest
+
     def engine(self, graph):
-        return type("NoEngine", (), {"inputs": []})()
+        return type("NoEngine", (), {"bind": lambda self, i, o: None})()
+
+    def signature(self, graph):
+        return self.manifest.signature(graph)
 
     def max_rows(self, graph):
         return None
@@ -73,7 +79,7 @@ class _HostOnly:
 
 def test_bfloat16_session_buffers_are_bfloat16(export_dir):
     m = dataclasses.replace(mf.load(export_dir), dtype="bfloat16")
-    s = SpecSession(m, _HostOnly())
+    s = SpecSession(m, _HostOnly(m))
     for buf in (s.kv, s.ctx_kv, s.context):
         assert buf.dtype.name == "bfloat16" and buf.whole().dtype.name == "bfloat16"
     assert s.kv.row_bytes == 2 * int(np.prod(m.kv.rows.target))
@@ -87,4 +93,4 @@ def test_tensorrt_binding_checks_the_element_type(fake_engines, fake):
     s = Runtime(fake_engines).session
     wrong = HostBuffer(s.kv.shape, np.int32)
     with pytest.raises(EngineError, match="input kv_cache expected float32, bound int32"):
-        s.backend.engine("target").run({"input_ids": s.ids.rows(0, 1), "kv_cache": wrong.whole(), "past_len": s.kv_len.whole()}, {})
+        s.backend.engine("target").run({"input_ids": s.ids.rows(0, 1), "kv_cache": wrong.whole(), "past_len": s.target_kv.length.whole()}, {})

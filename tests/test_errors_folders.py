@@ -108,3 +108,21 @@ def test_train_folders_apart(tmp_path, capsys, case, how):
     assert code == 2
     assert how.format(t=target) in one_line_error(capsys.readouterr().err, "dflash2-train")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_prepare_never_replaces_a_users_file_or_folder(tmp_path, capsys, force):
+    """dflash2-prepare-smollm2 once moved a user's file aside and emptied a user's folder (exit 0); it now
+    follows the output rule: only a folder it wrote itself is replaced."""
+    from dflash2.models import smollm2
+
+    user_file, user_dir = tmp_path / "notes.txt", tmp_path / "mine"
+    user_file.write_text("mine")
+    user_dir.mkdir()
+    (user_dir / "config.json").write_text("{}")
+    (user_dir / "model.safetensors").write_text("not weights")
+    before = snapshot(tmp_path)
+    for out, want in ((user_file, "expected a folder, found a file"), (user_dir, "was not written by")):
+        assert smollm2.main(["--out", str(out), *(["--force"] if force else [])]) == 2
+        assert want in one_line_error(capsys.readouterr().err, "dflash2-prepare-smollm2")
+    assert snapshot(tmp_path) == before

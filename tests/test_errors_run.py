@@ -189,3 +189,27 @@ def test_make_tiny_never_writes_over_a_folder(tmp_path, capsys):
     assert make_tiny.main(["--out", str(tmp_path / "new"), "--block-size", "1"]) == 2
     assert "--block-size / --layers: expected >= 2 / >= 1, found 1 / 1" in capsys.readouterr().err
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--repeats", "0"], "--repeats: expected >= 1, found 0"),
+    (["--threads", "-3"], "--threads: expected >= 1, found -3"),
+    (["--json", "{export}/manifest.json"], "--json {export}/manifest.json lies inside the FOLDER 1 folder"),
+    (["--prompts", "{tmp}/empty.json"], "expected at least one prompt, found none"),
+])
+def test_bench_quant_never_writes_over_an_input(tmp_path, exports, capsys, args, message):
+    """Its --json once replaced an export's manifest (exit 0); now checked before the run like dflash2-bench's."""
+    from dflash2.cli import bench_quant
+
+    export = exports[("llama", 1)]
+    (tmp_path / "empty.json").write_text("[]")
+    fill = {"export": export, "tmp": tmp_path}
+    before = snapshot(export, tmp_path)
+    assert bench_quant.main([str(export), "--max-new-tokens", "2", *(x.format(**fill) for x in args)]) == 2
+    assert message.format(**fill) in one_line_error(capsys.readouterr().err, "dflash2-bench-quant")
+    assert snapshot(export, tmp_path) == before
+
+
+def test_draft_len_is_checked_even_without_speculation(capsys, exports):
+    assert "draft length expected 1..7 (the drafter's block size - 1), found 99" in _run(capsys, exports[("llama", 1)], "--prompt-ids", "1,2",
+                                                          "--draft-len", "99", "--no-spec")

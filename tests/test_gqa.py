@@ -10,6 +10,7 @@ import pytest
 from dflash2 import manifest as mf
 from dflash2.engines.plan import PrecisionError, plan_build
 from dflash2.export import gqa
+from dflash2.export import signature as sig
 from dflash2.export import quantize as qz
 from dflash2.export.api import OutputError, export
 from dflash2.export.graphs import graph_specs
@@ -65,7 +66,7 @@ def test_graph_is_the_fused_one_and_validated(gqa_exports, fam, ver):
     # q, k, v) and the slice of its output
     assert c["Concat"] <= 1 and c["Pad"] == (1 if ver == 2 else 3) * L and c["Slice"] == L + 1
     names = [i.name for i in m.graphs["target"].inputs]
-    assert names[:2] == ["input_ids", "past_len"] and gqa.kv_names(L)[0] == names[2:]
+    assert names[:2] == ["input_ids", "past_len"] and sig.gqa_kv_names(L)[0] == names[2:]
     assert m.graphs["drafter"].flavours.tensorrt  # the drafter keeps both flavours
     # validation compared every output, the present buffers' valid rows included, and they matched
     step = m.validation["target"].steps["step1"]
@@ -169,13 +170,11 @@ def test_a_decode_row_equals_the_verify_row_of_the_same_token(gqa_exports, quant
     s.prefill(PROMPT)
     one = []
     for t in tokens:
-        s.decode(t)
-        one.append(s.logits.copy())  # [1, V]
+        one.append(s.decode(t).logits().copy())  # [1, V]
     s.prefill(PROMPT)
     rows = []
     for i in range(0, len(tokens), 3):
-        s.verify(tokens[i:i + 3])
-        rows.append(s.logits.copy())
+        rows.append(s.verify(tokens[i:i + 3]).logits().copy())
         s.commit(3)
     np.testing.assert_array_equal(np.concatenate(rows), np.concatenate(one))
 

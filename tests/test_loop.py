@@ -6,7 +6,7 @@ from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
 from dflash2.reference.backend import TorchBackend
 from dflash2.reference.load import load_pair
-from dflash2.speculative import Round, generate
+from dflash2.speculative import Drafted, Round, Verified, generate
 
 
 class PlannedSchedule:
@@ -42,17 +42,17 @@ class Scripted:
 
     def prefill(self, ids):
         self.pos = 0
-        return self.truth[0]
+        return Verified([self.truth[0]])
 
     def draft(self, anchor):
         good = self.plan[self.round]
         self.round += 1
         nxt = self.truth[self.pos + 1: self.pos + 1 + 4] + [0] * 4
-        return [nxt[k] if k < good else 999 for k in range(4)]
+        return Drafted([nxt[k] if k < good else 999 for k in range(4)])
 
     def verify(self, tokens):
         assert tokens[0] == self.truth[self.pos]  # the anchor is the last committed token
-        return (self.truth[self.pos + 1: self.pos + 6] + [0] * 5)[:5]
+        return Verified((self.truth[self.pos + 1: self.pos + 6] + [0] * 5)[:len(tokens)])
 
     def commit(self, n):
         self.commits.append(n)
@@ -60,7 +60,7 @@ class Scripted:
 
     def decode(self, token):
         self.pos += 1
-        return self.truth[self.pos]
+        return Verified([self.truth[self.pos]])
 
 
 TRUTH = list(range(100, 160))
@@ -174,12 +174,13 @@ class OracleDrafts(TorchBackend):
         self.truth, self.prompt_len, self.plan, self.r = truth, prompt_len, plan, 0
 
     def draft(self, anchor):
-        super().draft(anchor)  # keeps the drafter's context cache advancing for real
+        d = super().draft(anchor)  # keeps the drafter's context cache advancing for real
         S, start = self.block_size - 1, self.pos - self.prompt_len + 1
         good = self.plan[self.r % len(self.plan)]
         self.r += 1
         nxt = (self.truth[start: start + S] + [0] * S)[:S]
-        return [t if k < good else (t + 1) % self.target.config.vocab_size for k, t in enumerate(nxt)]
+        return Drafted([t if k < good else (t + 1) % self.target.config.vocab_size for k, t in enumerate(nxt)],
+                       d.confidence)
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -190,10 +191,12 @@ def test_skipped_drafts_keep_the_context_pending(pairs, version):
     prompt = [5, 6, 7, 8]
     truth = generate(TorchBackend(target, drafter, 256), prompt, 60, speculative=False).ids
     b = TorchBackend(target, drafter, 256)
+    drafts, draft = [], b.draft
+    b.draft = lambda *a, **kw: drafts.append(draft(*a, **kw)) or drafts[-1]
     g = generate(b, prompt, 60, schedule=PlannedSchedule(["skip", "skip", 7, 0, "skip", 3, 7]))
     assert g.ids == truth
     assert b.ctx_pos + (0 if b.pending is None else b.pending.shape[0]) == b.pos  # every row drafted or pending
-    assert b.confidence is not None and len(b.confidence) == 7 and all(0 < c <= 1 for c in b.confidence)
+    assert drafts and all(len(d.confidence) == 7 and all(0 < c <= 1 for c in d.confidence) for d in drafts)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

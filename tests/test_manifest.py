@@ -104,3 +104,27 @@ def test_wrong_kind(copy):
 def test_files_unchecked_on_request(copy):
     (copy / "drafter.onnx.data").write_bytes(b"changed")
     assert mf.load(copy, check_files=False).format == mf.EXPORT_FORMAT
+
+
+def test_signatures_are_written_and_checked_against_the_graphs(copy):
+    """Each graph's typed signature is in the manifest; a resealed edit that makes it disagree with the graph's
+    own io, drops a role the runtime binds, or breaks its KV binding is refused with the field named."""
+    m = mf.load(copy, mf.ExportManifest)
+    t, d = m.signature("target"), m.signature("drafter")
+    assert t.kv.kind == "prefix" and t.has("logits") and d.has("confidence") and d.has("lattice")
+    assert d.has("sampled-walk") and m.signature("drafter", tensorrt=True).kv.kind == "fixed"
+    cases = [
+        (lambda g: g["drafter"]["signature"]["outputs"].pop("cand_ids"),
+         "graphs.drafter.signature: expected roles ['cand_ids']"),
+        (lambda g: g["drafter"]["signature"]["kv"].update(present=["new_ctx_kv", "new_ctx_kv"]),
+         "graphs.drafter.signature.kv: a prefix binding expects one past and one present tensor, found 1 and 2"),
+        (lambda g: g["target"]["signature"]["inputs"].update(ids="tokens"),
+         "graphs.target.signature: inputs expected ['input_ids', 'past_kv'] (the graph's), found ['past_kv', 'tokens']"),
+        (lambda g: g["target"]["tensorrt_signature"]["kv"].update(length=None),
+         "graphs.target.tensorrt_signature.kv.length: expected the valid-length input of a fixed binding"),
+    ]
+    for i, (edit, want) in enumerate(cases):
+        folder = copy.parent / f"forged-{i}"
+        shutil.copytree(copy, folder)
+        edit_manifest(folder, lambda data: edit(data["graphs"]))
+        assert any(want in p for p in _problems(folder)), (want, _problems(folder))

@@ -14,7 +14,7 @@ from dflash2.cli import run as run_cli
 from dflash2.runtime.api import Runtime
 from dflash2.runtime.schedule import AutoSchedule, CostModel
 from dflash2.runtime.session import SpecSession
-from dflash2.speculative import generate
+from dflash2.speculative import Drafted, generate
 from tests.test_loop import PlannedSchedule
 
 HF = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
@@ -58,12 +58,12 @@ class PlannedDrafts(SpecSession):
         self.truth, self.prompt_len, self.plan, self.r = truth, prompt_len, plan, 0
 
     def draft(self, anchor):
-        super().draft(anchor)
+        d = super().draft(anchor)
         S, start = self.block_size - 1, self.pos - self.prompt_len + 1
         good = self.plan[self.r % len(self.plan)]
         self.r += 1
         nxt = (self.truth[start: start + S] + [0] * S)[:S]
-        return [t if k < good else (t + 1) % self.vocab_size for k, t in enumerate(nxt)]
+        return Drafted([t if k < good else (t + 1) % self.vocab_size for k, t in enumerate(nxt)], d.confidence)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -91,7 +91,7 @@ def test_every_schedule_is_lossless_through_onnxruntime(exports, family, version
     cal = rt.auto_schedule.to_dict()["costs"]  # its first four rounds measured the cost model
     assert auto.ids == truth and cal["calibrated"] and cal["calibration_rounds"] == 4 and cal["measured_seconds"] > 0
     assert auto.stats.skipped[:4] == [False, True, False, True] and auto.stats.verified[:4] == [(S + 1) // 2, 0, (S + 1) // 2, 0]
-    conf = rt.session.confidence
+    conf = rt.session.draft(auto.ids[-1]).confidence
     assert conf is not None and conf.shape == (S,) and ((0 < conf) & (conf <= 1)).all()
 
 
@@ -131,15 +131,15 @@ def test_no_allocation_per_step(exports):
     """1,000 speculative steps: tracemalloc net growth and every buffer address, reported."""
     s = Runtime(exports[("llama", 2)]).session
     addresses = s.buffers()
-    t = s.prefill(PROMPT)
+    t = int(s.prefill(PROMPT).ids[-1])
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     steps, start_pos = 0, s.pos
     while steps < 1000:
         if s.pos + s.block_size + 1 >= s.max_seq_len:
             s.pos, s.ctx_pos, s.pending = start_pos, start_pos, 1  # rewind pointers: no reallocation
-        drafts = s.draft(t)
-        preds = s.verify([t, *map(int, drafts)])
+        drafts = s.draft(t).ids
+        preds = s.verify([t, *map(int, drafts)]).ids
         s.commit(1)
         t = int(preds[0])
         steps += 1

@@ -18,9 +18,8 @@ from dflash2 import sampling as sm
 from dflash2.reference.backend import TorchBackend
 from dflash2.reference.load import load_pair
 from dflash2.runtime.api import Runtime
-from dflash2.runtime.session import SamplingUnsupported
 from dflash2.sampling import Sampling
-from dflash2.speculative import generate
+from dflash2.speculative import Drafted, generate
 from tests import sampling_models as models
 
 RUNS = 20_000  # seeded runs per statistical case (the issue's floor)
@@ -131,13 +130,12 @@ class WrongQ:
     def __getattr__(self, name):
         return getattr(self.session, name)
 
-    @property
-    def draft_q(self):
-        q = self.session.draft_q
-        if q is None:
-            return None
-        w = q[1].astype(np.float64) ** self.T  # q^T is proportional to softmax(row)
-        return q[0], w / w.sum(-1, keepdims=True)
+    def draft(self, *args, **kw) -> Drafted:
+        d = self.session.draft(*args, **kw)
+        if d.q is None:
+            return d
+        w = d.q[1].astype(np.float64) ** self.T  # q^T is proportional to softmax(row)
+        return Drafted(d.ids, d.confidence, (d.q[0], w / w.sum(-1, keepdims=True)))
 
 
 def _first_tokens(backend, s: Sampling, runs: int) -> collections.Counter:
@@ -209,12 +207,25 @@ def test_same_seed_same_ids_on_pytorch_and_onnx_runtime(sharp, version):
         assert generate(rt.session, prompt, 24, rt.eos_ids, sampling=s, schedule=rt.auto_schedule).ids  # runs
 
 
-def test_sampling_on_an_export_without_logits_is_refused(sharp):
-    rt = Runtime(sharp[2])
-    rt.session.logits_buf = None  # what an export made before sampling existed lacks
-    with pytest.raises(SamplingUnsupported, match="re-export"):
-        rt.generate([5, 17], 4, sampling=Sampling(0.7))
-    assert rt.generate([5, 17], 4, sampling=Sampling()).ids  # greedy still runs
+def test_an_export_from_before_sampling_is_refused_with_re_export(sharp, tmp_path):
+    """The compatibility branches for older exports are retired: a manifest of contract 2 (no logits output,
+    no sampled walk) or without graph signatures is refused at load, naming the fix."""
+    import json
+    import shutil
+
+    from dflash2 import manifest as mf
+
+    for edit, want in ((lambda d: d.update(contract_version=2), "contract_version: expected >= 3"),
+                       (lambda d: d["graphs"]["drafter"].pop("signature"), "graphs.drafter.signature: expected")):
+        old = tmp_path / f"old-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(sharp[2], old)
+        data = json.loads((old / mf.NAME).read_text())
+        edit(data)
+        data["manifest_sha256"] = mf.content_sha256(data)  # resealed: only the contract check can refuse it
+        (old / mf.NAME).write_text(json.dumps(data))
+        with pytest.raises(mf.ManifestError, match=want) as e:
+            Runtime(old)
+        assert "re-export with dflash2-export" in str(e.value)
 
 
 # ----------------------------------------------------------------------------- the CLIs

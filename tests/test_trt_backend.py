@@ -77,27 +77,28 @@ def test_fake_tensorrt_samples_what_onnxruntime_samples(fake_engines, export_dir
         for spec in (True, False):
             want = ort_rt.generate(PROMPT, 20, speculative=spec, sampling=s, draft_len=draft_len).ids
             assert trt_rt.generate(PROMPT, 20, speculative=spec, sampling=s, draft_len=draft_len).ids == want
-    assert trt_rt.session.draft_q is not None and trt_rt.session.draft_q[1].shape == (7, 8)  # q of the walk
+    d = trt_rt.session.draft(PROMPT[-1], uniforms=[0.5] * 7, temperature=0.8)
+    assert d.q is not None and d.q[1].shape == (7, 8)  # q of the walk
 
 
 def test_fake_tensorrt_binding_checks_and_spare_output(fake_engines, fake):
     s = Runtime(fake_engines).session
     s.ids.host[:3] = [5, 6, 7]
     s.ids.push(3)
-    s.kv_len.host[0] = 0
-    s.kv_len.push(1)
+    s.target_kv.length.host[0] = 0
+    s.target_kv.length.push(1)
     eng = s.backend.engine("target")
-    feeds = {"input_ids": s.ids.rows(0, 3), "kv_cache": s.kv.whole(), "past_len": s.kv_len.whole()}
-    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "context": s.context.rows(0, 3), "new_kv": s.kv_new.rows(0, 3)})
+    feeds = {"input_ids": s.ids.rows(0, 3), "kv_cache": s.kv.whole(), "past_len": s.target_kv.length.whole()}
+    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "context": s.context.rows(0, 3), "new_kv": s.target_kv.staging.rows(0, 3)})
     want = s.next_ids.pull(3).tolist()
     s.next_ids.host[:] = 0
     s.next_ids.push(3)
-    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "new_kv": s.kv_new.rows(0, 3)})  # context unbound
+    eng.run(feeds, {"next_ids": s.next_ids.rows(0, 3), "new_kv": s.target_kv.staging.rows(0, 3)})  # context unbound
     assert s.next_ids.pull(3).tolist() == want
     assert set(eng.spare) == {"context", "logits"} and eng.spare["context"].nbytes == 16 * 64 * 4  # max n 16 x width
     assert eng.spare["logits"].nbytes == s.block_size * s.vocab_size * 4  # [min(n, B), V] at most B rows
     with pytest.raises(rtrt.EngineError, match=r"output next_ids expected shape \[3\].*bound \[2\]"):
-        eng.run(feeds, {"next_ids": s.next_ids.rows(0, 2), "new_kv": s.kv_new.rows(0, 3)})
+        eng.run(feeds, {"next_ids": s.next_ids.rows(0, 2), "new_kv": s.target_kv.staging.rows(0, 3)})
     with pytest.raises(rtrt.EngineError, match=r"missing \['kv_cache', 'past_len'\]"):
         eng.run({"input_ids": s.ids.rows(0, 3)}, {})
 
@@ -108,7 +109,7 @@ def test_fake_tensorrt_prompt_beyond_max_prefill(fake_engines, fake):
         rt.generate(list(range(3, 23)), 4)  # 20 tokens > max_prefill 16
     s = rt.session  # the engine's own check, where a caller binds past the staging buffer's rows
     with pytest.raises(rtrt.EngineError, match="fit no optimization profile.*--max-prefill"):
-        s.target.run({"input_ids": s.ids.rows(0, 20), "kv_cache": s.kv.whole(), "past_len": s.kv_len.whole()}, {})
+        s.target.run({"input_ids": s.ids.rows(0, 20), "kv_cache": s.kv.whole(), "past_len": s.target_kv.length.whole()}, {})
 
 
 def test_fake_tensorrt_cuda_graphs(fake_engines, export_dir, fake):

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 from dflash2.cli.args import add_sampling_args, check_output_file, sampling_options
-from dflash2.cli.run import draft_len_arg
+from dflash2.cli.run import draft_len_arg, draft_lens_arg
 from dflash2.errors import Dflash2Error
+from dflash2.folders import write_atomic
 from dflash2.interrupts import interruptible
 
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: all the drafter supports)")
     p.add_argument("--draft-len", type=draft_len_arg, default="auto", metavar="auto|K",
                    help="the mode whose speedup is the headline: 'auto' (default) or a fixed K (timed too)")
-    p.add_argument("--sweep-draft-len", type=lambda v: tuple(int(x) for x in v.split(",")), default=(),
+    p.add_argument("--sweep-draft-len", type=draft_lens_arg, default=(),
                    metavar="K,K,...", help="also time these fixed draft lengths in the same interleaved run")
     p.add_argument("--json", type=Path, help="write the results as JSON here (rewritten after every prompt with "
                                               "\"complete\": false until the run ends)")
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(b.combined_table(c))
         if a.json:
-            a.json.write_text(json.dumps(c, indent=2))
+            write_atomic(a.json, json.dumps(c, indent=2))
         return 0 if c["lossless"] else 1
     if a.folder is None:
         p.error("the folder is required (unless --combine)")
@@ -66,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=a.policies, repeats=a.repeats,
                     draft_len=a.draft_len, sweep=a.sweep_draft_len,
                     log=lambda line: print(line, file=sys.stderr, flush=True),
-                    partial=(lambda r: a.json.write_text(json.dumps(r, indent=2))) if a.json else None,
+                    partial=(lambda r: write_atomic(a.json, json.dumps(r, indent=2))) if a.json else None,
                     sampling=sampling_options(a, temps[0]))
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench: error: {e}", file=sys.stderr)
         return 2
     print(b.table(r))
     if a.json:
-        a.json.write_text(json.dumps(r, indent=2))
+        write_atomic(a.json, json.dumps(r, indent=2))
     if a.plot:
         b.plot(r, a.plot)
     print(json.dumps({"speedups": {m: round(w["speedup"], 3) for m, w in r["modes"].items()},
@@ -100,7 +101,7 @@ def _temperature_sweep(a, b, prompts, temps: list[float]) -> int:
               f"{w['speculative_tokens_per_second']:>11.1f} {w['speedup']:>7.2f}x  "
               f"{'by distribution' if w['lossless'] is None else w['lossless']}")
     if a.json:
-        a.json.write_text(json.dumps({"temperature_sweep": rows}, indent=2))
+        write_atomic(a.json, json.dumps({"temperature_sweep": rows}, indent=2))
     print(json.dumps({"temperature_sweep": rows}))
     return 0 if all(w["lossless"] is not False for w in rows) else 1
 

@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+from dflash2.cli.args import check_output_file
+from dflash2.cli.run import draft_len_arg
+from dflash2.folders import write_atomic
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
@@ -21,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "-i TARGET -o OUT -p int4 -e cpu` (optional)")
     p.add_argument("--prompts", default="default", help="as dflash2-bench: 'default', 'sharegpt:eval:N' or a file")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--draft-len", default="2", metavar="K|auto",
+    p.add_argument("--draft-len", type=draft_len_arg, default=2, metavar="K|auto",
                    help="drafts verified per round, or auto: each export's runtime schedule (default 2)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, help="intra-op threads of every session (dflash2's and genai's)")
@@ -32,7 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2.runtime import quant_bench as qb
 
     try:
-        r = qb.bench_quant(a.folders, parse_spec(a.prompts, default_split="eval", log=print), a.genai,
+        for flag, v in (("--repeats", a.repeats), ("--max-new-tokens", a.max_new_tokens), ("--threads", a.threads)):
+            if v is not None and v < 1:
+                raise Dflash2Error(f"{flag}: expected >= 1, found {v}")
+        # the results file is checked before the run and never lies in an input (an export's manifest, say)
+        check_output_file(a.json, "--json", [(f"FOLDER {i + 1}", f) for i, f in enumerate(a.folders)]
+                          + [("--genai", a.genai)])
+        prompts = parse_spec(a.prompts, default_split="eval", log=print)
+        if not prompts:
+            raise Dflash2Error(f"--prompts {a.prompts}: expected at least one prompt, found none")
+        r = qb.bench_quant(a.folders, prompts, a.genai,
                            a.max_new_tokens, not a.raw, a.draft_len, a.repeats, a.threads,
                            log=lambda line: print(line, file=sys.stderr, flush=True))
     except (Dflash2Error, ValueError) as e:
@@ -40,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(qb.table(r))
     if a.json:
-        a.json.write_text(json.dumps(r, indent=2))
+        write_atomic(a.json, json.dumps(r, indent=2))  # a new file renamed over the old: never written in place
     print(json.dumps({"tokens_per_second": r["tokens_per_second"], "lossless": r["lossless"], "best": r["best"]}))
     return 0 if all(r["lossless"].values()) else 1
 

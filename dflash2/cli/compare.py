@@ -7,12 +7,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, require_extra
 from dflash2.interrupts import interruptible
 
 
 @interruptible("dflash2-compare")
 def main(argv: list[str] | None = None) -> int:
+    require_extra("dflash2-compare", "trt", 'polygraphy')
     p = argparse.ArgumentParser(prog="dflash2-compare", description=__doc__)
     p.add_argument("folder", type=Path, help="export folder written by dflash2-export")
     p.add_argument("--engines", type=Path, help="engine folder written by dflash2-build from this export")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dflash2.cli.args import add_sampling_args
 from dflash2.cli.run import DRAFT_LEN_HELP, draft_len_arg
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, require_extra
 from dflash2.interrupts import interruptible
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
@@ -49,6 +49,7 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize:
 
 @interruptible("dflash2-demo", "nothing half-written was left (a finished export stays for the next run)")
 def main(argv: list[str] | None = None) -> int:
+    require_extra("dflash2-demo", "smollm2", 'torch', 'onnx', 'transformers', 'gguf')
     p = argparse.ArgumentParser(prog="dflash2-demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt ('-': read it from stdin)")

@@ -11,12 +11,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, require_extra
 from dflash2.interrupts import interruptible
 
 
 @interruptible("dflash2-draft-vocab")
 def main(argv: list[str] | None = None) -> int:
+    require_extra("dflash2-draft-vocab", "export", 'torch', 'safetensors')
     p = argparse.ArgumentParser(prog="dflash2-draft-vocab", description=__doc__)
     p.add_argument("--drafter", required=True, type=Path, help="drafter folder to write draft_vocab.json into")
     p.add_argument("--target", required=True, type=Path, help="target folder (vocabulary size, EOS ids)")

@@ -9,12 +9,13 @@ from pathlib import Path
 
 from dflash2.cli import print_files
 from dflash2.dtypes import GRAPH_DTYPES
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, require_extra
 from dflash2.interrupts import interruptible
 
 
 @interruptible("dflash2-export")
 def main(argv: list[str] | None = None) -> int:
+    require_extra("dflash2-export", "export", 'torch', 'onnx', 'transformers')
     p = argparse.ArgumentParser(prog="dflash2-export", description=__doc__)
     p.add_argument("--model", required=True, type=Path, help="drafter folder (DFlashDraftModel / DFlash2DraftModel)")
     p.add_argument("--target", required=True, type=Path, help="target folder (Llama / Qwen3, safetensors)")

@@ -6,14 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash2 import tiny
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, require_extra
 from dflash2.folders import OutputError, check_output
 from dflash2.interrupts import interruptible
 
 
 @interruptible("dflash2-make-tiny", "OUT may hold a partial pair; rerun the command to rewrite it")
 def main(argv: list[str] | None = None) -> int:
+    require_extra("dflash2-make-tiny", "export", 'torch', 'safetensors')
+    from dflash2 import tiny
+
     p = argparse.ArgumentParser(prog="dflash2-make-tiny", description=__doc__)
     p.add_argument("--out", required=True, type=Path, help="folder; writes OUT/target and OUT/drafter")
     p.add_argument("--family", choices=["llama", "qwen3"], default="llama")

@@ -27,12 +27,22 @@ def check_flags(a: argparse.Namespace) -> None:
 
 def draft_len_arg(v: str) -> int | str:
     """--draft-len: 'auto' or a positive integer (range checked against the drafter later)."""
-    if v == "auto":
-        return v
+    from dflash2.speculative import parse_draft_len
+
     try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, found {v!r}") from None
+        return parse_draft_len(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def draft_lens_arg(v: str) -> tuple[int, ...]:
+    """--sweep-draft-len: fixed draft lengths like 1,2,7."""
+    from dflash2.speculative import parse_draft_lens
+
+    try:
+        return parse_draft_lens(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 DRAFT_LEN_HELP = ("drafts verified per round: 'auto' (default) picks K in 0..block_size-1 each round from the "

@@ -12,17 +12,19 @@ import random
 import sys
 from pathlib import Path
 
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, require_extra
 from dflash2.interrupts import interruptible
 
 
 @interruptible("dflash2-train", "rerun the same command to resume from the last saved step")
 def main(argv: list[str] | None = None) -> int:
+    require_extra("dflash2-train", "train", 'torch', 'transformers')
     p = argparse.ArgumentParser(prog="dflash2-train", description=__doc__)
     p.add_argument("--target", required=True, type=Path, help="target folder (Llama / Qwen3, safetensors)")
     p.add_argument("--out", required=True, type=Path, help="drafter folder to write (resumes if it has train_state/)")
     p.add_argument("--corpus", type=Path, nargs="+",
-                   help="corpus folder(s) (the first is generated when empty; default OUT/../corpus)")
+                   help="corpus folder(s): an id corpus (dflash2-corpus; its taps are rebuilt into --taps-cache) or a "
+                        "corpus with taps (the first is generated when empty; default OUT/../corpus)")
     p.add_argument("--prompts", default="sharegpt",
                    help="prompts to generate the corpus from: 'sharegpt[:N]' (first human turns of ShareGPT "
                         "conversations 0..14,999; 15,000+ are held out), 'templated[:N]' (dflash2.train.data), "
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus-only", action="store_true", help="generate the corpus, then stop")
     p.add_argument("--partial-corpus", action="store_true",
                    help="train on the shards a still-unfinished corpus has so far (its generation is not resumed)")
+    p.add_argument("--taps-cache", type=Path, metavar="DIR",
+                   help="where the taps of an id corpus (dflash2-corpus) are rebuilt (default ~/.cache/dflash2/taps)")
     p.add_argument("--taps", type=lambda s: tuple(int(x) for x in s.split(",")),
                    help="target layer ids to tap (default: 3 evenly spaced, z-lab's rule)")
     p.add_argument("--layers", type=int, default=1)
@@ -92,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         tc = load_target_config(a.target)
         taps = a.taps or default_target_layer_ids(tc.num_layers, 3)
         corpora = a.corpus or [a.out.parent / "corpus"]
+        from dflash2.train.taps import build_taps, is_id_corpus
+
+        if any(is_id_corpus(c) for c in corpora):  # ids from the repository: their taps from the local cache
+            from dflash2.train.idcorpus import IdCorpus
+
+            corpora = [build_taps(IdCorpus(c), a.target, list(taps), a.taps_cache, threads=a.threads)
+                       if is_id_corpus(c) else c for c in corpora]
         if not corpus_complete(corpora[0]) and not a.partial_corpus and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise Dflash2Error(f"{corpora[0]}: expected a complete corpus under torchrun; generate it first in one "
                                "process (the same command with --corpus-only, without torchrun)")

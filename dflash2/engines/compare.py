@@ -219,7 +219,8 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
         if engines is not None and trt_skip is None:
             if graph in engines.engines:  # the engine was built from the TensorRT flavour: its own feeds
                 fixed = g.tensorrt_io is not None
-                cache = {s.name: engines.max_seq_len for s in g.tensorrt.inputs if s.shape[:1] == ["cap"]}
+                kv = export.signature(graph, tensorrt=True).kv  # a fixed binding's cache is the engine's whole buffer
+                cache = {n: engines.max_seq_len for n in kv.past} if kv is not None and kv.kind == "fixed" else {}
                 compare_graph(export_dir, graph, [trt_runner(Path(engines_dir) / engines.engines[graph].file, plugin)],
                               atol, rtol, report, share, judged, files=f"{graph}.trt" if fixed else None, rows=cache)
             else:

@@ -51,6 +51,7 @@ def build_manifest(plan, engines: dict[str, dict], tensorrt_version: str) -> mf.
         engines={job.graph: mf.EngineEntry(file=job.engine, onnx=job.onnx.name, inputs=job.inputs,
                                            outputs=job.outputs,
                                            profiles=[mf.ProfileRecord(**p.to_dict()) for p in job.profiles],
-                                           seconds=engines.get(job.graph, {}).get("seconds"))
+                                           seconds=engines.get(job.graph, {}).get("seconds"),
+                                           signature=e.signature(job.graph, tensorrt=True))
                  for job in plan.jobs},
         tokenizer=e.tokenizer)

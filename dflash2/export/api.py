@@ -18,6 +18,7 @@ from dflash2 import manifest as mf
 from dflash2.config import check_pair, check_tokenizer_files, load_drafter_config, load_target_config
 from dflash2.errors import Dflash2Error
 from dflash2.export import deviation, gqa, qdq
+from dflash2.export import signature as sig
 from dflash2.export import quantize as qz
 from dflash2.export import trace as tr
 from dflash2.export.graphs import graph_specs
@@ -29,7 +30,6 @@ from dflash2.folders import (
     replace_folder,
     temp_folder,
 )
-from dflash2.kv_binding import GQA_BINDING
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
 from dflash2.reference.load import load_pair
@@ -188,10 +188,14 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                 for name in (fixed_file, f"{spec.name}.trt.inputs.json", f"{spec.name}.trt.reference.json"):
                     (tmp / name).unlink(missing_ok=True)
         io = tr.io_spec(tmp / files["portable"])
+        kind = "gqa-shared" if spec.name == "target" and target_attention == "gqa" else "prefix"
         graphs[spec.name] = mf.Graph(flavours=mf.Flavours(**files), data=f"{spec.name}.onnx.data",
                                      inputs=[mf.IoSpec(**d) for d in io["inputs"]],
                                      outputs=[mf.IoSpec(**d) for d in io["outputs"]],
-                                     seconds=time.perf_counter() - t0, tensorrt_io=tensorrt_io)
+                                     seconds=time.perf_counter() - t0, tensorrt_io=tensorrt_io,
+                                     signature=_signature(spec.name, kind, io, tc.num_layers),
+                                     tensorrt_signature=None if tensorrt_io is None else
+                                     _signature(spec.name, "fixed", tr.io_spec(tmp / files["tensorrt"]), tc.num_layers))
     selector = None
     if dc.version == 2:
         selector = mf.Selector(op=C.OP_NAME, domain=C.ONNX_DOMAIN, plugin_version=C.PLUGIN_VERSION,
@@ -208,9 +212,14 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
         kv=mf.Kv(layout=["seq", "layer", "k|v", "kv_head", "head_dim"],
                  rows=mf.KvRows(target=list(target.kv_row_shape()), drafter=list(drafter.kv_row_shape())),
                  dtype=dtype, binding=KV_BINDING if target_attention == "plain" else
-                 f"target: {GQA_BINDING} drafter: {KV_BINDING}", target_attention=target_attention),
+                 f"target: {sig.GQA_BINDING} drafter: {KV_BINDING}", target_attention=target_attention),
         selector=selector, target_config=tc.to_dict(), drafter_config=dc.to_dict(), graphs=graphs,
         validation=validation, quantization=quantize.manifest_entry(quantized) if quantize is not None else None)
+
+
+def _signature(graph: str, kind: str, io: dict, num_layers: int) -> mf.Signature:
+    ins, outs = [d["name"] for d in io["inputs"]], [d["name"] for d in io["outputs"]]
+    return sig.signature(graph, kind, ins, outs, num_layers, selector_io=(ins, outs))
 
 
 def _qdq_graph(tmp: Path, spec, files: dict, q: qdq.TrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:

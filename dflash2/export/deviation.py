@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import torch
 
+from dflash2.export import signature as N
 from dflash2 import manifest as mf
 from dflash2.export.graphs import GraphSpec
 from dflash2.export.validate import np_of, reference_outputs
@@ -77,12 +78,12 @@ def measure(spec: GraphSpec, path: Path) -> tuple[list[str], dict, mf.Deviation]
             row[name] = {"max_abs": float(np.abs(out.astype(np.float64) - want).max()) if out.size else 0.0}
         if ref_logits is not None:
             err = np.abs(g[LOGITS].astype(np.float64) - ref_logits[step])
-            row["logits"] = {"max_abs": float(err.max()), "mean_abs": float(err.mean())}
+            row[N.LOGITS] = {"max_abs": float(err.max()), "mean_abs": float(err.mean())}
         report[f"step{step}"] = row
     dev = mf.Deviation(judged="deviation from fp32")
     if spec.name == "target" and not failures:
-        ids = [report[s]["next_ids"] for s in report]
+        ids = [report[s][N.NEXT_IDS] for s in report]
         dev.top1_agreement = sum(i["agreement"] * i["total"] for i in ids) / sum(i["total"] for i in ids)
         if ref_logits is not None:
-            dev.max_logit_error = max(report[s]["logits"]["max_abs"] for s in report)
+            dev.max_logit_error = max(report[s][N.LOGITS]["max_abs"] for s in report)
     return failures, report, dev

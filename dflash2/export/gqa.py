@@ -7,7 +7,7 @@ packed q|k|v and gate|up MatMuls. The plain-op graph spends ~38% of an int4 deco
 movement (slicing each layer's past out of one [P, L, 2, kv, hd] buffer, concatenating the new rows,
 the rotary halves; docs/quantization.md); here nothing is sliced or concatenated.
 
-KV binding (dflash2.kv_binding): per layer `past_key_values.{i}.key|value` [1, kv, cap, hd] (rotated keys),
+KV binding (dflash2.export.signature, kind gqa-shared): per layer `past_key_values.{i}.key|value` [1, kv, cap, hd] (rotated keys),
 `past_len` [1] int32 the valid rows; the runtime binds `present.{i}.key|value` to the SAME memory, and
 the kernel writes the step's rows at [past_len, past_len + n) in place. Rollback = a smaller past_len.
 The kernel gets one more row than the step, a copy of its last (causal: no real row sees it), and its
@@ -31,8 +31,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
+from dflash2.export import signature as N
 from dflash2.export.graphs import STALE_ROWS, GraphSpec, TargetGraph
-from dflash2.kv_binding import kv_names
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.layers import rope_cos_sin
 from dflash2.reference.target import Target
@@ -93,13 +93,13 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
     B = drafter.config.block_size
     b = _Builder()
     eps = float(c.rms_norm_eps)
-    past, present = kv_names(L)
+    past, present = N.gqa_kv_names(L)
 
     cos, sin = rope_cos_sin(torch.arange(max_seq_len), target.inv_freq)  # [T, hd] (halves repeated)
     cos_cache, sin_cache = b.weight("rope.cos", cos[:, :hd // 2]), b.weight("rope.sin", sin[:, :hd // 2])
     # The kernel sees n + 1 rows: the last one repeated (module docstring: one path for every step).
-    n = b.op("Shape", ["input_ids"], "n")[0]  # [1] int64
-    seqlens_k = b.op("Add", ["past_len", b.op("Cast", [n], "n32", to=TensorProto.INT32)[0]], "seqlens_k")[0]
+    n = b.op("Shape", [N.INPUT_IDS], "n")[0]  # [1] int64
+    seqlens_k = b.op("Add", [N.PAST_LEN, b.op("Cast", [n], "n32", to=TensorProto.INT32)[0]], "seqlens_k")[0]
     total = b.op("Add", [seqlens_k, b.const("one32", [1], np.int32)], "total")[0]  # [1]: past + n + 1
     total_len = b.op("Squeeze", [total, b.const("axis0", [0])], "total_len")[0]  # [] int32
     first, last, end = b.const("first_row", [0]), b.const("last_row", [-1]), b.const("to_end", [2**62])
@@ -111,7 +111,7 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
         return b.op("Pad", [x, edge_row], f"{name}.pad", mode="edge")[0]
 
     embed = b.weight("embed_tokens.weight", target.embed_tokens.weight)
-    h = b.op("Gather", [embed, "input_ids"], "embed")[0]  # [n, H]
+    h = b.op("Gather", [embed, N.INPUT_IDS], "embed")[0]  # [n, H]
     h = b.op("Unsqueeze", [h, "axis0"], "embed.batch")[0]  # [1, n, H]
     pending = None  # the sublayer output not yet added to the residual h
     taps = {}
@@ -164,27 +164,27 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
                   "lm_head.t", perm=[1, 0])[0]
     logits = b.op("MatMul", [y, head_t], "lm_head")[0]  # [n, V] fp32
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
-    b.op("Cast", [ids], "next_ids", outputs=["next_ids"], to=TensorProto.INT32)
-    b.op("Slice", [logits, b.const("last_b", [-B]), end, "axis0"], "logits",
-         outputs=["logits"])
+    b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
+    b.op("Slice", [logits, b.const("last_b", [-B]), end, "axis0"], N.LOGITS,
+         outputs=[N.LOGITS])
     tap_rows = [b.op("Squeeze", [taps[t], "axis0"], f"tap.{t}")[0] for t in target.tap_ids]  # [n, H] each
     t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]
     if fuse_context:  # drafter.context: hidden_norm(fc(taps)), as TargetGraph fuses it
         t = b.linear(t, "context.fc", [drafter.fc])
         b.op("SimplifiedLayerNormalization", [t, b.weight("context.hidden_norm.weight", drafter.hidden_norm.weight)],
-             "context.hidden_norm", outputs=["context"], axis=-1, epsilon=float(drafter.config.rms_norm_eps),
+             "context.hidden_norm", outputs=[N.CONTEXT], axis=-1, epsilon=float(drafter.config.rms_norm_eps),
              stash_type=1)
     else:
-        b.op("Identity", [t], "context", outputs=["context"])
+        b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
 
     f32, buf = TensorProto.FLOAT, [1, kv, "cap", hd]
-    inputs = ([helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["n"]),
-               helper.make_tensor_value_info("past_len", TensorProto.INT32, [1])]
+    inputs = ([helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"]),
+               helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
               + [helper.make_tensor_value_info(name, f32, buf) for name in past])
     ctx_width = drafter.config.hidden_size if fuse_context else len(target.tap_ids) * H
-    outputs = ([helper.make_tensor_value_info("next_ids", TensorProto.INT32, ["n"]),
-                helper.make_tensor_value_info("context", f32, ["n", ctx_width]),
-                helper.make_tensor_value_info("logits", f32, ["rows", c.vocab_size])]
+    outputs = ([helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
+                helper.make_tensor_value_info(N.CONTEXT, f32, ["n", ctx_width]),
+                helper.make_tensor_value_info(N.LOGITS, f32, ["rows", c.vocab_size])]
                + [helper.make_tensor_value_info(name, f32, buf) for name in present])
     graph = helper.make_graph(b.nodes, "dflash2_target_gqa", inputs, outputs, b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
@@ -226,8 +226,8 @@ class GqaTargetGraph(nn.Module):
 
     def target_logits(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
         buffers = [v for k, v in feed.items() if k.startswith("past_key_values.")]
-        past = to_rows(buffers, int(feed["past_len"][0]))
-        return self.target(feed["input_ids"].long(), past)[0].float()
+        past = to_rows(buffers, int(feed[N.PAST_LEN][0]))
+        return self.target(feed[N.INPUT_IDS].long(), past)[0].float()
 
 
 def to_rows(buffers, P: int) -> torch.Tensor:
@@ -240,13 +240,13 @@ def gqa_spec(plain: GraphSpec) -> GraphSpec:
     """The gqa flavour of the target's spec: the plain feeds moved into per-layer buffers with
     STALE_ROWS random rows past the valid ones (the kernel must not read them), same reference."""
     L = plain.module.target.config.num_layers
-    past_names, present_names = kv_names(L)
+    past_names, present_names = N.gqa_kv_names(L)
 
     def convert(feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        p, n = feed["past_kv"], feed["input_ids"].shape[0]
+        p, n = feed[N.PAST_KV], feed[N.INPUT_IDS].shape[0]
         cap = p.shape[0] + n + STALE_ROWS
         g = torch.Generator().manual_seed(cap)
-        out = {"input_ids": feed["input_ids"], "past_len": torch.tensor([p.shape[0]], dtype=torch.int32)}
+        out = {N.INPUT_IDS: feed[N.INPUT_IDS], N.PAST_LEN: torch.tensor([p.shape[0]], dtype=torch.int32)}
         for j, name in enumerate(past_names):
             buf = torch.randn(1, p.shape[3], cap, p.shape[4], generator=g).to(p.dtype)
             buf[0, :, :p.shape[0]] = p[:, j // 2, j % 2].transpose(0, 1)
@@ -256,8 +256,8 @@ def gqa_spec(plain: GraphSpec) -> GraphSpec:
     def trim(name: str, value: np.ndarray, feed: dict) -> np.ndarray:
         if name not in present_names:
             return value
-        return value[:, :, :int(feed["past_len"][0]) + feed["input_ids"].shape[0]]
+        return value[:, :, :int(feed[N.PAST_LEN][0]) + feed[N.INPUT_IDS].shape[0]]
 
-    return GraphSpec("target", GqaTargetGraph(plain.module), ["input_ids", "past_len", *past_names],
-                     ["next_ids", "context", "logits", *present_names], {}, (),
+    return GraphSpec("target", GqaTargetGraph(plain.module), [N.INPUT_IDS, N.PAST_LEN, *past_names],
+                     [N.NEXT_IDS, N.CONTEXT, N.LOGITS, *present_names], {}, (),
                      lambda: [convert(f) for f in plain.feeds()], trim=trim)

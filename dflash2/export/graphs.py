@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash2.export import signature as N
 from dflash2.ops import contract as C
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target
@@ -39,7 +40,7 @@ class TargetGraph(nn.Module):
 
     def target_logits(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
         """[n, V] fp32 logits of every row of a validation feed (the deviation measurement reads them)."""
-        return self.target(feed["input_ids"].long(), feed["past_kv"])[0].float()
+        return self.target(feed[N.INPUT_IDS].long(), feed[N.PAST_KV])[0].float()
 
 
 class DrafterGraph(nn.Module):
@@ -59,7 +60,7 @@ class DrafterGraph(nn.Module):
                 past_len: torch.Tensor | None = None):
         hidden, new_kv = self._hidden(context, past_ctx_kv, anchor, past_len)
         out = self.drafter.propose(hidden, anchor)
-        return out["draft_ids"], out["confidence"], new_kv
+        return out[N.DRAFT_IDS], out[N.CONFIDENCE], new_kv
 
     def _hidden(self, context, past_ctx_kv, anchor, past_len):
         c = context if self.fused else self.drafter.context(context)
@@ -87,7 +88,7 @@ class SamplingDrafterGraph(DrafterGraph):
         hidden, new_kv = self._hidden(context, past_ctx_kv, anchor, past_len)
         out = self.drafter.propose_batch(hidden[None], anchor.reshape(1), uniforms.reshape(1, -1),
                                          temperature.reshape(1))
-        return out["draft_ids"][0], out["cand_ids"][0], out["confidence"][0], out["draft_probs"][0], new_kv
+        return out[N.DRAFT_IDS][0], out[N.CAND_IDS][0], out[N.CONFIDENCE][0], out[N.DRAFT_PROBS][0], new_kv
 
 
 class SelectorGraph(nn.Module):
@@ -139,12 +140,12 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True) -> 
         verify = torch.randint(0, V, (S + 1,), generator=g, dtype=torch.int32)
         with torch.no_grad():
             _, _, past, *_ = TargetGraph(target, drafter)(prompt, kv(0))
-        return [{"input_ids": prompt, "past_kv": kv(0)}, {"input_ids": verify, "past_kv": past}]
+        return [{N.INPUT_IDS: prompt, N.PAST_KV: kv(0)}, {N.INPUT_IDS: verify, N.PAST_KV: past}]
 
     v2 = dc.version == 2
     graph = (SamplingDrafterGraph if v2 else DrafterGraph)(drafter, fuse_context)
     # DFlash2's sampling inputs: step 0 greedy (temperature 0), step 1 sampling at 0.8
-    sampling = [{"uniforms": torch.rand(S, generator=_gen(3)), "temperature": torch.tensor([t])} for t in (0.0, 0.8)]
+    sampling = [{N.UNIFORMS: torch.rand(S, generator=_gen(3)), N.TEMPERATURE: torch.tensor([t])} for t in (0.0, 0.8)]
 
     def drafter_feeds():
         g = _gen(1)
@@ -154,23 +155,23 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True) -> 
         extra = sampling if v2 else [{}, {}]
         with torch.no_grad():
             past = graph(c0, ckv(0), anchor, *extra[0].values())[-1]
-        return [{"context": c0, "past_ctx_kv": ckv(0), "anchor": anchor, **extra[0]},
-                {"context": c1, "past_ctx_kv": past, "anchor": anchor + 1, **extra[1]}]
+        return [{N.CONTEXT: c0, N.PAST_CTX_KV: ckv(0), N.ANCHOR: anchor, **extra[0]},
+                {N.CONTEXT: c1, N.PAST_CTX_KV: past, N.ANCHOR: anchor + 1, **extra[1]}]
 
-    t_out = ["next_ids", "context", "new_kv", "logits"]
-    d_in = ["context", "past_ctx_kv", "anchor"] + (["uniforms", "temperature"] if v2 else [])
-    d_out = (["draft_ids", "confidence", "new_ctx_kv"] if not v2
-             else ["draft_ids", "cand_ids", "confidence", "draft_probs", "new_ctx_kv"])
+    t_out = [N.NEXT_IDS, N.CONTEXT, N.NEW_KV, N.LOGITS]
+    d_in = [N.CONTEXT, N.PAST_CTX_KV, N.ANCHOR] + ([N.UNIFORMS, N.TEMPERATURE] if v2 else [])
+    d_out = ([N.DRAFT_IDS, N.CONFIDENCE, N.NEW_CTX_KV] if not v2
+             else [N.DRAFT_IDS, N.CAND_IDS, N.CONFIDENCE, N.DRAFT_PROBS, N.NEW_CTX_KV])
     d_example = (torch.zeros(5, ctx_width, dtype=dtype), ckv(3), torch.tensor([1], dtype=torch.int32))
     if v2:
         d_example += tuple(sampling[1].values())
     specs = [
-        GraphSpec("target", TargetGraph(target, drafter, fuse_context), ["input_ids", "past_kv"], t_out,
-                  {"input_ids": {0: "n"}, "past_kv": {0: "past"}},
+        GraphSpec("target", TargetGraph(target, drafter, fuse_context), [N.INPUT_IDS, N.PAST_KV], t_out,
+                  {N.INPUT_IDS: {0: "n"}, N.PAST_KV: {0: "past"}},
                   (torch.arange(5, dtype=torch.int32), kv(3)), target_feeds),
         GraphSpec("drafter", graph, d_in, d_out,
-                  {"context": {0: "n"}, "past_ctx_kv": {0: "past"}, "anchor": {},
-                   **({"uniforms": {}, "temperature": {}} if v2 else {})},
+                  {N.CONTEXT: {0: "n"}, N.PAST_CTX_KV: {0: "past"}, N.ANCHOR: {},
+                   **({N.UNIFORMS: {}, N.TEMPERATURE: {}} if v2 else {})},
                   d_example, drafter_feeds, has_selector=v2),
     ]
     for spec in specs:
@@ -184,23 +185,22 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True) -> 
             for B in (1, 3):
                 ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(B * S)]).view(B, S, K)
                 logits, _ = torch.sort(torch.randn(B, S, K, generator=g) * 3, dim=-1, descending=True)
-                out.append({"cand_logits": logits, "cand_ids": ids.int(),
+                out.append({"cand_logits": logits, N.CAND_IDS: ids.int(),
                             "gate": torch.randn(B, S, R, generator=g).to(dtype),
-                            "anchor": torch.randint(0, V, (B,), generator=g, dtype=torch.int32),
-                            "uniforms": torch.rand(B, S, generator=g),
-                            "temperature": torch.tensor([0.0, 0.7, 1.5][:B])})  # greedy and sampled rows
+                            N.ANCHOR: torch.randint(0, V, (B,), generator=g, dtype=torch.int32),
+                            N.UNIFORMS: torch.rand(B, S, generator=g),
+                            N.TEMPERATURE: torch.tensor([0.0, 0.7, 1.5][:B])})  # greedy and sampled rows
             return out
 
         ex = selector_feeds()[1]
         specs.append(GraphSpec("selector", SelectorGraph(drafter), list(ex),
                                C.output_names(),
-                               {"cand_logits": {0: "batch"}, "cand_ids": {0: "batch"}, "gate": {0: "batch"},
-                                "anchor": {0: "batch"}, "uniforms": {0: "batch"}, "temperature": {0: "batch"}},
+                               {"cand_logits": {0: "batch"}, N.CAND_IDS: {0: "batch"}, "gate": {0: "batch"},
+                                N.ANCHOR: {0: "batch"}, N.UNIFORMS: {0: "batch"}, N.TEMPERATURE: {0: "batch"}},
                                tuple(ex.values()), selector_feeds, has_selector=True))
     return specs
 
 
-FIXED = {"target": ("past_kv", "kv_cache"), "drafter": ("past_ctx_kv", "ctx_kv_cache")}
 STALE_ROWS = 3  # rows past the valid ones in the validation feeds: garbage the in-graph mask must hide
 
 
@@ -211,17 +211,17 @@ def fixed_shapes(spec: GraphSpec) -> GraphSpec:
     count replays (the prefix view gives every step a new past length, hence a new graph). Outputs
     are unchanged (new_kv [n, ...] goes to a staging buffer the runtime copies into place).
     Feeds: the portable feeds with the past padded by STALE_ROWS random rows, same reference outputs."""
-    past, cache = FIXED[spec.name]
-    inputs = [cache if n == past else n for n in spec.inputs] + ["past_len"]
+    past, cache = N.FIXED[spec.name]
+    inputs = [cache if n == past else n for n in spec.inputs] + [N.PAST_LEN]
     dynamic = {(cache if k == past else k): ({0: "cap"} if k == past else v) for k, v in spec.dynamic.items()}
-    dynamic["past_len"] = {}
+    dynamic[N.PAST_LEN] = {}
 
     def convert(feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         p = feed[past]
         g = torch.Generator().manual_seed(p.shape[0])
         stale = torch.randn(STALE_ROWS, *p.shape[1:], generator=g).to(p.dtype)
         out = {(cache if k == past else k): (torch.cat([p, stale]) if k == past else v) for k, v in feed.items()}
-        out["past_len"] = torch.tensor([p.shape[0]], dtype=torch.int32)
+        out[N.PAST_LEN] = torch.tensor([p.shape[0]], dtype=torch.int32)
         return out
 
     ex = dict(zip(spec.inputs, spec.example))

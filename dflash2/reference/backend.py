@@ -8,6 +8,7 @@ import torch
 
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target
+from dflash2.speculative import Drafted, Verified
 
 
 class TorchBackend:
@@ -22,17 +23,14 @@ class TorchBackend:
         self.block_size = drafter.config.block_size if drafter else 1
         self.pos = self.ctx_pos = 0
         self.pending: torch.Tensor | None = None  # context rows not yet in the drafter's cache  # [n, H]
-        self.confidence: list[float] | None = None  # the last draft's per-position confidence [S]
         self.verified: torch.Tensor | None = None  # context rows of the last verify  # [S+1, H]
-        self.logits = None  # [min(n, B), V] fp32 numpy: the last target call's last rows (sampling)
-        self.draft_q = None  # (cand ids [S, K], q [S, K]) numpy of the last sampled DFlash2 draft
 
     def reset(self) -> None:
         self.pos = self.ctx_pos = 0
         self.pending = self.verified = None
 
     @torch.no_grad()
-    def _run_target(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_target(self, ids: Sequence[int]) -> tuple[Verified, torch.Tensor | None]:
         n = len(ids)
         if self.pos + n > self.max_seq_len:
             raise ValueError(f"KV cache full: position {self.pos} + {n} tokens > max_seq_len {self.max_seq_len}")
@@ -40,17 +38,17 @@ class TorchBackend:
         self.kv[self.pos: self.pos + n] = new_kv
         ctx = self.drafter.context(taps) if self.drafter is not None else None
         logits = logits.float()
-        self.logits = logits[-self.block_size:].numpy()  # as the exported target graph's logits output
-        return logits.argmax(-1), ctx  # [n], [n, H]
+        rows = logits[-self.block_size:].numpy()  # as the exported target graph's logits output
+        return Verified(logits.argmax(-1).tolist(), lambda: rows), ctx  # [n], [n, H]
 
-    def prefill(self, ids: Sequence[int]) -> int:
+    def prefill(self, ids: Sequence[int]) -> Verified:
         self.reset()  # a new prompt: both caches start empty (as SpecSession.prefill)
-        preds, self.pending = self._run_target(ids)
+        out, self.pending = self._run_target(ids)
         self.pos += len(ids)
-        return int(preds[-1])
+        return out
 
     @torch.no_grad()
-    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> list[int]:
+    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> Drafted:
         n = self.pending.shape[0]
         hidden, new = self.drafter(self.pending, self.ctx_kv[: self.ctx_pos], torch.tensor([anchor]))
         self.ctx_kv[self.ctx_pos: self.ctx_pos + n] = new
@@ -58,21 +56,20 @@ class TorchBackend:
         self.pending = None  # consumed; verify + commit without a draft append to it
         u = None if uniforms is None else torch.as_tensor(list(uniforms), dtype=torch.float32)
         out = self.drafter.propose(hidden, torch.tensor([anchor]), u, temperature)
-        self.confidence = out["confidence"].tolist()
         sampled = "draft_probs" in out and uniforms is not None and temperature > 0
-        self.draft_q = (out["cand_ids"].numpy(), out["draft_probs"].numpy()) if sampled else None
-        return out["draft_ids"].tolist()
+        q = (out["cand_ids"].numpy(), out["draft_probs"].numpy()) if sampled else None
+        return Drafted(out["draft_ids"].tolist(), out["confidence"].tolist(), q)
 
-    def verify(self, tokens: Sequence[int]) -> list[int]:
-        preds, self.verified = self._run_target(tokens)  # KV rows written at pos.., pointer not moved yet
-        return preds.tolist()
+    def verify(self, tokens: Sequence[int]) -> Verified:
+        out, self.verified = self._run_target(tokens)  # KV rows written at pos.., pointer not moved yet
+        return out
 
     def commit(self, n: int) -> None:
         self.pos += n  # rows beyond stay in the buffer and are overwritten next step
         rows = self.verified[:n]
         self.pending = rows if self.pending is None else torch.cat([self.pending, rows])
 
-    def decode(self, token: int) -> int:
-        preds, _ = self._run_target([token])
+    def decode(self, token: int) -> Verified:
+        out, _ = self._run_target([token])
         self.pos += 1
-        return int(preds[0])
+        return out

@@ -17,7 +17,7 @@ from dflash2.runtime.schedule import AutoSchedule
 from dflash2.runtime.session import SpecSession
 from dflash2.runtime.text import Stream, Text
 from dflash2.sampling import Sampling, defaults_from
-from dflash2.speculative import DraftSchedule, FixedSchedule, Generation, check_draft_len, generate
+from dflash2.speculative import DraftSchedule, FixedSchedule, Generation, generate, parse_draft_len
 
 BACKENDS = ("onnxruntime", "tensorrt")
 
@@ -54,7 +54,7 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
         folder = Path(manifest.export_dir)
         manifest = mf.load(folder, mf.ExportManifest, check_files=False)  # weights not rehashed at every start
     graphs = {name: g.flavours.portable for name, g in manifest.graphs.items()}
-    return OrtBackend(folder, graphs, provider, threads)
+    return OrtBackend(folder, graphs, {name: manifest.signature(name) for name in graphs}, provider, threads)
 
 
 class Runtime:
@@ -69,9 +69,9 @@ class Runtime:
                                                                provider, threads), max_seq_len, log)
         self._text: Text | None = None
         self._auto: AutoSchedule | None = None
-        # the target's generation_config.json (copied into the export) gives the sampling defaults
-        gen_dir = Path(self.manifest.export_dir) if isinstance(self.manifest, mf.EngineManifest) else self.folder
-        self.sampling_defaults = defaults_from(gen_dir)
+        # the target's generation_config.json gives the sampling defaults: the export copied it, and an engine
+        # folder carries its own copy (it may be deployed without the export it was built from)
+        self.sampling_defaults = defaults_from(self.folder)
 
     def sampling(self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None) -> Sampling:
@@ -93,14 +93,11 @@ class Runtime:
 
     def schedule(self, draft_len: int | str | None = "auto") -> DraftSchedule:
         """"auto" (or None): the session's AutoSchedule; an int K: K drafts every round."""
-        if draft_len is None or draft_len == "auto":
-            return self.auto_schedule
-        if isinstance(draft_len, str):
-            if not draft_len.isdigit():
-                raise Dflash2Error(f"draft length: expected 'auto' or an integer 1..{self.session.block_size - 1}, "
-                                   f"found {draft_len!r}")
-            draft_len = int(draft_len)
-        return FixedSchedule(check_draft_len(draft_len, self.session.block_size))
+        try:
+            k = parse_draft_len(draft_len, self.session.block_size)
+        except ValueError as e:
+            raise Dflash2Error(str(e)) from None
+        return self.auto_schedule if k == "auto" else FixedSchedule(k)
 
     @property
     def text(self) -> Text:
@@ -137,7 +134,8 @@ class Runtime:
         sampling: None = `self.sampling()` (the model's defaults; greedy when it has none)."""
         sampling = self.sampling() if sampling is None else sampling
         self.session.check_capacity(len(ids), max_new_tokens)
-        schedule = self.schedule(draft_len) if speculative else None
+        schedule = self.schedule(draft_len)  # checked even when not speculating: a bad value is never ignored
+        schedule = schedule if speculative else None
         stream = Stream(self.text) if on_text else None
         out: list[int] = []
 

@@ -9,11 +9,12 @@ from typing import Callable
 
 from dflash2 import dtypes
 from dflash2.manifest import ExportManifest
+from dflash2.onnxrt import open_session
 from dflash2.prompts import default_prompts, load_prompts  # noqa: F401 (re-exported for callers)
 from dflash2.quantization import describe, label
 from dflash2.runtime.api import Runtime
 from dflash2.runtime.policies import POLICIES, PolicySession
-from dflash2.speculative import FixedSchedule, Stats, check_draft_len, gap_closed, generate
+from dflash2.speculative import FixedSchedule, Stats, gap_closed, generate, parse_draft_len
 
 
 class TimedEngine:
@@ -21,6 +22,9 @@ class TimedEngine:
 
     def __init__(self, engine):
         self.engine, self.seconds = engine, 0.0
+
+    def bind(self, inputs, outputs):
+        self.engine.bind(inputs, outputs)
 
     def run(self, inputs, outputs):
         t0 = time.perf_counter()
@@ -38,8 +42,6 @@ def selector_ms(rt: Runtime, repeats: int = 200) -> float | None:
     graph = rt.manifest.graphs.get("selector")
     if graph is None:
         return None
-    from dflash2.runtime.engines import OrtEngine
-
     m = rt.manifest
     S, K, R, V = m.num_drafts, m.selector.top_k, m.selector.rank, m.vocab_size
     rng = np.random.default_rng(0)
@@ -47,9 +49,8 @@ def selector_ms(rt: Runtime, repeats: int = 200) -> float | None:
              "cand_ids": rng.integers(0, V, (1, S, K)).astype(np.int32),
              "gate": rng.standard_normal((1, S, R)).astype(dtypes.numpy_dtype(m.dtype)),
              "anchor": np.array([1], np.int32)}
-    session = OrtEngine("selector", Path(rt.folder) / graph.flavours.portable, ["CPUExecutionProvider"]).session
-    if "uniforms" in {i.name for i in session.get_inputs()}:  # contract 3: the sampled walk's inputs
-        feeds |= {"uniforms": rng.random((1, S), dtype=np.float32), "temperature": np.array([0.0], np.float32)}
+    feeds |= {"uniforms": rng.random((1, S), dtype=np.float32), "temperature": np.array([0.0], np.float32)}
+    session = open_session(Path(rt.folder) / graph.flavours.portable)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -93,8 +94,8 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
         policies = ("none",)
     man = rt.manifest
     B, S = man.block_size, man.num_drafts
-    main_mode = "auto" if draft_len in (None, "auto") else str(check_draft_len(int(draft_len), B))
-    fixed = tuple(dict.fromkeys(check_draft_len(k, B) for k in (*sweep, *([int(main_mode)] if main_mode != "auto"
+    main_mode = str(parse_draft_len(draft_len, B))
+    fixed = tuple(dict.fromkeys(parse_draft_len(k, B) for k in (*sweep, *([int(main_mode)] if main_mode != "auto"
                                                                           else []))))
     v2 = man.drafter_version == 2
     policies = policies or (POLICIES if v2 else ("selector",))

@@ -1,6 +1,8 @@
 """One engine interface, several backends (Polygraphy-style runners).
 
-    backend.engine(name).run(inputs={name: View}, outputs={name: View})
+    engine = backend.engine(name)
+    engine.bind(fixed_inputs, fixed_outputs)   # once per session
+    engine.run(inputs={name: View}, outputs={name: View})   # per step: only what changed
 
 runs one graph with every input read from and every output written into caller-owned buffers.
 The ONNX Runtime backend binds views with IOBinding (raw pointers, no OrtValue per step).
@@ -14,21 +16,29 @@ from typing import Protocol
 
 from dflash2 import dtypes
 from dflash2.errors import Dflash2Error
+from dflash2.manifest import Signature
 from dflash2.onnxrt import open_session
 from dflash2.runtime.memory import Buffer, HostBuffer, View
 
 
 class Engine(Protocol):
     name: str
-    inputs: list[str]  # input names: the session binds by them (fixed-shape graphs have `past_len`)
 
-    def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None: ...
+    def bind(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        """Views that stay bound for the engine's life (a session binds its fixed buffers once)."""
+
+    def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        """One step: these views plus the bound ones."""
 
 
 class Backend(Protocol):
     name: str
 
-    def engine(self, graph: str) -> Engine: ...
+    def engine(self, graph: str) -> Engine:
+        """A binding of the graph's engine for one session (the loaded engine itself is shared)."""
+
+    def signature(self, graph: str) -> Signature:
+        """The graph's typed contract (manifest): names by role, KV binding kind, capabilities."""
 
     def device_buffer(self, shape: tuple[int, ...], dtype) -> Buffer:
         """Memory the engines read and write (the host never touches it but through push / pull)."""
@@ -41,21 +51,26 @@ class Backend(Protocol):
 
 
 class OrtEngine:
-    def __init__(self, name: str, path: Path, providers: list[str], threads: int | None = None,
-                 spin: bool = True):
-        self.name = name
-        self.session = open_session(path, providers, threads, spin)
-        self.binding = self.session.io_binding()
-        self.output_names = {o.name for o in self.session.get_outputs()}
-        self.inputs = [i.name for i in self.session.get_inputs()]
+    """One IOBinding over a (shared) InferenceSession: bound views persist across runs, so a step binds only
+    the views that changed since the last one."""
+
+    def __init__(self, name: str, session):
+        self.name, self.session = name, session
+        self.binding = session.io_binding()
+        self.output_names = {o.name for o in session.get_outputs()}
         self.bound: dict[tuple[str, str], View] = {}  # what the binding holds: it persists across runs
+        self.fixed_in: dict[str, View] = {}
+        self.unread: set[str] = set(self.output_names)  # outputs nobody binds: ORT allocates them each run
         # Only the CPU provider reads a bound input at run time; others copy it to the device when it is
         # bound (IOBinding::BindInput), so their inputs are bound again every run.
-        self.cache_inputs = self.session.get_providers() == ["CPUExecutionProvider"]
+        self.cache_inputs = session.get_providers() == ["CPUExecutionProvider"]
 
-    def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
-        # Only views that changed are bound again: a gqa target binds 2L KV buffers in and out, the same
-        # every step (120 binds a step for SmolLM2).
+    def bind(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        self.fixed_in |= inputs
+        self._bind(inputs, outputs)
+        self.unread -= outputs.keys()
+
+    def _bind(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         b, bound = self.binding, self.bound
         for name, v in inputs.items():  # ONNX element types: bfloat16 has no numpy type ORT knows
             if not self.cache_inputs or bound.get(("in", name)) != v:
@@ -65,35 +80,52 @@ class OrtEngine:
             if bound.get(("out", name)) != v:
                 b.bind_output(name, v.device, 0, dtypes.onnx_type(v.dtype), v.shape, v.ptr)
                 bound["out", name] = v
-        for name in self.output_names - outputs.keys():  # every run: the binding keeps what ORT allocated
-            b.bind_output(name, "cpu")  # an output nobody reads (e.g. debug logits): ORT allocates it
-            bound.pop(("out", name), None)  # as a preallocated output of last run's shape otherwise
-        self.session.run_with_iobinding(b)
+
+    def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        if not self.cache_inputs:  # the device copies of the fixed inputs are refreshed every run
+            self._bind(self.fixed_in, {})
+        self._bind(inputs, outputs)
+        if self.unread:
+            for name in self.unread - outputs.keys():  # every run: the binding keeps what ORT allocated
+                self.binding.bind_output(name, "cpu")  # as a preallocated output of last run's shape otherwise
+                self.bound.pop(("out", name), None)
+        self.session.run_with_iobinding(self.binding)
 
 
 class OrtBackend:
     """ONNX Runtime on the CPU (host buffers). The CUDA provider, when installed, is used for compute;
-    buffers stay in host memory, so ORT copies inputs to the GPU each step: use TensorRT on GPUs."""
+    buffers stay in host memory, so ORT copies inputs to the GPU each step: use TensorRT on GPUs.
+    Each graph's InferenceSession is opened once per backend, lazily, and shared by every session
+    (`engine()` gives each its own binding): a bench's policies load the weights once."""
 
     name = "onnxruntime"
 
-    def __init__(self, folder: Path, graphs: dict[str, str], provider: str | None = None,
-                 threads: int | None = None):
+    def __init__(self, folder: Path, graphs: dict[str, str], signatures: dict[str, Signature],
+                 provider: str | None = None, threads: int | None = None):
         import onnxruntime as ort
 
         available = ort.get_available_providers()
         if provider and provider not in available:
             raise Dflash2Error(f"ONNX Runtime provider {provider!r} is not available; found {available}")
         self.providers = [provider] if provider else ["CPUExecutionProvider"]
-        self.folder, self.graphs = folder, graphs
+        self.folder, self.graphs, self.signatures = folder, graphs, signatures
         self.threads = threads or int(os.environ.get("DFLASH2_THREADS", "0")) or None
+        self._sessions: dict[str, object] = {}
+
+    def session(self, graph: str):
+        if graph not in self._sessions:
+            # Target and drafter alternate every round. Threads spin-waiting after the drafter steal the cores
+            # from the verify that follows; the target's spinning speeds up back-to-back steps. SmolLM2, 2 cores,
+            # ms per round (verify + draft): both spin 37.6 + 8.6, none 26.0 + 6.4, target only 21.7 + 7.2.
+            self._sessions[graph] = open_session(self.folder / self.graphs[graph], self.providers, self.threads,
+                                                 graph == "target")
+        return self._sessions[graph]
 
     def engine(self, graph: str) -> OrtEngine:
-        # Target and drafter alternate every round. Threads spin-waiting after the drafter steal the cores
-        # from the verify that follows; the target's spinning speeds up back-to-back steps. SmolLM2, 2 cores,
-        # ms per round (verify + draft): both spin 37.6 + 8.6, none 26.0 + 6.4, target only 21.7 + 7.2.
-        return OrtEngine(graph, self.folder / self.graphs[graph], self.providers, self.threads,
-                         spin=graph == "target")
+        return OrtEngine(graph, self.session(graph))
+
+    def signature(self, graph: str) -> Signature:
+        return self.signatures[graph]
 
     def device_buffer(self, shape, dtype) -> HostBuffer:
         return HostBuffer(shape, dtype)

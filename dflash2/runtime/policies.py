@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from dflash2.runtime.session import SpecSession
+from dflash2.speculative import Drafted
 
 POLICIES = ("selector", "top1", "oracle")
 
@@ -33,16 +32,16 @@ class PolicySession(SpecSession):
         """The target-only greedy continuation of this prompt (for the oracle)."""
         self.prompt_len, self.truth = prompt_len, list(greedy_ids)
 
-    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> np.ndarray:
-        drafts = super().draft(anchor, uniforms, temperature)
+    def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> Drafted:
+        d = super().draft(anchor, uniforms, temperature)
         if self.policy == "selector":
-            return drafts
-        if self.draft_q is not None:
+            return d
+        if d.q is not None:
             raise ValueError(f"policy {self.policy!r} measures greedy acceptance only; at temperature > 0 "
                              f"the drafts must be the sampled walk (policy 'selector')")
         cand = self.cand_ids.pull(self.cand_ids.capacity)  # [S, K]; only measurement reads the lattice
         if self.policy == "top1":
-            return cand[:, 0]
+            return Drafted(cand[:, 0], d.confidence)
         start = self.pos - self.prompt_len + 1  # index in truth of the token after the anchor
         out = cand[:, 0].copy()
         for k in range(len(out)):
@@ -50,4 +49,4 @@ class PolicySession(SpecSession):
             if want not in cand[k]:
                 break
             out[k] = want
-        return out
+        return Drafted(out, d.confidence)

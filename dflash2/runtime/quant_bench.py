@@ -65,7 +65,7 @@ def top1_agreement(rt: Runtime, prompt: list[int], reference: list[int]) -> tupl
         return 0, 0
     s = rt.session
     s.reset()
-    next_ids = s.verify(prompt + reference[:-1])  # one pass; positions len(prompt)-1 .. predict reference
+    next_ids = s.verify(prompt + reference[:-1]).ids  # one pass; positions len(prompt)-1 .. predict reference
     got = [int(x) for x in next_ids[len(prompt) - 1:]]
     s.reset()
     return sum(a == b for a, b in zip(got, reference)), len(reference)

@@ -176,6 +176,26 @@ class TrtEngine:
             raise EngineError(f"{self.name}: execute_async_v3 failed: {self.logger.tail()}")
 
 
+class TrtBinding:
+    """One session's use of a shared engine: the views it bound once, merged into each of its runs. An
+    engine sets a tensor address only when it changed, so sessions taking turns on one engine stay correct."""
+
+    def __init__(self, engine: TrtEngine):
+        self.engine = engine
+        self.fixed_in: dict[str, View] = {}
+        self.fixed_out: dict[str, View] = {}
+
+    def bind(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        self.fixed_in |= inputs
+        self.fixed_out |= outputs
+
+    def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        self.engine.run({**self.fixed_in, **inputs}, {**self.fixed_out, **outputs})
+
+    def __getattr__(self, name):  # name, inputs, outputs, spare, ...: the engine's
+        return getattr(self.engine, name)
+
+
 class TrtBackend:
     """The `Backend` protocol over an engine folder; engines for target and drafter load eagerly."""
 
@@ -219,10 +239,14 @@ class TrtBackend:
                               f"version and GPU: rebuild with dflash2-build):\n  {self.logger.tail()}")
         return TrtEngine(graph, engine, entry, self.stream, self.graphs, self.logger)
 
-    def engine(self, graph: str) -> TrtEngine:
+    def engine(self, graph: str) -> TrtBinding:
+        """A binding of the loaded engine for one session (engines load once per backend)."""
         if graph not in self.engines:
             raise EngineError(f"{self.folder}: no {graph!r} engine loaded (have {sorted(self.engines)})")
-        return self.engines[graph]
+        return TrtBinding(self.engines[graph])
+
+    def signature(self, graph: str) -> mf.Signature:
+        return self.manifest.signature(graph)
 
     def device_buffer(self, shape: tuple[int, ...], dtype) -> DeviceBuffer:
         return DeviceBuffer(shape, dtype, self.stream, pinned=False)

@@ -16,9 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:  # main() names the extra to install
+    torch = None
 
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, require_extra
 from dflash2.interrupts import interruptible
 
 
@@ -90,6 +93,7 @@ def table(r: dict) -> str:
 
 @interruptible("dflash2-corpus-bench", "nothing was written")
 def main(argv: list[str] | None = None) -> int:
+    require_extra("dflash2-corpus-bench", "train", 'torch', 'transformers')
     p = argparse.ArgumentParser(prog="dflash2-corpus-bench", description=__doc__)
     p.add_argument("--target", required=True, type=Path)
     p.add_argument("--prompts", default="sharegpt:256", help="as dflash2-train --prompts (default sharegpt:256)")

@@ -44,7 +44,8 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
 def generate_batch(model, batch: list[list[int]], tap_ids, max_new: int, eos: list[int], pad: int,
                    device: str = "cpu") -> list[dict]:
     """Greedy answers of a batch of prompts + the taps of every position that went through the target,
-    in the model's own dtype (bf16 corpora: the model cast once, `as_generation_dtype`).
+    in the model's own dtype (bf16 corpora: the model cast once, `as_generation_dtype`); tap_ids None: the
+    ids alone (records without 'taps'; the hidden states are then never kept).
     Rows that emitted EOS leave the batch, KV rows included, once an eighth of it has finished
     (transformers' generate computes finished rows to the end): a quarter of ShareGPT answers end
     before 160 tokens."""
@@ -57,9 +58,11 @@ def generate_batch(model, batch: list[list[int]], tap_ids, max_new: int, eos: li
     input_ids, mask = input_ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     eos_t = torch.tensor(eos, device=device)
-    out = model(input_ids, attention_mask=mask, position_ids=pos, use_cache=True, output_hidden_states=True,
+    want_taps = tap_ids is not None
+    out = model(input_ids, attention_mask=mask, position_ids=pos, use_cache=True, output_hidden_states=want_taps,
                 logits_to_keep=1)
-    prompt_taps = torch.cat([out.hidden_states[k + 1] for k in tap_ids], -1).half()  # [B, L, n*H]
+    prompt_taps = (torch.cat([out.hidden_states[k + 1] for k in tap_ids], -1).half() if want_taps  # [B, L, n*H]
+                   else torch.zeros(B, L, 0, dtype=torch.half, device=device))
     nxt = out.logits[:, -1].argmax(-1)  # [b] the last token of each row still in the batch
     cache = out.past_key_values
     gen = torch.full((B, max_new), -1, dtype=torch.long, device=device)  # [B, G] -1: never generated
@@ -78,12 +81,14 @@ def generate_batch(model, batch: list[list[int]], tap_ids, max_new: int, eos: li
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=device)], 1)
         pos = pos[:, -1:] + 1
         out = model(nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                    output_hidden_states=True)
+                    output_hidden_states=want_taps)
         cache = out.past_key_values
-        t = torch.cat([out.hidden_states[k + 1][:, 0] for k in tap_ids], -1).half()  # [b, n*H]
         nxt = torch.where(live, out.logits[:, -1].argmax(-1), nxt)  # a finished row keeps its EOS
         fed = rows[live]  # finished rows not yet compacted computed nothing of use
-        taps[fed, step - 1], gen[fed, step] = t[live], nxt[live]
+        gen[fed, step] = nxt[live]
+        if want_taps:
+            t = torch.cat([out.hidden_states[k + 1][:, 0] for k in tap_ids], -1).half()  # [b, n*H]
+            taps[fed, step - 1] = t[live]
     gen_ids, gen_taps, prompt_taps = gen.cpu(), taps.cpu(), prompt_taps.cpu()
     records = []
     for i, x in enumerate(batch):
@@ -91,8 +96,8 @@ def generate_batch(model, batch: list[list[int]], tap_ids, max_new: int, eos: li
         n = next((k + 1 for k, t in enumerate(g) if t in eos), len(g))
         # taps exist for every position whose token went through the target: the prompt + g[:n-1]
         t = torch.cat([prompt_taps[i, L - len(x):], gen_taps[i, : n - 1]], 0)
-        records.append({"ids": torch.tensor(x + g[:n], dtype=torch.int32), "taps": t.contiguous(),
-                        "prompt_len": len(x)})
+        rec = {"ids": torch.tensor(x + g[:n], dtype=torch.int32), "prompt_len": len(x)}
+        records.append(rec | {"taps": t.contiguous()} if want_taps else rec)
     return records
 
 

@@ -1,0 +1,81 @@
+"""The graph I/O contract, written once: the tensor name of every role, per graph and KV binding kind.
+
+Roles are what the runtime binds (`ids`, `next_ids`, `draft_ids`, ...); names are what the graphs call them.
+The graph builders (graphs.py, gqa.py, qdq.py) name their tensors from here, the export records each
+graph's `Signature` in the manifest, and every later stage (the session, the engine build and profiles,
+dflash2-compare, the manifest checks) reads roles from the manifest: nothing after the export knows a
+tensor name. No torch: the names are plain strings.
+"""
+
+from __future__ import annotations
+
+from dflash2 import manifest as mf
+
+# target graph
+INPUT_IDS, NEXT_IDS, CONTEXT, LOGITS = "input_ids", "next_ids", "context", "logits"
+PAST_KV, NEW_KV, KV_CACHE, PAST_LEN = "past_kv", "new_kv", "kv_cache", "past_len"
+# drafter graph (CONTEXT in, PAST_LEN for its fixed flavour)
+ANCHOR, UNIFORMS, TEMPERATURE = "anchor", "uniforms", "temperature"
+DRAFT_IDS, CAND_IDS, CONFIDENCE, DRAFT_PROBS = "draft_ids", "cand_ids", "confidence", "draft_probs"
+PAST_CTX_KV, NEW_CTX_KV, CTX_KV_CACHE = "past_ctx_kv", "new_ctx_kv", "ctx_kv_cache"
+# the standalone selector graph: the op contract's own names (dflash2.ops.contract)
+
+ROLES = {  # graph -> (input role -> name, output role -> name); a graph has a subset
+    "target": ({"ids": INPUT_IDS}, {"next_ids": NEXT_IDS, "context": CONTEXT, "logits": LOGITS}),
+    "drafter": ({"context": CONTEXT, "anchor": ANCHOR, "uniforms": UNIFORMS, "temperature": TEMPERATURE},
+                {"draft_ids": DRAFT_IDS, "cand_ids": CAND_IDS, "confidence": CONFIDENCE, "draft_probs": DRAFT_PROBS}),
+}
+REQUIRED = mf.REQUIRED_ROLES
+KV = {  # (graph, kind) -> KV binding (gqa-shared: per layer, made by gqa_kv_names)
+    ("target", "prefix"): mf.KvSignature("prefix", [PAST_KV], [NEW_KV]),
+    ("target", "fixed"): mf.KvSignature("fixed", [KV_CACHE], [NEW_KV], PAST_LEN),
+    ("drafter", "prefix"): mf.KvSignature("prefix", [PAST_CTX_KV], [NEW_CTX_KV]),
+    ("drafter", "fixed"): mf.KvSignature("fixed", [CTX_KV_CACHE], [NEW_CTX_KV], PAST_LEN),
+}
+# the fixed-shape (TensorRT) flavour replaces the prefix view of each graph by these
+FIXED = {"target": (PAST_KV, KV_CACHE), "drafter": (PAST_CTX_KV, CTX_KV_CACHE)}
+
+
+GQA_BINDING = ("gqa-shared: per layer past_key_values.{i}.key|value [1, kv, max_seq_len, hd] + past_len [1]; "
+               "present.{i}.key|value are bound to the same memory and ONNX Runtime's GroupQueryAttention writes "
+               "the step's rows at [past_len, past_len + n) in place; rollback lowers past_len.")
+
+
+def gqa_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """(past inputs, present outputs) of a gqa-shared graph, layer-major, key before value (the names
+    onnxruntime-genai's builder gives them)."""
+    past = [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+    return past, [p.replace("past_key_values", "present") for p in past]
+
+
+def kv_signature(graph: str, kind: str, num_layers: int | None = None) -> mf.KvSignature:
+    if kind == "gqa-shared":
+        past, present = gqa_kv_names(num_layers)
+        return mf.KvSignature("gqa-shared", past, present, PAST_LEN)
+    return KV[(graph, kind)]
+
+
+def signature(graph: str, kind: str, inputs: list[str], outputs: list[str], num_layers: int | None = None,
+              selector_io: tuple[list[str], list[str]] | None = None) -> mf.Signature:
+    """The signature of a built graph from its io names: every role whose tensor it has, its KV binding, its
+    capabilities. A graph whose io does not match the contract (a required role missing, a tensor no role
+    names) is a builder bug: ValueError names both lists."""
+    if graph == "selector":  # the standalone selector: the op contract's io, no cache
+        ins, outs = selector_io
+        return mf.Signature({n: n for n in ins}, {n: n for n in outs}, None, ["lattice"])
+    in_roles, out_roles = ROLES[graph]
+    kv = kv_signature(graph, kind, num_layers)
+    sig = mf.Signature({r: n for r, n in in_roles.items() if n in inputs},
+                       {r: n for r, n in out_roles.items() if n in outputs}, kv)
+    need_in, need_out = REQUIRED[graph]
+    bound_in, bound_out = sig.names()
+    missing = sorted((need_in - sig.inputs.keys()) | (need_out - sig.outputs.keys()))
+    extra = sorted(set(inputs) - bound_in) + sorted(set(outputs) - bound_out)
+    if missing or extra or not bound_in <= set(inputs) or not bound_out <= set(outputs):
+        raise ValueError(f"{graph} graph ({kind}): roles {missing} missing, tensors {extra} unnamed by the contract; "
+                         f"graph inputs {inputs}, outputs {outputs}")
+    caps = [c for c, ok in (("logits", "logits" in sig.outputs), ("confidence", "confidence" in sig.outputs),
+                            ("lattice", "cand_ids" in sig.outputs),
+                            ("sampled-walk", {"uniforms", "temperature"} <= sig.inputs.keys()
+                             and "draft_probs" in sig.outputs)) if ok]
+    return mf.Signature(sig.inputs, sig.outputs, kv, caps)
