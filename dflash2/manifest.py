@@ -151,6 +151,11 @@ CAPABILITY_ROLES = {"logits": (set(), {"logits"}), "confidence": (set(), {"confi
                     "sampled-walk": ({"uniforms", "temperature"}, {"draft_probs"})}
 
 
+def capabilities_of(inputs: dict, outputs: dict) -> list[str]:
+    """The capabilities a signature's roles give it (the manifest's list must be exactly these)."""
+    return [c for c, (i, o) in CAPABILITY_ROLES.items() if i <= set(inputs) and o <= set(outputs)]
+
+
 @dataclass
 class KvSignature:
     """How a graph binds its KV cache (dflash2.runtime.binding has one class per kind):
@@ -215,6 +220,9 @@ class Signature:
                            "found none")
             if kv is None:
                 out.append(f"{where}.kv: expected the {graph} graph's KV binding, found none")
+            caps = capabilities_of(self.inputs, self.outputs)
+            if isinstance(self.capabilities, list) and sorted(map(str, self.capabilities)) != sorted(caps):
+                out.append(f"{where}.capabilities: expected {caps} (what its roles give), found {self.capabilities}")
         if out or io is None or self.inputs is None or self.outputs is None or io.inputs is None or io.outputs is None:
             return out
         ins, outs = self.names()

@@ -104,28 +104,50 @@ def uniforms(seed: int, first_position: int, n: int, purpose: int) -> np.ndarray
     return np.array([uniform(seed, first_position + i, purpose) for i in range(n)], np.float32)
 
 
-def process(logits: np.ndarray, s: Sampling) -> np.ndarray:
-    """logits [V] -> p [V] float64: / T, top-k (ties at the k-th value kept), top-p (the smallest top
-    set whose mass reaches top_p: a token stays while the mass ranked above it is < top_p; at least
-    one), renormalised. transformers' Temperature / TopK / TopP warpers are the reference."""
-    x = logits.astype(np.float64) / s.temperature  # [V]
-    V = x.shape[0]
-    if 0 < s.top_k < V:
-        kth = np.partition(x, V - s.top_k)[V - s.top_k]
-        x = np.where(x < kth, -np.inf, x)
+def process_sparse(logits: np.ndarray, s: Sampling) -> tuple[np.ndarray | None, np.ndarray]:
+    """logits [V] -> (ids, p): the processed distribution on the ids it can give mass to, ascending (None: all V,
+    p dense). / T, top-k (ties at the k-th value kept), top-p (the smallest top set whose mass reaches top_p:
+    a token stays while the mass ranked above it is < top_p; at least one), renormalised, float64.
+    transformers' Temperature / TopK / TopP warpers are the reference. With top-k on, only the top-k
+    candidates are ever exponentiated: one partition of the row instead of V-wide float64 work."""
+    V = logits.shape[0]
+    ids = None
+    if 0 < s.top_k < V:  # the order of logits / T is the order of the logits (T > 0): pick on the row as given
+        top = np.argpartition(logits, V - s.top_k)[V - s.top_k:]
+        kth = logits[top].min()
+        if np.isnan(kth) or np.isnan(logits[top]).any():
+            raise SamplingError("target logits: expected a finite maximum, found nan (NaN or inf in the logits)")
+        ids = np.flatnonzero(logits >= kth)  # [n >= k] ascending: ties at the k-th value kept
+        x = logits[ids].astype(np.float64)
+    else:
+        x = logits.astype(np.float64)
+    x /= s.temperature
     m = x.max()
     if not np.isfinite(m):
         raise SamplingError(f"target logits: expected a finite maximum, found {m} (NaN or inf in the logits)")
-    p = np.exp(x - m)
-    p /= p.sum()
-    if s.top_p < 1:
-        p = _top_p(p, s.top_p)
-    return p
+    x -= m
+    np.exp(x, out=x)
+    x /= x.sum()
+    if s.top_p < 1:  # positions are in ascending id order: its ties-by-lower-id rule holds
+        keep, x = _top_p(x, s.top_p)
+        ids = keep if ids is None else ids[keep]
+    return ids, x
 
 
-def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the tokens whose exclusive prefix mass (descending, ties by lower id) is < top_p. Only the
-    top m are sorted, m doubling until they hold top_p of the mass (usually a few dozen tokens)."""
+def process(logits: np.ndarray, s: Sampling) -> np.ndarray:
+    """logits [V] -> p [V] float64 (process_sparse, dense)."""
+    ids, p = process_sparse(logits, s)
+    if ids is None:
+        return p
+    out = np.zeros(logits.shape[0], np.float64)
+    out[ids] = p
+    return out
+
+
+def _top_p(p: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(kept positions ascending, their renormalised p): the tokens whose exclusive prefix mass (descending,
+    ties by lower position) is < top_p. Only the top m are sorted, m doubling until they hold top_p of the mass
+    (usually a few dozen tokens); nothing V-wide is written."""
     V, m = p.shape[0], 64
     while True:
         m = min(m, V)
@@ -135,18 +157,55 @@ def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
         if m == V or before[-1] + p[top[-1]] >= top_p:
             break
         m *= 2
-    keep = top[before < top_p]
-    out = np.zeros_like(p)
-    out[keep] = p[keep]
-    return out / out.sum()
+    keep = np.sort(top[before < top_p])
+    kept = p[keep]
+    return keep, kept / kept.sum()
+
+
+BLOCK = 512  # the inverse CDF in two levels: block sums, then one block's cumsum (V-wide cumsum is sequential)
+
+
+def _index(p: np.ndarray, u: float) -> int:
+    """Inverse CDF in index order: the first index whose cumulative mass exceeds u * total (zeros are never
+    chosen; where rounding leaves u * total at or past the end, the last index with mass)."""
+    n = p.shape[0]
+    if n <= 4 * BLOCK:
+        cdf = np.cumsum(p)
+        i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+        return i if i < n and p[i] > 0 else int(np.flatnonzero(p)[-1])
+    starts = np.arange(0, n, BLOCK)
+    sums = np.cumsum(np.add.reduceat(p, starts))  # [n / BLOCK]
+    target = u * sums[-1]
+    b = min(int(np.searchsorted(sums, target, side="right")), len(starts) - 1)
+    a, e = starts[b], min(starts[b] + BLOCK, n)
+    cdf = (sums[b - 1] if b else 0.0) + np.cumsum(p[a:e])
+    i = a + int(np.searchsorted(cdf, target, side="right"))
+    if i < e and p[i] > 0:
+        return i
+    nz = np.flatnonzero(p[a:e])
+    return a + int(nz[-1]) if nz.size else int(np.flatnonzero(p)[-1])
 
 
 def draw(p: np.ndarray, u: float) -> int:
     """Inverse CDF over the support in id order: the first id whose cumulative mass exceeds u * total."""
-    support = np.flatnonzero(p)  # [n] ascending ids
-    cdf = np.cumsum(p[support])
-    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    return int(support[min(i, support.shape[0] - 1)])
+    return _index(p, u)
+
+
+def _at(ids: np.ndarray | None, p: np.ndarray, x) -> np.ndarray:
+    """p of the ids x (0 where x is outside the support) and their positions in p (-1 there)."""
+    x = np.asarray(x)
+    if ids is None:
+        return p[x], x
+    j = np.minimum(np.searchsorted(ids, x), len(ids) - 1)
+    hit = ids[j] == x
+    return np.where(hit, p[j], 0.0), np.where(hit, j, -1)
+
+
+def sample(logits: np.ndarray, s: Sampling, u: float) -> int:
+    """One token of target-only sampling from a logits row."""
+    ids, p = process_sparse(logits, s)
+    i = _index(p, u)
+    return int(i if ids is None else ids[i])
 
 
 def accept(p: np.ndarray, x: int, qx: float, u: float) -> bool:
@@ -154,14 +213,22 @@ def accept(p: np.ndarray, x: int, qx: float, u: float) -> bool:
     return u * qx < p[x]
 
 
-def residual(p: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: float) -> int:
-    """After a rejection: a token ~ norm(max(p - q, 0)), q sparse (ids [K], probs [K]): only the K
-    entries of q change p, so the residual lives on supp(p) U supp(q) without a dense q."""
+def _residual(ids: np.ndarray | None, p: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: float) -> int:
+    """After a rejection: a token ~ norm(max(p - q, 0)), q sparse (ids [K], probs [K]): only the K entries of q
+    change p, and max(0 - q, 0) = 0 outside supp(p), so the residual lives on supp(p)."""
     r = p.copy()
-    r[q_ids] = np.maximum(r[q_ids] - q, 0.0)
+    _, j = _at(ids, p, q_ids)
+    keep = j >= 0
+    r[j[keep]] = np.maximum(r[j[keep]] - q[keep], 0.0)
     if not r.sum() > 0:  # p == q up to rounding: a rejection has probability ~0; p is the limit
         r = p
-    return draw(r, u)
+    i = _index(r, u)
+    return int(i if ids is None else ids[i])
+
+
+def residual(p: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: float) -> int:
+    """The dense form of _residual (p [V])."""
+    return _residual(None, p, np.asarray(q_ids), np.asarray(q, np.float64), u)
 
 
 def verify_round(rows: np.ndarray, drafts: list[int], q_ids: np.ndarray | None, q: np.ndarray | None,
@@ -170,18 +237,19 @@ def verify_round(rows: np.ndarray, drafts: list[int], q_ids: np.ndarray | None, 
 
     rows [k+1, V]: target logits of [anchor, d_1..d_k]; drafts [k] (d_j sits at position start + j);
     q_ids / q [>= k, K]: each draft's candidates and draft distribution (None: q one-hot at the draft,
-    the DFlash v1 drafter's deterministic top-1)."""
+    the DFlash v1 drafter's deterministic top-1). Rows are processed only up to the first rejection."""
     for j, x in enumerate(drafts):
-        p = process(rows[j], s)  # the distribution of position start + 1 + j
+        ids, p = process_sparse(rows[j], s)  # the distribution of position start + 1 + j
         pos = start + 1 + j
         if q is None:
-            qx, ids, probs = 1.0, np.array([x]), np.array([1.0])
+            qx, c_ids, probs = 1.0, np.array([x]), np.array([1.0])
         else:
-            ids, probs = q_ids[j], q[j].astype(np.float64)
-            hit = np.flatnonzero(ids == x)
+            c_ids, probs = q_ids[j], q[j].astype(np.float64)
+            hit = np.flatnonzero(c_ids == x)
             qx = float(probs[hit[0]]) if hit.size else 0.0
-        if qx > 0 and accept(p, x, qx, uniform(s.seed, pos, ACCEPT)):
+        px = float(_at(ids, p, [x])[0][0])
+        if qx > 0 and uniform(s.seed, pos, ACCEPT) * qx < px:
             continue
-        return j, residual(p, ids, probs, uniform(s.seed, pos, RESIDUAL))
+        return j, _residual(ids, p, np.asarray(c_ids), probs, uniform(s.seed, pos, RESIDUAL))
     k = len(drafts)
-    return k, draw(process(rows[k], s), uniform(s.seed, start + 1 + k, TOKEN))
+    return k, sample(rows[k], s, uniform(s.seed, start + 1 + k, TOKEN))

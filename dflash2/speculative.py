@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from dflash2.sampling import DRAFT, TOKEN, Sampling, draw, process, uniform, uniforms, verify_round
+from dflash2.sampling import DRAFT, TOKEN, Sampling, sample, uniform, uniforms, verify_round
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
 
 def _sample_next(v: Verified, s: Sampling, position: int) -> int:
     """Target-only sampling of the token at `position` from a target call's last logits row."""
-    return draw(process(v.logits()[-1], s), uniform(s.seed, position, TOKEN))
+    return sample(v.logits()[-1], s, uniform(s.seed, position, TOKEN))
 
 
 def _draft(backend: SpecBackend, anchor: int, at: int, s: Sampling | None) -> Drafted:

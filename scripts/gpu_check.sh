@@ -6,7 +6,7 @@
 #   on TensorRT) -> CUDA graphs give the same ids -> speedup (--no-spec vs spec), per-stage times.
 #
 # Needs: an NVIDIA GPU, TensorRT 10.x Python (`pip install tensorrt-cu12`, or JetPack on Jetson),
-# cuda-python, nvcc + cmake, and this package installed (`pip install -e .`).
+# cuda-python, nvcc + cmake, and this package installed with its export and trt extras (`pip install -e ".[export,trt]"`).
 # Knobs: PYTHON (default python3), WORK (default a temp folder), CUDA_ARCHS (default: this GPU's
 # SM), TENSORRT_ROOT (TensorRT headers for the plugin build), SKIP_PLUGIN_BUILD=1, MAX_NEW (64).
 set -euo pipefail

@@ -145,3 +145,27 @@ def test_cli_info_and_verify_name_a_damaged_shard(setup, tmp_path, capsys):
     assert corpus_cli.main(["verify", str(copy)]) == 2
     err = capsys.readouterr().err
     assert "shard-00000.safetensors: corpus shard is damaged" in err and err.count("\n") == 1
+
+
+def test_a_malformed_manifest_or_out_is_named_not_a_traceback(setup, tmp_path, capsys):
+    import shutil
+
+    target, sharegpt, folder = setup
+    for i, (edit, want) in enumerate([
+            (lambda m: m.update(target={}), "field target.name expected str"),
+            (lambda m: m["shards"].__setitem__(0, {"file": "x"}), "field shards.0.sha256 expected str"),
+            (lambda m: m.update(sessions=[1]), "field sessions.0 expected an object")]):
+        copy = tmp_path / f"c{i}"
+        shutil.copytree(folder, copy)
+        meta = json.loads((copy / "corpus.json").read_text())
+        edit(meta)
+        (copy / "corpus.json").write_text(json.dumps(meta))
+        for cmd in ("info", "verify"):
+            assert corpus_cli.main([cmd, str(copy)]) == 2
+            err = capsys.readouterr().err
+            assert want in err and err.count("\n") == 1, err
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(Dflash2Error, match="expected a corpus folder, found a file"):
+        grow(target, afile, minutes=1, conversations=(0, 3), log=lambda m: None, sharegpt_file=sharegpt)
+    assert afile.read_text() == "mine"

@@ -275,3 +275,15 @@ def test_bench_split_runs_combine(tmp_path, exports, capsys):
     assert c["modes"]["2"]["tokens_per_second"] == pytest.approx(tokens / secs)
     assert c["modes"]["2"]["k_histogram"]["2"] == sum(r["modes"]["2"]["k_histogram"]["2"] for r in rs)
     assert "3 prompts in 2 interleaved runs" in capsys.readouterr().out
+
+
+def test_a_verified_logits_handle_refuses_after_the_next_target_call(exports):
+    """One logits buffer, no copies: a handle read after a later call would silently give that call's rows."""
+    from dflash2.errors import Dflash2Error
+
+    s = Runtime(exports[("llama", 2)]).session
+    v = s.prefill(PROMPT)
+    assert v.logits().shape == (min(len(PROMPT), s.block_size), s.vocab_size)
+    s.decode(int(v.ids[-1]))
+    with pytest.raises(Dflash2Error, match="overwritten by call"):
+        v.logits()

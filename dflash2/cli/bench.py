@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dflash2.cli.args import add_sampling_args, check_output_file, sampling_options
 from dflash2.cli.run import draft_len_arg, draft_lens_arg
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, require_extra
 from dflash2.folders import write_atomic
 from dflash2.interrupts import interruptible
 
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.repeats < 1:
             raise Dflash2Error(f"--repeats: expected >= 1, found {a.repeats}")
+        if a.plot is not None:  # before the run, not after it
+            require_extra("dflash2-bench", "bench", "matplotlib")  # --plot
         for flag, path in (("--json", a.json), ("--plot", a.plot)):
             check_output_file(path, flag, {"FOLDER": a.folder})
         prompts = parse_spec(a.prompts, default_split="eval", log=print)

@@ -100,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
 
         if any(is_id_corpus(c) for c in corpora):  # ids from the repository: their taps from the local cache
             from dflash2.train.idcorpus import IdCorpus
+            from dflash2.train.taps import taps_ready
+
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would build the same cache at once
+                for c in corpora:
+                    if is_id_corpus(c) and not taps_ready(IdCorpus(c), list(taps), cache_root=a.taps_cache):
+                        raise Dflash2Error(f"{c}: its taps are not in the cache yet; under torchrun build them first "
+                                           f"in one process: dflash2-corpus taps {c} --target {a.target} --taps "
+                                           f"{','.join(map(str, taps))}")
 
             corpora = [build_taps(IdCorpus(c), a.target, list(taps), a.taps_cache, threads=a.threads)
                        if is_id_corpus(c) else c for c in corpora]

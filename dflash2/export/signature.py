@@ -74,8 +74,4 @@ def signature(graph: str, kind: str, inputs: list[str], outputs: list[str], num_
     if missing or extra or not bound_in <= set(inputs) or not bound_out <= set(outputs):
         raise ValueError(f"{graph} graph ({kind}): roles {missing} missing, tensors {extra} unnamed by the contract; "
                          f"graph inputs {inputs}, outputs {outputs}")
-    caps = [c for c, ok in (("logits", "logits" in sig.outputs), ("confidence", "confidence" in sig.outputs),
-                            ("lattice", "cand_ids" in sig.outputs),
-                            ("sampled-walk", {"uniforms", "temperature"} <= sig.inputs.keys()
-                             and "draft_probs" in sig.outputs)) if ok]
-    return mf.Signature(sig.inputs, sig.outputs, kv, caps)
+    return mf.Signature(sig.inputs, sig.outputs, kv, mf.capabilities_of(sig.inputs, sig.outputs))

@@ -97,6 +97,7 @@ class SpecSession:
             self.draft_probs = backend.host_buffer((S, K), np.float32)
             self._set_walk(np.zeros(S, np.float32), 0.0)
         self.walk_sampled = False  # what the uniforms / temperature buffers hold now
+        self.calls = 0  # target calls so far: a Verified's lazy logits are valid until the next one
         self._bind_fixed()
         # an engine's drafter profile takes max(max_prefill, B) context rows at once; ONNX Runtime any number
         limit = min(getattr(m, "max_prefill", None) or T, backend.max_rows("drafter") or T)
@@ -157,7 +158,15 @@ class SpecSession:
                         {self._t_next: self.next_ids.rows(0, n), self._t_ctx: self.context.rows(c, c + n),
                          self._t_logits: self.logits_buf.rows(0, rows), **k_out})
         kv.after(self.pos, n)
-        return Verified(self.next_ids.pull(n), lambda: self.logits_buf.pull(rows))
+        self.calls = call = self.calls + 1
+        return Verified(self.next_ids.pull(n), lambda: self._logits(call, rows))
+
+    def _logits(self, call: int, rows: int) -> np.ndarray:
+        """The logits of target call `call`: the buffer holds only the last call's (one buffer, no copies)."""
+        if call != self.calls:
+            raise Dflash2Error(f"the logits of target call {call} were overwritten by call {self.calls}: read a "
+                               "Verified's logits before the next target call")
+        return self.logits_buf.pull(rows)
 
     # --- SpecBackend ---------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> Verified:

@@ -73,8 +73,11 @@ def grow(target_dir: Path, folder: Path, minutes: float, shard_items: int = 256,
     deadline = t_start + minutes * 60
     if threads:
         torch.set_num_threads(threads)
+    # bf16 answers depend on how prompts were batched (padding): the batch size is a setting too
     settings = {"dtype": dtype, "max_new_tokens": max_new_tokens, "context_tokens": context_tokens,
-                "greedy": True, "chat_template": True}
+                "greedy": True, "chat_template": True, "batch": batch_size}
+    if folder.exists() and not folder.is_dir():
+        raise Dflash2Error(f"--out {folder}: expected a corpus folder, found a file (left as it is)")
     target = target_identity(target_dir)
     folder.mkdir(parents=True, exist_ok=True)
     meta = read_meta(folder)
@@ -87,6 +90,11 @@ def grow(target_dir: Path, folder: Path, minutes: float, shard_items: int = 256,
         for i in range(len(corpus.shards)):
             corpus.shard(i)
     items = sharegpt_items(conversations, sharegpt_file)
+    keys = hashlib.sha256("".join(f"{it.conversation}:{it.turn}\n" for it in items).encode()).hexdigest()
+    if meta["source"].setdefault("items_sha256", keys) != keys:  # shard s must answer the same turns as before
+        raise Dflash2Error(f"{folder / 'corpus.json'}: source.items_sha256 expected {meta['source']['items_sha256']} "
+                           f"(the turns this corpus answers), found {keys}: the prompt filters or the ShareGPT "
+                           "file changed; grow a new folder")
     n_shards = -(-len(items) // shard_items)
     log(f"corpus {folder}: {len(meta['shards'])}/{n_shards} shards made ({len(items)} items from conversations "
         f"{conversations[0]}..{conversations[1] - 1}); target {target['name']} ({dtype}), "

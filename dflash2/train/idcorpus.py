@@ -205,7 +205,8 @@ class IdCorpus:
 
     def totals(self) -> dict:
         s = self.shards
-        convs = [e["conversations"] for e in s if e.get("conversations")]
+        convs = [e["conversations"] for e in s if isinstance(e.get("conversations"), list)
+                 and len(e["conversations"]) == 2]
         return {"shards": len(s), "rows": sum(e["rows"] for e in s),
                 "prompt_tokens": sum(e["prompt_tokens"] for e in s),
                 "answer_tokens": sum(e["answer_tokens"] for e in s),
@@ -229,6 +230,19 @@ def read_meta(folder: Path) -> dict | None:
                      ("sessions", list), ("shard_items", int)):
         if not isinstance(meta.get(key), typ):
             raise Dflash2Error(f"{path}: field {key!r} expected {typ.__name__}, found {type(meta.get(key)).__name__}")
+    for key, typ in (("name", str), ("family", str), ("vocab_size", int), ("weights_sha256", str)):
+        if not isinstance(meta["target"].get(key), typ):
+            raise Dflash2Error(f"{path}: field target.{key} expected {typ.__name__}, found "
+                               f"{meta['target'].get(key)!r}")
+    for i, e in enumerate(meta["shards"]):
+        for key, typ in (("file", str), ("sha256", str), ("rows", int), ("prompt_tokens", int),
+                         ("answer_tokens", int)):
+            if not isinstance(e, dict) or not isinstance(e.get(key), typ):
+                raise Dflash2Error(f"{path}: field shards.{i}.{key} expected {typ.__name__}, found "
+                                   f"{e.get(key) if isinstance(e, dict) else e!r}")
+    for i, e in enumerate(meta["sessions"]):
+        if not isinstance(e, dict):
+            raise Dflash2Error(f"{path}: field sessions.{i} expected an object, found {e!r}")
     return meta
 
 

@@ -54,6 +54,19 @@ def teacher_forced_taps(model, seqs: list[list[int]], tap_ids: list[int], pad: i
     return [taps[i, : len(s) - 1].clone() for i, s in enumerate(seqs)]
 
 
+def taps_ready(corpus: IdCorpus, tap_ids: list[int], dtype: str = "fp32", cache_root: Path | None = None) -> bool:
+    """Whether the cache already holds every shard's taps, from the shard's current bytes (nothing to build)."""
+    out = cache_folder(corpus, tap_ids, dtype, cache_root)
+    try:
+        meta = read_meta(out) or {}
+    except Dflash2Error:
+        return False
+    sources = meta.get("sources") or {}
+    return bool(meta.get("complete")) and all(
+        sources.get(shard_path(out, i).name) == e["sha256"] and shard_path(out, i).is_file()
+        for i, e in enumerate(corpus.shards))
+
+
 def build_taps(corpus: IdCorpus, target_dir: Path, tap_ids: list[int], cache_root: Path | None = None,
                max_shards: int | None = None, dtype: str = "fp32", threads: int | None = None, log=print) -> Path:
     """The cache folder holding the taps of the corpus's first `max_shards` shards (all by default)."""
