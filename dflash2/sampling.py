@@ -186,11 +186,6 @@ def _index(p: np.ndarray, u: float) -> int:
     return a + int(nz[-1]) if nz.size else int(np.flatnonzero(p)[-1])
 
 
-def draw(p: np.ndarray, u: float) -> int:
-    """Inverse CDF over the support in id order: the first id whose cumulative mass exceeds u * total."""
-    return _index(p, u)
-
-
 def _at(ids: np.ndarray | None, p: np.ndarray, x) -> np.ndarray:
     """p of the ids x (0 where x is outside the support) and their positions in p (-1 there)."""
     x = np.asarray(x)
@@ -208,11 +203,6 @@ def sample(logits: np.ndarray, s: Sampling, u: float) -> int:
     return int(i if ids is None else ids[i])
 
 
-def accept(p: np.ndarray, x: int, qx: float, u: float) -> bool:
-    """Draft x drawn with probability qx is accepted with probability min(1, p(x) / qx)."""
-    return u * qx < p[x]
-
-
 def _residual(ids: np.ndarray | None, p: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: float) -> int:
     """After a rejection: a token ~ norm(max(p - q, 0)), q sparse (ids [K], probs [K]): only the K entries of q
     change p, and max(0 - q, 0) = 0 outside supp(p), so the residual lives on supp(p)."""
@@ -224,11 +214,6 @@ def _residual(ids: np.ndarray | None, p: np.ndarray, q_ids: np.ndarray, q: np.nd
         r = p
     i = _index(r, u)
     return int(i if ids is None else ids[i])
-
-
-def residual(p: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: float) -> int:
-    """The dense form of _residual (p [V])."""
-    return _residual(None, p, np.asarray(q_ids), np.asarray(q, np.float64), u)
 
 
 def verify_round(rows: np.ndarray, drafts: list[int], q_ids: np.ndarray | None, q: np.ndarray | None,

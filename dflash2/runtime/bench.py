@@ -89,7 +89,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     sampling; ids then differ between modes by design (the same distribution, not the same draws: the
     statistical tests prove it), so "lossless" is None and only the selector's acceptance is measured."""
     rt = Runtime(folder)
-    sampling = rt.sampling(**(sampling or {}))  # checks that the export can sample
+    sampling = rt.sampling(**(sampling or {}))
     if not sampling.greedy:
         policies = ("none",)
     man = rt.manifest

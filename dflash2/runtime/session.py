@@ -125,12 +125,6 @@ class SpecSession:
     def reset(self) -> None:
         self.pos = self.ctx_pos = self.pending = 0
 
-    def check_sampling(self) -> None:
-        """Sampling needs the drafter's sampled walk (DFlash2); every export of this contract has it."""
-        if self.has_lattice and not self.sampled_walk:
-            raise SamplingUnsupported("sampling (temperature > 0) needs the drafter graph's uniforms / temperature "
-                                      "inputs: re-export with dflash2-export")
-
     def buffers(self) -> dict[str, int]:
         """name -> base address: constant for the life of the session (tested)."""
         out = {n: b.ptr for n, b in vars(self).items() if hasattr(b, "rows")}
@@ -178,9 +172,7 @@ class SpecSession:
     def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> Drafted:
         self.anchor.host[0] = anchor
         self.anchor.push(1)
-        sampled = uniforms is not None and temperature > 0
-        if sampled:
-            self.check_sampling()
+        sampled = uniforms is not None and temperature > 0  # a DFlash2 drafter without the walk is refused at start
         if self.sampled_walk and (sampled or self.walk_sampled):  # greedy rounds after greedy rounds copy nothing
             self._set_walk(uniforms if sampled else 0.0, temperature if sampled else 0.0)
             self.walk_sampled = sampled
