@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
+
+import numpy as np
 
 from dflash2.config import DrafterConfig, TargetConfig
 from dflash2.errors import CheckpointError, TensorSetError
@@ -230,3 +233,84 @@ def load_tensors(folder: str | Path, names: set[str] | None = None) -> dict:
         raise CheckpointError(folder, "weights", "finite values (no NaN / inf)",
                               f"{len(bad)} tensor(s): {', '.join(bad[:4])}")
     return out
+
+
+# ------------------------------------------------------------------ streamed reading (dflash2.export.weights)
+
+_NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
+          "U8": np.uint8, "I8": np.int8}
+CHUNK_BYTES = 64 << 20  # a tensor is widened / checked this many source bytes at a time
+
+
+class Weights:
+    """name -> fp32 numpy array, read from a safetensors folder on demand (module docstring)."""
+
+    def __init__(self, folder: str | Path, prefixes: tuple[str, ...] = ("", "model.")):
+        self.folder, self.prefixes = Path(folder), prefixes
+        self.where: dict[str, tuple[Path, str, tuple[int, ...], int]] = {}  # name -> (file, dtype, shape, offset)
+        for f in shard_files(self.folder):
+            header = read_header(f)  # validated: entries, dtypes, contiguous offsets, file length
+            start, offsets = _offsets(f)
+            for name, (dtype, shape) in header.items():
+                self.where[name] = (f, dtype, shape, start + offsets[name])
+
+    def _key(self, name: str) -> str:
+        for p in self.prefixes:
+            if p + name in self.where:
+                return p + name
+        raise KeyError(f"{self.folder}: no tensor {name!r} (looked for {[p + name for p in self.prefixes]})")
+
+    def __contains__(self, name: str) -> bool:
+        return any(p + name in self.where for p in self.prefixes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[self._key(name)][2])
+
+    def get(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """fp32 copy of a tensor (or of consecutive rows of its first axis), checked finite. Read with
+        pread in CHUNK_BYTES pieces, not through a memory map: mapped file pages count as the process's
+        resident memory until unmapped, which would make a streamed export look like it holds the model."""
+        key = self._key(name)
+        f, dtype, shape, offset = self.where[key]
+        np_dtype = np.dtype(np.uint16 if dtype == "BF16" else _NUMPY.get(dtype, np.void))
+        if np_dtype == np.void or dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f, key, "a float tensor", f"dtype {dtype}")
+        start, stop, _ = (rows or slice(None)).indices(shape[0] if shape else 1)
+        row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        out = np.empty((stop - start, *shape[1:]) if shape else (), np.float32)
+        flat = out.reshape(-1)
+        step = max(1, CHUNK_BYTES // np_dtype.itemsize)
+        with open(f, "rb") as fh:
+            fd = fh.fileno()
+            base = offset + start * row * np_dtype.itemsize
+            for i in range(0, flat.size, step):
+                n = min(step, flat.size - i)
+                buf = np.frombuffer(os.pread(fd, n * np_dtype.itemsize, base + i * np_dtype.itemsize), np_dtype)
+                if np_dtype == np.uint16:  # bf16: its bits are the upper half of the fp32's
+                    bits = flat[i:i + n].view(np.uint32)
+                    bits[:] = buf
+                    bits <<= 16
+                else:
+                    flat[i:i + n] = buf
+        # one cheap pass: a sum is finite unless some entry is not (or it overflows: then the exact check)
+        if not np.isfinite(np.add.reduce(flat, dtype=np.float32)) and not np.isfinite(out).all():
+            raise CheckpointError(f, key, "finite values (no NaN / inf)",
+                                  f"{int(np.isnan(out).sum())} NaN, {int(np.isinf(out).sum())} inf")
+        return out
+
+    def row_chunks(self, name: str, max_bytes: int = CHUNK_BYTES):
+        """fp32 copies of consecutive row ranges of a 2-D tensor, each at most ~max_bytes."""
+        rows, cols = self.shape(name)
+        step = max(1, max_bytes // (4 * cols))
+        for i in range(0, rows, step):
+            yield self.get(name, slice(i, min(rows, i + step)))
+
+
+def _offsets(f: Path) -> tuple[int, dict[str, int]]:
+    """(byte where tensor data starts, name -> offset of its data after that)."""
+    import json
+
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    return 8 + n, {k: int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}

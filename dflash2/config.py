@@ -142,6 +142,35 @@ def check_tokenizer_files(folder: str | Path) -> None:
             raise CheckpointError(jinja, "file", "UTF-8 text (a jinja template)", "undecodable bytes") from None
 
 
+UNUSED_ROWS = 128  # embedding rows a matching tokenizer may leave unused (at least; else 5% of the vocabulary)
+
+
+def tokenizer_id_count(path: Path) -> int:
+    """1 + the largest id `tokenizer.json` produces (added tokens included)."""
+    from tokenizers import Tokenizer
+
+    try:
+        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    except Exception as e:  # tokenizers raises its own Exception type for malformed files
+        raise CheckpointError(path, "file", "a tokenizers JSON file", f"unreadable ({str(e)[:120]})") from None
+    return 1 + max(vocab.values(), default=-1)
+
+
+def check_tokenizer_vocab(path: Path, ids: int, vocab_size: int) -> None:
+    """The tokenizer belongs to the model: none of its ids past the embedding, and not far fewer ids than
+    rows. Models pad their vocabulary (Qwen3: 151,669 token ids for 151,936 rows, Phi-3: 32,011 for 32,064),
+    so up to max(UNUSED_ROWS, 5%) unused rows pass; a tokenizer of another model does not (a 564-token one
+    beside 151,936 rows encoded prompts the target never saw and decoded its output to nothing)."""
+    slack = max(UNUSED_ROWS, vocab_size // 20)
+    where = "the target's config.json vocab_size"
+    if ids > vocab_size:
+        raise CheckpointError(path, "vocabulary", f"token ids < {vocab_size} ({where})",
+                              f"ids up to {ids - 1}", "this tokenizer belongs to another model")
+    if ids < vocab_size - slack:
+        raise CheckpointError(path, "vocabulary", f"about {vocab_size} token ids ({where}; at most {slack} "
+                              f"unused rows)", f"{ids} ids", "this tokenizer belongs to another model")
+
+
 def _json_type(v) -> str:
     return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number",
             type(None): "null"}.get(type(v), type(v).__name__)

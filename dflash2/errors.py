@@ -33,9 +33,10 @@ class TensorSetError(Dflash2Error):
 class ValidationError(Dflash2Error):
     """ONNX Runtime vs reference mismatches after export: every failing output listed."""
 
-    def __init__(self, failures: list[str]):
-        self.failures = failures
-        super().__init__("validation failed for {} output(s):\n  ".format(len(failures)) + "\n  ".join(failures))
+    def __init__(self, failures: list[str], kept: str | None = None):
+        self.failures, self.kept = failures, kept
+        super().__init__("validation failed for {} output(s):\n  ".format(len(failures)) + "\n  ".join(failures)
+                         + (f"\n{kept}" if kept else ""))
 
 
 def require_extra(prog: str, extra: str, *modules: str) -> None:

@@ -200,3 +200,35 @@ def replace_folder(tmp: Path, out: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         elif old is not None:
             old.rename(out)
+
+
+def cache_root() -> Path:
+    """dflash2's cache (checkpoints prepared, taps, the record of verified files): $DFLASH2_CACHE or
+    ~/.cache/dflash2."""
+    return Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2"))
+
+
+FAILED_MARK = "VALIDATION_FAILED.txt"
+
+
+def keep_failed(tmp: Path, out: Path) -> str:
+    """A failed export's temp folder (the graphs, their Polygraphy replay files) renamed to `OUT.failed`
+    for inspection instead of deleted. An earlier `OUT.failed` of ours is replaced; a folder of that name
+    that dflash2 did not write is left alone and `OUT.failed-2`, ... is used. Returns the line that says where."""
+    dest = out.parent / f"{out.name}.failed"
+    n = 1
+    while dest.exists() and not (dest / FAILED_MARK).is_file():
+        n += 1
+        dest = out.parent / f"{out.name}.failed-{n}"
+    try:
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+        (dest / FAILED_MARK).write_text(
+            f"dflash2-export of {out} failed validation; nothing was written to {out}.\n"
+            "Replay a graph's check: polygraphy run NAME.onnx --onnxrt --load-inputs NAME.inputs.json "
+            "--load-outputs NAME.reference.json (tolerances: docs/export.md). Delete this folder when done.\n")
+    except OSError as e:
+        return f"the failing graphs could not be kept ({e.strerror}); nothing was written to {out}"
+    return (f"kept for inspection in {dest}: the graphs written so far and their Polygraphy replay files "
+            f"(NAME.inputs.json, NAME.reference.json); nothing was written to {out}")

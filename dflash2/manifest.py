@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from dflash2 import verified
 from dflash2.dtypes import GRAPH_DTYPES
 from dflash2.errors import Dflash2Error
 from dflash2.folders import write_atomic
@@ -241,7 +242,7 @@ class Signature:
 @dataclass
 class Graph:
     flavours: Flavours
-    data: str
+    data: str  # the external data file(s) its flavours read, ", "-joined (a drafter reads the target's embedding)
     inputs: list[IoSpec]  # of the portable flavour
     outputs: list[IoSpec]
     seconds: float = 0.0
@@ -612,23 +613,33 @@ def _newer(data: dict, key: str, ours: int) -> str | None:
     return None
 
 
-def file_problems(folder: Path, files: dict[str, FileEntry]) -> list[str]:
-    """Every listed file exists with its recorded size and sha256."""
+def file_problems(folder: Path, files: dict[str, FileEntry], rehash: bool = False) -> list[str]:
+    """Every listed file exists with its recorded size and sha256. A file hashed before and unchanged
+    since (size, mtime, inode: dflash2.verified) is not hashed again unless `rehash`."""
     problems = []
+    record = verified.Record(folder)
     for name, meta in files.items():
         p = folder / name
         if not p.is_file():
             problems.append(f"files.{name}: expected a file of {meta.bytes} bytes, found none (missing)")
         elif p.stat().st_size != meta.bytes:
             problems.append(f"files.{name}: expected {meta.bytes} bytes, found {p.stat().st_size}")
-        elif sha256(p) != meta.sha256:
-            problems.append(f"{name}: sha256 does not match the manifest (file changed after export)")
+        elif not rehash and record.trusted(name, meta.sha256):
+            continue
+        else:
+            started = verified.now_ns()
+            if sha256(p) != meta.sha256:
+                problems.append(f"{name}: sha256 does not match the manifest (file changed after export)")
+            else:
+                record.add(name, meta.sha256, started)
+    record.save()
     return problems
 
 
 def load(folder: str | Path, kinds: type | tuple[type, ...] = (ExportManifest, EngineManifest),
-         check_files: bool = True) -> Manifest:
-    """The typed manifest of an export or engine folder; ManifestError lists every problem at once."""
+         check_files: bool = True, rehash: bool = False) -> Manifest:
+    """The typed manifest of an export or engine folder; ManifestError lists every problem at once.
+    rehash: hash every file even where dflash2.verified's record says it is unchanged since its last check."""
     folder = Path(folder)
     path = folder / NAME
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
@@ -665,13 +676,26 @@ def load(folder: str | Path, kinds: type | tuple[type, ...] = (ExportManifest, E
                         f"{stored!r}: {NAME} was edited after it was written; re-export / rebuild the folder")
     manifest = _convert(KINDS[data["format"]], data, "", problems)
     problems += manifest.check()
-    if check_files:  # a deleted tokenizer file is not a broken folder: only text in / out needs it (and says so)
-        optional = set((manifest.tokenizer.files or []) if manifest.tokenizer is not None else [])
-        problems += file_problems(folder, {n: f for n, f in (manifest.files or {}).items()
-                                           if n not in optional or (folder / n).exists()})
+    if check_files:
+        problems += checked_file_problems(folder, manifest, rehash)
     if problems:
         raise ManifestError(path, problems)
     return manifest
+
+
+def checked_file_problems(folder: Path, manifest: Manifest, rehash: bool = False) -> list[str]:
+    """file_problems for a loaded manifest's files. A deleted tokenizer file is not a broken folder: only
+    text in / out needs it (and says so)."""
+    optional = set((manifest.tokenizer.files or []) if manifest.tokenizer is not None else [])
+    return file_problems(Path(folder), {n: f for n, f in (manifest.files or {}).items()
+                                        if n not in optional or (Path(folder) / n).exists()}, rehash)
+
+
+def check_files(folder: str | Path, manifest: Manifest, rehash: bool = False) -> None:
+    """Raise ManifestError naming every file that is missing, resized or changed since it was written."""
+    problems = checked_file_problems(Path(folder), manifest, rehash)
+    if problems:
+        raise ManifestError(Path(folder) / NAME, problems)
 
 
 def file_table(folder: Path, names: list[str]) -> dict[str, FileEntry]:

@@ -89,6 +89,25 @@ def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], shards: in
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
+def target_config(family: str, vocab: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                  intermediate_size: int, tie_word_embeddings: bool, eos: int, dtype: str = "float32",
+                  attention_bias: bool = False, head_dim: int | None = None, **extra) -> dict:
+    """A Llama / Qwen3 config.json as transformers writes it (the fields dflash2 reads, and the usual rest)."""
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    config = {
+        "architectures": [arch], "model_type": family, "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim or hidden_size // num_heads, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": attention_bias, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": eos,
+        "pad_token_id": 0, "torch_dtype": dtype, **extra,
+    }
+    if family == "llama":
+        config["mlp_bias"] = False
+    return config
+
+
 def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384, hidden_size: int = 64,
                 num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                 tie_word_embeddings: bool = False, shards: int = 1, seed: int = 0,
@@ -97,24 +116,32 @@ def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384
     folder.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(folder, vocab_size)
     eos = vocab and SPECIALS.index("<|im_end|>")
-    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
-    config = {
-        "architectures": [arch], "model_type": family, "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
-        "head_dim": hidden_size // num_heads, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": tie_word_embeddings,
-        "attention_bias": attention_bias, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": eos,
-        "pad_token_id": 0, "torch_dtype": str(dtype).replace("torch.", ""),
-    }
-    if family == "llama":
-        config["mlp_bias"] = False
+    config = target_config(family, vocab, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                           tie_word_embeddings, eos, str(dtype).replace("torch.", ""), attention_bias)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
     shapes = target_tensor_shapes(load_target_config(folder))
     tensors = {k: v.to(dtype) for k, v in _init(shapes, seed).items()}
     write_safetensors(folder, tensors, shards)
     return folder
+
+
+def drafter_config(t, version: int, num_layers: int, block_size: int, taps: list[int], mask_token_id: int,
+                   top_k: int, rank: int, conv_group_size: int, conv_kernel_size: int, output_multiplier: float,
+                   softcap: float | None, intermediate_size: int, **extra) -> dict:
+    """A DFlash (v1) / DFlash2 drafter config.json for target config `t`, as z-lab's checkpoints write it."""
+    dc = {"block_size": block_size, "target_layer_ids": taps, "mask_token_id": mask_token_id}
+    if version == 2:
+        dc.update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size, selector_rank=rank,
+                  selector_top_k=top_k, output_multiplier=output_multiplier, final_logit_softcapping=softcap)
+    return {
+        "architectures": ["DFlash2DraftModel" if version == 2 else "DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": t.hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
+        "vocab_size": t.vocab_size, "rms_norm_eps": 1e-6, "rope_theta": t.rope.theta, "attention_bias": False,
+        "hidden_act": "silu", "num_target_layers": t.num_layers, "block_size": block_size,
+        "is_causal": False, "dflash_config": dc, **extra,
+    }
 
 
 def make_drafter(folder: str | Path, target_dir: str | Path, version: int = 2, num_layers: int = 1,
@@ -126,18 +153,9 @@ def make_drafter(folder: str | Path, target_dir: str | Path, version: int = 2, n
     folder.mkdir(parents=True, exist_ok=True)
     t = load_target_config(target_dir)
     taps = list(tap_ids) if tap_ids is not None else sorted({1, t.num_layers - 2})
-    dc = {"block_size": block_size, "target_layer_ids": taps, "mask_token_id": SPECIALS.index("<|mask|>")}
-    if version == 2:
-        dc.update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size, selector_rank=rank,
-                  selector_top_k=top_k, output_multiplier=output_multiplier, final_logit_softcapping=softcap)
-    config = {
-        "architectures": ["DFlash2DraftModel" if version == 2 else "DFlashDraftModel"], "model_type": "qwen3",
-        "hidden_size": t.hidden_size, "intermediate_size": 2 * t.hidden_size, "num_hidden_layers": num_layers,
-        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
-        "vocab_size": t.vocab_size, "rms_norm_eps": 1e-6, "rope_theta": t.rope.theta, "attention_bias": False,
-        "hidden_act": "silu", "num_target_layers": t.num_layers, "block_size": block_size,
-        "is_causal": False, "dflash_config": dc, **(extra or {}),
-    }
+    config = drafter_config(t, version, num_layers, block_size, taps, SPECIALS.index("<|mask|>"), top_k, rank,
+                            conv_group_size, conv_kernel_size, output_multiplier, softcap, 2 * t.hidden_size,
+                            **(extra or {}))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     from dflash2.config import load_drafter_config
 

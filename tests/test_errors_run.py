@@ -90,6 +90,54 @@ def test_max_seq_len_bounded_by_the_targets_positions(tmp_path, capsys, nan_pair
     assert snapshot(tmp_path) == before
 
 
+def test_max_seq_len_defaults_to_the_targets_positions(tmp_path, capsys, nan_pair):
+    import json
+
+    cfg = nan_pair[1] / "config.json"
+    doc = json.loads(cfg.read_text())
+    doc["max_position_embeddings"] = 512
+    cfg.write_text(json.dumps(doc))
+    # no --max-seq-len: min(2048, 512) is taken, not refused; the export goes on to the weights (the NaN)
+    assert "NaN" in _export(capsys, nan_pair, tmp_path / "o")
+    assert "expected <= max_position_embeddings 512" in _export(capsys, nan_pair, tmp_path / "o",
+                                                                "--max-seq-len", "2048")
+
+
+def test_a_tokenizer_of_another_model_is_refused_with_the_numbers(tmp_path, capsys, nan_pair):
+    tok = tmp_path / "small"
+    tok.mkdir()
+    n = tiny.make_tokenizer(tok, 600)  # the tiny target's vocabulary is 384
+    shutil.copy(tok / "tokenizer.json", nan_pair[1] / "tokenizer.json")
+    msg = _export(capsys, nan_pair, tmp_path / "o")
+    assert f"tokenizer.json: vocabulary: expected token ids < 384" in msg and f"found ids up to {n - 1}" in msg
+    assert "another model" in msg
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o*"))
+
+
+def test_a_tokenizer_past_the_embedding_is_refused(tmp_path):
+    from dflash2.config import check_tokenizer_vocab
+    from dflash2.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="expected token ids < 151936 .*found ids up to 151999"):
+        check_tokenizer_vocab(tmp_path / "tokenizer.json", 152000, 151936)
+    with pytest.raises(CheckpointError, match="expected about 151936 token ids .*found 564 ids"):
+        check_tokenizer_vocab(tmp_path / "tokenizer.json", 564, 151936)
+    check_tokenizer_vocab(tmp_path / "tokenizer.json", 151669, 151936)  # Qwen3: padded rows are fine
+    check_tokenizer_vocab(tmp_path / "tokenizer.json", 32011, 32064)  # Phi-3
+
+
+def test_the_runtime_refuses_a_swapped_tokenizer(tmp_path, capsys, exports):
+    from dflash2.runtime.api import Runtime
+
+    copy = tmp_path / "copy"
+    shutil.copytree(exports[("llama", 1)], copy)
+    tiny.make_tokenizer(tmp_path, 600)
+    shutil.copy(tmp_path / "tokenizer.json", copy / "tokenizer.json")
+    rt = Runtime(copy, verify=False)  # the manifest's sha256 would catch the swap first
+    with pytest.raises(Exception, match="expected token ids < 384"):
+        rt.prompt_ids(text="hello")
+
+
 def test_output_under_proc_fails_before_loading(tmp_path, capsys, nan_pair):
     if not Path("/proc/self").is_dir():
         pytest.skip("no /proc on this system")

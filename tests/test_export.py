@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
+from dflash2 import manifest as mf
 from dflash2.errors import CheckpointError, TensorSetError, ValidationError
 from dflash2.export import selector_onnx as so
 from dflash2.export import trace as tr
@@ -52,9 +53,10 @@ def test_flavours(exports):
     assert attrs["top_k"] == 8 and attrs["rank"] == 16 and attrs["mode"] == b"sample"  # T = 0 walks greedily
     assert len(trt.functions) == 0  # TensorRT's parser must fall through to the plugin registry
     assert [f.name for f in portable.functions] == [C.OP_NAME]
-    # both flavours share one external data file
+    # both flavours read the same external data: the drafter's own file and the target's embedding / head
     locations = {e.value for t in trt.graph.initializer for e in t.external_data if e.key == "location"}
-    assert locations == {"drafter.onnx.data"}
+    assert locations == {e.value for t in portable.graph.initializer for e in t.external_data
+                         if e.key == "location"} == {"drafter.onnx.data", "target.onnx.data"}
     # the custom node's outputs are int32, int32, fp32 as the contract says
     sel = onnx.load(str(out / "selector.trt.onnx"), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in sel.graph.output}
@@ -117,7 +119,21 @@ def test_validation_failure_lists_every_output_and_writes_nothing(tmp_path, pair
         export(*pairs[("llama", 2)], out, quiet=True)
     text = str(e.value)
     assert "target.context" in text and "target.new_kv" in text and "max abs" in text
-    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert "drafter" not in text  # the export stops at the first failing graph
+    kept = tmp_path / "bad.failed"
+    assert f"kept for inspection in {kept}" in text
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["bad.failed"]
+    assert {"target.onnx", "target.inputs.json", "target.reference.json", "VALIDATION_FAILED.txt"} <= \
+        {p.name for p in kept.iterdir()}
+    with pytest.raises(ValidationError) as e:  # again: our earlier .failed folder is replaced
+        export(*pairs[("llama", 2)], out, quiet=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.failed"]
+    user = tmp_path / "user.failed"  # a folder of that name dflash2 did not write is left alone
+    user.mkdir()
+    (user / "mine.txt").write_text("x")
+    with pytest.raises(ValidationError) as e:
+        export(*pairs[("llama", 2)], tmp_path / "user", quiet=True)
+    assert (user / "mine.txt").read_text() == "x" and (tmp_path / "user.failed-2" / "target.onnx").is_file()
 
 
 def _no_leftovers(folder):
@@ -246,3 +262,60 @@ def test_portable_selector_confidence_special_rows():
     conf = sess.run(None, feeds)[3]
     want = [1 / (2 + np.exp(-1) + np.exp(-2)), 0.0, 0.5, 2 / 5]  # tie of two 3s; nothing scored; two +inf; 2/(2+3)
     np.testing.assert_allclose(conf[0], want, rtol=1e-6)
+
+
+def test_a_graph_no_provider_here_can_run_is_recorded_not_validated(tmp_path, pairs, capsys, monkeypatch):
+    """bf16 without a bf16-capable provider: nothing is reported validated that was not."""
+    from dflash2.export import validate
+
+    monkeypatch.setattr(validate.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    m = export(*pairs[("llama", 1)], tmp_path / "bf16", dtype="bfloat16")
+    err = capsys.readouterr().err
+    assert all(not v.ok and "no bfloat16 kernels" in v.skipped for v in m.validation.values())
+    assert "NOT validated (ONNX Runtime's CPU provider has no bfloat16 kernels" in err
+    assert "validating against PyTorch on ONNX Runtime: done" not in err
+
+
+@pytest.mark.parametrize("key", [("llama", 2), ("qwen3", 1)])
+def test_no_tensor_is_stored_twice(exports, key):
+    """Each weight once: the drafter graphs read the target's embedding / head, the selector the drafter's
+    codebooks (dflash2.export.dedupe); the manifest names the data files each graph reads."""
+    from dflash2.export import dedupe
+
+    folder = exports[key]
+    assert dedupe.duplicates(folder) == []
+    m = mf.load(folder)
+    assert "target.onnx.data" in m.graphs["drafter"].data  # the embedding is read from the target's file
+    for g in m.graphs.values():
+        for f in g.data.split(", "):
+            assert (folder / f).is_file()
+
+
+def test_sharing_changes_no_output(tmp_path, pairs):
+    """The same graphs before and after sharing give bit-identical outputs on the validation feeds."""
+    import shutil
+
+    from dflash2.export import dedupe
+    from dflash2.onnxrt import open_session
+
+    out = tmp_path / "e"
+    export(*pairs[("qwen3", 2)], out, quiet=True, max_seq_len=64)
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("*.trt.onnx"))  # the portable graphs alone
+    models = {g: onnx.load(str(copy / g)) for g in ("target.onnx", "drafter.onnx", "selector.onnx")}
+    for g, model in models.items():  # back to one self-contained file per graph
+        onnx.save_model(model, str(copy / g), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=f"{g}.alone", size_threshold=1024)
+    assert dedupe.duplicates(copy) != []
+    report = dedupe.share(copy, list(models))
+    assert report["tensors_shared"] > 0 and report["bytes_after"] < report["bytes_before"]
+    assert dedupe.duplicates(copy) == []
+    from polygraphy.json import load_json
+
+    for g in ("target", "drafter"):
+        feeds = load_json(str(out / f"{g}.inputs.json"))
+        for feed in feeds:
+            a = open_session(out / f"{g}.onnx").run(None, feed)
+            b = open_session(copy / f"{g}.onnx").run(None, feed)
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)

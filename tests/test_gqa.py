@@ -193,3 +193,51 @@ def test_manifest_kv_rows_are_checked_against_the_per_layer_buffers(gqa_exports,
     edit_manifest(folder, wrong_heads)
     with pytest.raises(mf.ManifestError, match=r"kv.rows.target\[2:\]: expected \[\d+, \d+\]"):
         Runtime(folder)
+
+
+def test_streamed_build_writes_the_same_weights_as_the_module_build(tmp_path, pairs):
+    """gqa.build from the safetensors folders through a DataFile (what the export runs) and from loaded modules
+    with inline weights: the same nodes and the same initializer bytes; the streamed proto holds no weight."""
+    from onnx import numpy_helper
+
+    from dflash2.checkpoint import Weights
+    from dflash2.export import weights as W
+
+    d, t = pairs[("qwen3", 2)]
+    target, drafter = load_pair(d, t)
+    inline = gqa.build_target(target, drafter, True, 64)
+    with W.DataFile(tmp_path / "target.onnx.data") as data:
+        streamed = gqa.build(target.config, drafter.config, Weights(t), Weights(d), True, 64, data)
+    assert [n.SerializeToString() for n in streamed.graph.node] == [n.SerializeToString() for n in inline.graph.node]
+    big = [i.name for i in streamed.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+    assert "embed_tokens.weight" in big and len(streamed.SerializeToString()) < 64 * 1024
+    onnx.save_model(streamed, str(tmp_path / "target.onnx"))
+    loaded = onnx.load(str(tmp_path / "target.onnx"))
+    want = {i.name: numpy_helper.to_array(i) for i in inline.graph.initializer}
+    got = {i.name: numpy_helper.to_array(i) for i in loaded.graph.initializer}
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_weights_are_read_as_stored(tmp_path):
+    """bf16 / fp16 / fp32 safetensors widened exactly; rows read alone; NaN named with its tensor."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash2.checkpoint import Weights
+    from dflash2.errors import CheckpointError
+
+    g = torch.Generator().manual_seed(0)
+    ts = {"model.a": torch.randn(7, 5, generator=g).bfloat16(), "b": torch.randn(3, generator=g).half(),
+          "c": torch.randn(4, 4, generator=g)}
+    save_file(ts, str(tmp_path / "model.safetensors"))
+    w = Weights(tmp_path)
+    np.testing.assert_array_equal(w.get("a"), ts["model.a"].float().numpy())  # "model." looked up behind
+    np.testing.assert_array_equal(w.get("b"), ts["b"].float().numpy())
+    np.testing.assert_array_equal(w.get("a", slice(2, 4)), ts["model.a"][2:4].float().numpy())
+    np.testing.assert_array_equal(np.concatenate(list(w.row_chunks("c", max_bytes=32))), ts["c"].numpy())
+    ts["c"][1, 2] = float("nan")
+    save_file(ts, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="c: expected finite values .*1 NaN"):
+        Weights(tmp_path).get("c")

@@ -21,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, type=Path, help="target folder (Llama / Qwen3, safetensors)")
     p.add_argument("--out", required=True, type=Path, help="output folder (written atomically)")
     p.add_argument("--dtype", default="float32", choices=GRAPH_DTYPES)
-    p.add_argument("--max-seq-len", type=int, default=2048,
-                   help="KV capacity the runtime allocates (default 2048; at most the target's max_position_embeddings)")
+    p.add_argument("--max-seq-len", type=int,
+                   help="KV capacity the runtime allocates (default min(2048, the target's max_position_embeddings); "
+                        "at most max_position_embeddings)")
     p.add_argument("--beyond-max-positions", action="store_true",
                    help="allow --max-seq-len past the target's max_position_embeddings")
     p.add_argument("--no-fuse-context", action="store_true",

@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], help="override the automatic choice")
     p.add_argument("--json", action="store_true", help="print ids and stats as one JSON object")
+    p.add_argument("--verify-files", action="store_true",
+                   help="hash every file against the manifest (default: only files changed since their last check)")
     add_sampling_args(p)
     a = p.parse_args(negative_ids_joined(sys.argv[1:] if argv is None else argv))
     from dflash2.quantization import describe, label
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         check_flags(a)
         prompt = None if a.prompt is None else read_prompt(a.prompt)
         log = None if a.json else (lambda line: print(f"dflash2-run: {line}", file=sys.stderr))
-        rt = Runtime(a.folder, backend=a.backend, log=log)
+        rt = Runtime(a.folder, backend=a.backend, log=log, verify="full" if a.verify_files else True)
         ids = rt.prompt_ids(text=prompt, ids=a.prompt_ids, chat=a.chat, system=a.system)
         stream = None if a.json or a.prompt is None else (lambda t: print(t, end="", flush=True))
         sampling = sampling_of(rt, a)

@@ -10,15 +10,20 @@ import dataclasses
 import time
 from pathlib import Path
 
+import numpy as np
+import onnx
 import torch
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from dflash2 import __version__, draft_vocab, dtypes
+from dflash2.checkpoint import Weights
 from dflash2 import manifest as mf
-from dflash2.config import check_pair, check_tokenizer_files, load_drafter_config, load_target_config
-from dflash2.errors import Dflash2Error
-from dflash2.export import deviation, gqa, qdq
+from dflash2.config import (check_pair, check_tokenizer_files, check_tokenizer_vocab, load_drafter_config,
+                            load_target_config, tokenizer_id_count)
+from dflash2.errors import Dflash2Error, ValidationError
+from dflash2.export import dedupe, deviation, gqa, qdq
 from dflash2.export import signature as sig
+from dflash2.export import weights as W
 from dflash2.export import quantize as qz
 from dflash2.export import trace as tr
 from dflash2.export.graphs import graph_specs
@@ -27,12 +32,14 @@ from dflash2.folders import (
     OutputError,
     check_output,
     copy_present,
+    keep_failed,
     replace_folder,
     temp_folder,
 )
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
-from dflash2.reference.load import load_pair
+from dflash2.reference.load import load_pair, load_streamed_pair
+from dflash2.reference.streamed import StreamedTarget, truncated
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json")
@@ -55,7 +62,7 @@ def tool_versions() -> dict[str, str]:
 
 
 def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
-           max_seq_len: int = 2048, force: bool = False, fuse_context: bool = True,
+           max_seq_len: int | None = None, force: bool = False, fuse_context: bool = True,
            quiet: bool = False, full_vocab: bool = False, beyond_max_positions: bool = False,
            quantize: qz.OrtQuant | qdq.TrtQuant | None = None,
            target_attention: str = "auto") -> mf.ExportManifest:
@@ -79,19 +86,28 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
                           + (f", --quantize {quantize.method}" if quantize is not None else ""))
     out = Path(out_dir).absolute()
     dc, tc = check_inputs(drafter_dir, target_dir, out, dtype, max_seq_len, force, beyond_max_positions)
+    max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     target_attention = _attention(target_attention, quantize, tc, dc, max_seq_len)
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
-    steps = 1 + 2 * specs_count + 2 + 1  # + the validations of the two fixed-shape TensorRT flavours
-    steps -= target_attention == "gqa"  # whose target has no TensorRT flavour
-    progress = Progress(steps + (len(quantize.graphs()) if quantize else 0), quiet)
+    steps = 1 + 2 * specs_count + 2 + 1 + 1  # + the two fixed-shape TensorRT flavours' validations, sharing
+    steps += target_attention == "gqa"  # no TensorRT flavour; + the truncated build and its validation
+    steps += len(quantize.graphs()) - (target_attention == "gqa") if quantize else 0  # gqa: quantized as built
+    progress = Progress(steps, quiet)
     with progress.step("loading and checking the checkpoints"):
-        target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype), use_draft_vocab=not full_vocab)
+        if target_attention == "gqa":  # built from templates: the reference reads one layer at a time
+            target, drafter = load_streamed_pair(drafter_dir, target_dir, use_draft_vocab=not full_vocab)
+        else:
+            target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype),
+                                        use_draft_vocab=not full_vocab)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
-        manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context, progress,
-                              quantize, target_attention)
-        raise_if_failed([f for v in manifest.validation.values() for f in v.failures])
+        try:
+            manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context, progress,
+                                  quantize, target_attention, (drafter_dir, target_dir))
+            raise_if_failed([f for v in manifest.validation.values() for f in v.failures])
+        except ValidationError as e:
+            raise ValidationError(e.failures, keep_failed(tmp, out)) from None
         manifest.sources = mf.Sources(drafter=str(Path(drafter_dir).absolute()), target=str(Path(target_dir).absolute()))
         manifest.draft_vocab = _draft_vocab_entry(drafter, drafter_dir)
         with progress.step("tokenizer, manifest"):
@@ -101,16 +117,29 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     return manifest
 
 
-def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dtype: str, max_seq_len: int,
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def default_max_seq_len(tc) -> int:
+    """--max-seq-len when not given: 2048, or fewer for a target trained on shorter sequences."""
+    return min(DEFAULT_MAX_SEQ_LEN, tc.max_position_embeddings)
+
+
+def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dtype: str, max_seq_len: int | None,
                  force: bool, beyond_max_positions: bool):
     """The checks before any weight is read: the output folder (before anything is read at all), both
-    configs and their agreement, the capacity. Returns (drafter config, target config)."""
+    configs and their agreement, the tokenizer, the capacity (None: default_max_seq_len). Returns
+    (drafter config, target config)."""
     if dtype not in dtypes.GRAPH_DTYPES:
         raise OutputError(f"--dtype: expected one of {list(dtypes.GRAPH_DTYPES)}, found {dtype!r}")
     check_output(out, force, {"--model": drafter_dir, "--target": target_dir})
     dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
+    max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     check_tokenizer_files(target_dir)
+    if (Path(target_dir) / "tokenizer.json").is_file():
+        path = Path(target_dir) / "tokenizer.json"
+        check_tokenizer_vocab(path, tokenizer_id_count(path), tc.vocab_size)
     if max_seq_len < dc.block_size + 2:
         raise OutputError(f"--max-seq-len: expected >= block_size + 2 = {dc.block_size + 2}, found {max_seq_len}")
     if max_seq_len > tc.max_position_embeddings and not beyond_max_positions:
@@ -131,7 +160,7 @@ def _attention(asked: str, quantize, tc, dc, max_seq_len: int) -> str:
 
 
 def preflight(drafter_dir: str | Path, target_dir: str | Path, out: str | Path, dtype: str = "float32",
-              max_seq_len: int = 2048, force: bool = False, full_vocab: bool = False,
+              max_seq_len: int | None = None, force: bool = False, full_vocab: bool = False,
               beyond_max_positions: bool = False):
     """Everything export() checks before it writes: check_inputs, then the weights (names, shapes,
     dtypes, finite values) loaded into the reference modules. Returns (target, drafter)."""
@@ -148,35 +177,41 @@ def _draft_vocab_entry(drafter, drafter_dir) -> mf.DraftVocab | None:
 
 
 def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
-               progress, quantize=None, target_attention="plain") -> mf.ExportManifest:
+               progress, quantize=None, target_attention="plain", sources=None) -> mf.ExportManifest:
+    """sources: (drafter folder, target folder), read tensor by tensor by the graphs built from templates."""
     graphs, validation, quantized = {}, {}, {}
     for spec in graph_specs(target, drafter, fuse_context):
         t0 = time.perf_counter()
         if spec.name == "target" and target_attention == "gqa":
-            spec = gqa.gqa_spec(spec)
-            with progress.step("target.onnx: ONNX Runtime's fused ops (GroupQueryAttention)"):
-                model = gqa.build_target(target, drafter, fuse_context, max_seq_len)
-                files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False)
+            spec, files, checked, q_report = _gqa_target(tmp, spec, drafter, tc, dc, sources, fuse_context,
+                                                         max_seq_len, quantize, progress, dtype)
+            validation.update(checked)
+            if q_report is not None:
+                quantized[spec.name] = q_report
+            io = tr.io_spec(tmp / files["portable"])
+            graphs[spec.name] = mf.Graph(flavours=mf.Flavours(**files), data="",
+                                         inputs=[mf.IoSpec(**d) for d in io["inputs"]],
+                                         outputs=[mf.IoSpec(**d) for d in io["outputs"]],
+                                         seconds=time.perf_counter() - t0,
+                                         signature=_signature(spec.name, "gqa-shared", io, tc.num_layers))
+            continue
         else:
             with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
                 model = tr.trace(spec, max_seq_len)
                 fixed = tr.trace(spec.tensorrt, max_seq_len) if spec.tensorrt is not None else None
                 files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
-        with progress.step(f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime"):
-            f, report = validate_graph(spec, tmp / files["portable"], dtype, save_dir=tmp)
-        validation[spec.name] = mf.Validation(ok=not f, failures=f, skipped=report.pop("skipped", None), steps=report)
+        validation[spec.name] = _validate(progress, f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime",
+                                          spec, tmp / files["portable"], dtype, tmp, spec.name)
         tensorrt_io = None
         if spec.tensorrt is not None:
-            with progress.step(f"{spec.name}.trt.onnx: fixed step shapes, validating on ONNX Runtime"):
-                f, report = validate_graph(spec.tensorrt, tmp / files["tensorrt"], dtype, save_dir=tmp,
-                                           name=f"{spec.name}.trt",
-                                           selector_drafts=dc.num_drafts if spec.has_selector else None)
-            validation[f"{spec.name}.trt"] = mf.Validation(ok=not f, failures=f, skipped=report.pop("skipped", None),
-                                                         steps=report)
+            validation[f"{spec.name}.trt"] = _validate(
+                progress, f"{spec.name}.trt.onnx: fixed step shapes, validating on ONNX Runtime", spec.tensorrt,
+                tmp / files["tensorrt"], dtype, tmp, f"{spec.name}.trt",
+                selector_drafts=dc.num_drafts if spec.has_selector else None)
             trt_io = tr.io_spec(tmp / files["tensorrt"])
             tensorrt_io = mf.GraphIo(inputs=[mf.IoSpec(**d) for d in trt_io["inputs"]],
                                      outputs=[mf.IoSpec(**d) for d in trt_io["outputs"]])
-        if quantize is not None and spec.name in quantize.graphs() and not f:
+        if quantize is not None and spec.name in quantize.graphs():
             with progress.step(f"{spec.name}.onnx: {quantize.method} weights, deviation from PyTorch"):
                 quantizer = _qdq_graph if isinstance(quantize, qdq.TrtQuant) else _quantize_graph
                 fixed_file = files.get("tensorrt") if spec.tensorrt is not None else None
@@ -196,6 +231,14 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                                      signature=_signature(spec.name, kind, io, tc.num_layers),
                                      tensorrt_signature=None if tensorrt_io is None else
                                      _signature(spec.name, "fixed", tr.io_spec(tmp / files["tensorrt"]), tc.num_layers))
+    with progress.step("each weight once: graphs share the bytes they have in common") as step:
+        written = [f for g in graphs.values() for f in dataclasses.asdict(g.flavours).values() if f]
+        shared = dedupe.share(tmp, written)
+        step.outcome = (f"{shared['tensors_shared']} tensors shared, {shared['bytes_before'] / 2**20:.0f} -> "
+                        f"{shared['bytes_after'] / 2**20:.0f} MiB of weights")
+        for name, g in graphs.items():  # the data files each graph reads now
+            files = [f for f in dataclasses.asdict(g.flavours).values() if f]
+            g.data = ", ".join(sorted({loc for f in files for loc in dedupe.data_files_of(tmp / f)}))
     selector = None
     if dc.version == 2:
         selector = mf.Selector(op=C.OP_NAME, domain=C.ONNX_DOMAIN, plugin_version=C.PLUGIN_VERSION,
@@ -215,6 +258,20 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                  f"target: {sig.GQA_BINDING} drafter: {KV_BINDING}", target_attention=target_attention),
         selector=selector, target_config=tc.to_dict(), drafter_config=dc.to_dict(), graphs=graphs,
         validation=validation, quantization=quantize.manifest_entry(quantized) if quantize is not None else None)
+
+
+def _validate(progress: Progress, what: str, spec, path: Path, dtype: str, tmp: Path, name: str,
+              selector_drafts: int | None = None) -> mf.Validation:
+    """One graph flavour against PyTorch. A failure stops the export here (no minutes spent on the graphs
+    after it); a graph no available provider can run is recorded ok: false with why, and said."""
+    with progress.step(what) as step:
+        f, report = validate_graph(spec, path, dtype, save_dir=tmp, name=name, selector_drafts=selector_drafts)
+        skipped = report.pop("skipped", None)
+        if skipped:
+            step.outcome = f"NOT validated ({skipped})"
+    if f:
+        raise ValidationError(f)
+    return mf.Validation(ok=skipped is None, failures=f, skipped=skipped, steps=report)
 
 
 def _signature(graph: str, kind: str, io: dict, num_layers: int) -> mf.Signature:
@@ -238,6 +295,84 @@ def _qdq_graph(tmp: Path, spec, files: dict, q: qdq.TrtQuant) -> tuple[dict, mf.
     dev.judged = f"deviation from fp32 ({q.method} Q/DQ, TensorRT flavour)"
     return ({**files, "tensorrt": name}, report,
             mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev, skipped=skipped))
+
+
+TRUNCATED_LAYERS = 2  # the end-to-end check of the templates: this many layers, the real embedding and head
+
+
+def _gqa_target(tmp: Path, plain_spec, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int, quantize,
+                progress: Progress, dtype: str):
+    """The target from ONNX Runtime's fused-op templates (dflash2.export.gqa), weights streamed from the
+    checkpoint, checked at bounded memory:
+    1. a TRUNCATED_LAYERS-layer build of the same templates with the real embedding, head and context
+       projection, validated against the layer-streamed PyTorch reference by the one comparison rule;
+    2. the whole graph, quantized as it is written when --quantize int4 / int8 asks: its deviation from
+       the reference is measured; else fp32 and validated like every graph.
+    Returns (spec, files, validations, quantization report or None)."""
+    tw, dw = Weights(sources[1]), Weights(sources[0])
+    checked = {}
+    short_tc, short_dc = truncated(tc, dc, TRUNCATED_LAYERS)
+    short = StreamedTarget(short_tc, short_dc.target_layer_ids, tw)
+    short_spec = gqa.gqa_spec(graph_specs(short, drafter, fuse_context)[0])
+    name = "target.truncated"
+    with progress.step(f"{name}.onnx: the templates end to end ({short_tc.num_layers} layers, the real embedding "
+                       f"and head), ONNX Runtime's fused ops") as step:
+        with W.DataFile(tmp / f"{name}.onnx.data") as data:
+            model = gqa.build(short_tc, short_dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer)
+        onnx.save_model(model, str(tmp / f"{name}.onnx"))
+        del model
+    checked[name] = _validate(progress, f"{name}.onnx: validating against PyTorch on ONNX Runtime", short_spec,
+                              tmp / f"{name}.onnx", dtype, tmp, name)
+    for f in (f"{name}.onnx", f"{name}.onnx.data", f"{name}.inputs.json", f"{name}.reference.json"):
+        (tmp / f).unlink()  # checked; a failure above keeps them (keep_failed)
+    spec = gqa.gqa_spec(plain_spec)
+    q = quantize if isinstance(quantize, qz.OrtQuant) else None
+    what = f"{q.method} weights quantized as they are written" if q else "fp32"
+    with progress.step(f"target.onnx: ONNX Runtime's fused ops (GroupQueryAttention), streamed from safetensors, "
+                       f"{what}") as step:
+        with W.DataFile(tmp / "target.onnx.data") as data:
+            model = gqa.build(tc, dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer, quant=q)
+        files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False)
+    if q is None:
+        checked["target"] = _validate(progress, "target.onnx: validating against PyTorch on ONNX Runtime", spec,
+                                      tmp / files["portable"], dtype, tmp, "target")
+        return spec, files, checked, None
+    with progress.step(f"target.onnx: {q.method} deviation from PyTorch (layer-streamed reference)"):
+        failures, steps, dev = deviation.measure(spec, tmp / files["portable"], save_dir=tmp)
+    dev.judged = f"deviation from fp32 ({q.method} weights)"
+    checked["target"] = mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev)
+    if failures:
+        raise ValidationError(failures)
+    return spec, files, checked, _nbits_report(model, q, tmp / "target.onnx.data", tc)
+
+
+def _nbits_report(model, q: qz.OrtQuant, data: Path, tc) -> mf.QuantizedGraph:
+    nodes = model.graph.node
+    heads = [n.name for n in nodes if n.name in ("lm_head", f"lm_head_Q{q.bits}")]
+    quant_weights = sum(_has_weight(n, model) for n in nodes if n.op_type == "MatMulNBits")
+    return mf.QuantizedGraph(
+        weight_matmuls=sum(_has_weight(n, model) for n in nodes), quantized=quant_weights, lm_heads=heads,
+        kept_fp32=[] if q.lm_head else heads,
+        weight_mb_before=round(_fp32_weight_bytes(tc) / 2**20, 2), weight_mb_after=round(data.stat().st_size / 2**20, 2))
+
+
+def _fp32_weight_bytes(tc) -> int:
+    """The fp32 bytes of the target's weights (what the fp32 gqa graph stores, the tied head once)."""
+    from dflash2.checkpoint import target_tensor_shapes
+
+    return 4 * sum(int(np.prod(s)) for s in target_tensor_shapes(tc).values())
+
+
+def _has_weight(node, model) -> bool:
+    """A weight MatMul: MatMulNBits, or a MatMul whose second input is an initializer or the Transpose of one
+    (the LM head kept fp32 reads the embedding through a Transpose: no second copy on disk)."""
+    if node.op_type == "MatMulNBits":
+        return True
+    if node.op_type != "MatMul":
+        return False
+    inits = {t.name for t in model.graph.initializer}
+    transposed = {n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in inits}
+    return node.input[1] in inits or node.input[1] in transposed
 
 
 def _quantize_graph(tmp: Path, spec, files: dict, q: qz.OrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:

@@ -32,26 +32,43 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from dflash2.export import signature as N
+from dflash2.export import weights as W
 from dflash2.export.graphs import STALE_ROWS, GraphSpec, TargetGraph
 from dflash2.reference.drafter import Drafter
-from dflash2.reference.layers import rope_cos_sin
+from dflash2.reference.layers import rope_cos_sin, rope_inv_freq
 from dflash2.reference.target import Target
 
 OPSET = 17
 
 
 class _Builder:
-    def __init__(self):
+    """Nodes and initializers of one graph. Weights go through `data` (a DataFile: written to disk as they
+    are made, the proto only points at them) or, without one, inline into the proto."""
+
+    def __init__(self, data: W.DataFile | None = None, quant=None):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.names: set[str] = set()
+        self.data = data
+        self.nbits = None if quant is None else W.NBits(quant)  # quantize as the weights are written
 
-    def weight(self, name: str, t: torch.Tensor | np.ndarray) -> str:
+    def _name(self, name: str) -> str:
         if name in self.names:  # ONNX Runtime would only warn and keep one of them
             raise ValueError(f"gqa builder: initializer {name!r} defined twice")
         self.names.add(name)
-        a = t.detach().float().numpy() if isinstance(t, torch.Tensor) else t
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
+        return name
+
+    def weight(self, name: str, a: np.ndarray) -> str:
+        a = np.ascontiguousarray(a)
+        self.inits.append(self.data.add(self._name(name), a) if self.data is not None and a.nbytes >= W.DataFile.SMALL
+                          else numpy_helper.from_array(a, self._name(name)))
+        return name
+
+    def chunked(self, name: str, chunks, shape: tuple[int, ...]) -> str:
+        """A large fp32 weight written row chunk by row chunk (never whole in memory with a DataFile)."""
+        if self.data is None:
+            return self.weight(name, np.concatenate(list(chunks)))
+        self.inits.append(self.data.add_chunks(self._name(name), chunks, np.float32, shape))
         return name
 
     def const(self, name: str, values, dtype=np.int64) -> str:
@@ -64,14 +81,45 @@ class _Builder:
         self.nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain, **attrs))
         return outs
 
-    def linear(self, x: str, name: str, weights: list[nn.Linear]) -> str:
-        """One MatMul over the [K, sum N] concatenation of Linear weights (+ their biases)."""
-        w = torch.cat([m.weight.T for m in weights], dim=1)
-        y = self.op("MatMul", [x, self.weight(f"{name}.weight", w)], name)[0]
-        if weights[0].bias is not None:
-            b = torch.cat([m.bias for m in weights])
+    def linear(self, x: str, name: str, src, prefixes: list[str], quantize: bool = True) -> str:
+        """One MatMul over the [K, sum N] concatenation of Linear weights `{prefix}.weight` (+ biases);
+        MatMulNBits when the builder quantizes (ONNX Runtime's own block quantizer, dflash2.export.weights)."""
+        w = np.concatenate([src.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
+        if self.nbits is not None and quantize:
+            y = self.matmul_nbits(x, name, w.shape, [w])
+        else:
+            y = self.op("MatMul", [x, self.weight(f"{name}.weight", w)], name)[0]
+        del w
+        if f"{prefixes[0]}.bias" in src:
+            b = np.concatenate([src.get(f"{p}.bias") for p in prefixes])
             y = self.op("Add", [y, self.weight(f"{name}.bias", b)], f"{name}.bias")[0]
         return y
+
+
+    def matmul_nbits(self, x: str, name: str, kn: tuple[int, int], column_blocks) -> str:
+        """MatMulNBits of x and a [K, N] weight given as consecutive [K, n_i] column blocks (the LM head:
+        the transposed embedding, one vocabulary slice at a time). Names and attributes as ONNX Runtime's
+        MatMulNBitsQuantizer writes them (`W_Q4`, `W_scales`, `W_zero_points`; node `NAME_Q4`)."""
+        q, (K, N) = self.nbits, kn
+        w = f"{name}.weight"
+        scales, zeros = [], []
+
+        def packed():
+            for block in column_blocks:
+                pk, sc, zp = q.quantize(block)
+                scales.append(sc)
+                zeros.append(zp)
+                yield pk
+
+        self.inits.append(self.data.add_chunks(self._name(f"{w}_Q{q.bits}"), packed(), np.uint8,
+                                               q.packed_shape(K, N)))
+        inputs = [x, f"{w}_Q{q.bits}", self.weight(f"{w}_scales", np.concatenate(scales))]
+        if not q.symmetric:
+            inputs.append(self.weight(f"{w}_zero_points", np.concatenate(zeros)))
+        attrs = {"K": K, "N": N, "bits": q.bits, "block_size": q.block_size}
+        if q.accuracy_level:
+            attrs["accuracy_level"] = q.accuracy_level
+        return self.op("MatMulNBits", inputs, f"{name}_Q{q.bits}", domain="com.microsoft", **attrs)[0]
 
 
 def unsupported(tc, dc, max_seq_len: int) -> str | None:
@@ -85,18 +133,32 @@ def unsupported(tc, dc, max_seq_len: int) -> str | None:
 
 
 def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_len: int) -> onnx.ModelProto:
-    """The fp32 fused-op target graph (module docstring)."""
-    c = target.config
+    """The fp32 fused-op target graph (module docstring) from loaded reference modules, weights inline."""
     if target.embed_tokens.weight.dtype != torch.float32:
         raise ValueError("the gqa target graph is built from fp32 weights")
+    return build(target.config, drafter.config, W.ModuleWeights(target), W.ModuleWeights(drafter), fuse_context,
+                 max_seq_len)
+
+
+def build(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data: W.DataFile | None = None,
+          progress=None, quant=None) -> onnx.ModelProto:
+    """The fused-op target graph (module docstring) from weight sources (dflash2.export.weights: a
+    safetensors folder read tensor by tensor, or a loaded module). c / dc: the target / drafter configs;
+    src / dsrc: their weights; data: where the initializers go (None: inline); progress(i, L): per layer;
+    quant: an OrtQuant (dflash2.export.quantize): the MatMul weights written as MatMulNBits as they are
+    read (needs `data`); the embedding's Gather stays fp32."""
+    if quant is not None and data is None:
+        raise ValueError("a quantized build writes through a DataFile")
     nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
-    B = drafter.config.block_size
-    b = _Builder()
+    B = dc.block_size
+    tap_ids = tuple(dc.target_layer_ids)
+    b = _Builder(data, quant)
     eps = float(c.rms_norm_eps)
     past, present = N.gqa_kv_names(L)
 
-    cos, sin = rope_cos_sin(torch.arange(max_seq_len), target.inv_freq)  # [T, hd] (halves repeated)
-    cos_cache, sin_cache = b.weight("rope.cos", cos[:, :hd // 2]), b.weight("rope.sin", sin[:, :hd // 2])
+    cos, sin = rope_cos_sin(torch.arange(max_seq_len), rope_inv_freq(c.rope, hd))  # [T, hd] (halves repeated)
+    cos_cache = b.weight("rope.cos", cos[:, :hd // 2].numpy())
+    sin_cache = b.weight("rope.sin", sin[:, :hd // 2].numpy())
     # The kernel sees n + 1 rows: the last one repeated (module docstring: one path for every step).
     n = b.op("Shape", [N.INPUT_IDS], "n")[0]  # [1] int64
     seqlens_k = b.op("Add", [N.PAST_LEN, b.op("Cast", [n], "n32", to=TensorProto.INT32)[0]], "seqlens_k")[0]
@@ -110,16 +172,16 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
     def pad(x: str, name: str) -> str:  # [1, n, W] -> [1, n + 1, W], the new row a copy of the last (one node)
         return b.op("Pad", [x, edge_row], f"{name}.pad", mode="edge")[0]
 
-    embed = b.weight("embed_tokens.weight", target.embed_tokens.weight)
+    embed = b.chunked("embed_tokens.weight", src.row_chunks("embed_tokens.weight"), (c.vocab_size, H))
     h = b.op("Gather", [embed, N.INPUT_IDS], "embed")[0]  # [n, H]
     h = b.op("Unsqueeze", [h, "axis0"], "embed.batch")[0]  # [1, n, H]
     pending = None  # the sublayer output not yet added to the residual h
     taps = {}
 
-    def norm(weight: torch.Tensor, name: str) -> str:
+    def norm(weight: str, name: str) -> str:
         """RMSNorm of h + pending; updates h to the sum (SkipSimplifiedLayerNormalization's 4th output)."""
         nonlocal h, pending
-        w = b.weight(f"{name}.weight", weight)
+        w = b.weight(f"{name}.weight", src.get(weight))
         if pending is None:
             return b.op("SimplifiedLayerNormalization", [h, w], name, axis=-1, epsilon=eps, stash_type=1)[0]
         y, _, _, h = b.op("SkipSimplifiedLayerNormalization", [pending, h, w], name, outputs=4,
@@ -127,17 +189,19 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
         pending = None
         return y
 
-    for i, layer in enumerate(target.layers):
-        p, a = f"layers.{i}", layer.self_attn
-        u = norm(layer.input_layernorm.weight, f"{p}.input_layernorm")
-        if i - 1 in target.tap_ids:
+    for i in range(L):
+        p, a = f"layers.{i}", f"layers.{i}.self_attn"
+        if progress is not None:
+            progress(i, L)
+        u = norm(f"{p}.input_layernorm.weight", f"{p}.input_layernorm")
+        if i - 1 in tap_ids:
             taps[i - 1] = h  # the OUTPUT of layer i-1 (HF hidden_states[i])
-        qkv = b.linear(u, f"{p}.qkv_proj", [a.q_proj, a.k_proj, a.v_proj])  # [1, n, (nh + 2kv) hd]
-        if a.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotary
+        qkv = b.linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])  # [1, n, (nh+2kv) hd]
+        if c.qk_norm:  # Qwen3: per-head RMSNorm of q and k before the rotary
             q, k, v = b.op("Split", [qkv, b.const(f"{p}.qkv_sizes", [nh * hd, kv * hd, kv * hd])], f"{p}.qkv",
                            outputs=3, axis=-1)
-            q, k = (_head_norm(b, t, heads, hd, m.weight, eps, f"{p}.{nm}")
-                    for t, heads, m, nm in ((q, nh, a.q_norm, "q_norm"), (k, kv, a.k_norm, "k_norm")))
+            q, k = (_head_norm(b, t, heads, hd, src.get(f"{a}.{nm}.weight"), eps, f"{p}.{nm}")
+                    for t, heads, nm in ((q, nh, "q_norm"), (k, kv, "k_norm")))
             qkv_in = [pad(q, f"{p}.q"), pad(k, f"{p}.k"), pad(v, f"{p}.v")]
         else:
             qkv_in = [pad(qkv, f"{p}.qkv"), "", ""]  # packed
@@ -147,32 +211,37 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
                     domain="com.microsoft", num_heads=nh, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
                     scale=float(hd ** -0.5))[0]  # [1, n + 1, nh hd]
         attn = b.op("Slice", [attn, first, last, axis1], f"{p}.attn.rows")[0]  # [1, n, nh hd]
-        pending = b.linear(attn, f"{p}.o_proj", [a.o_proj])
-        u = norm(layer.post_attention_layernorm.weight, f"{p}.post_attention_layernorm")
-        m = layer.mlp
-        gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", [m.gate_proj, m.up_proj]),
+        pending = b.linear(attn, f"{p}.o_proj", src, [f"{a}.o_proj"])
+        u = norm(f"{p}.post_attention_layernorm.weight", f"{p}.post_attention_layernorm")
+        m = f"{p}.mlp"
+        gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
                                   b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
                         outputs=2, axis=-1)
         act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
-        pending = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", [m.down_proj])
-    y = norm(target.norm.weight, "norm")  # h is now the last layer's output
-    if L - 1 in target.tap_ids:
+        pending = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])
+    y = norm("norm.weight", "norm")  # h is now the last layer's output
+    if L - 1 in tap_ids:
         taps[L - 1] = h
 
     y = b.op("Squeeze", [y, "axis0"], "norm.rows")[0]  # [n, H]: the LM head's MatMul feeds the ArgMax directly
-    head_t = b.op("Transpose", [embed if target.lm_head is None else b.weight("lm_head.weight", target.lm_head.weight)],
-                  "lm_head.t", perm=[1, 0])[0]
-    logits = b.op("MatMul", [y, head_t], "lm_head")[0]  # [n, V] fp32
+    head_name = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    if quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
+        logits = b.matmul_nbits(y, "lm_head", (H, c.vocab_size), (r.T for r in src.row_chunks(head_name)))
+    else:
+        head = embed if c.tie_word_embeddings else b.chunked("lm_head.weight", src.row_chunks("lm_head.weight"),
+                                                              (c.vocab_size, H))
+        head_t = b.op("Transpose", [head], "lm_head.t", perm=[1, 0])[0]
+        logits = b.op("MatMul", [y, head_t], "lm_head")[0]  # [n, V] fp32
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
     b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
     b.op("Slice", [logits, b.const("last_b", [-B]), end, "axis0"], N.LOGITS,
          outputs=[N.LOGITS])
-    tap_rows = [b.op("Squeeze", [taps[t], "axis0"], f"tap.{t}")[0] for t in target.tap_ids]  # [n, H] each
+    tap_rows = [b.op("Squeeze", [taps[t], "axis0"], f"tap{j}.{t}")[0] for j, t in enumerate(tap_ids)]  # [n, H] each
     t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]
     if fuse_context:  # drafter.context: hidden_norm(fc(taps)), as TargetGraph fuses it
-        t = b.linear(t, "context.fc", [drafter.fc])
-        b.op("SimplifiedLayerNormalization", [t, b.weight("context.hidden_norm.weight", drafter.hidden_norm.weight)],
-             "context.hidden_norm", outputs=[N.CONTEXT], axis=-1, epsilon=float(drafter.config.rms_norm_eps),
+        t = b.linear(t, "context.fc", dsrc, ["fc"])
+        b.op("SimplifiedLayerNormalization", [t, b.weight("context.hidden_norm.weight", dsrc.get("hidden_norm.weight"))],
+             "context.hidden_norm", outputs=[N.CONTEXT], axis=-1, epsilon=float(dc.rms_norm_eps),
              stash_type=1)
     else:
         b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
@@ -181,7 +250,7 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
     inputs = ([helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"]),
                helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
               + [helper.make_tensor_value_info(name, f32, buf) for name in past])
-    ctx_width = drafter.config.hidden_size if fuse_context else len(target.tap_ids) * H
+    ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
     outputs = ([helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
                 helper.make_tensor_value_info(N.CONTEXT, f32, ["n", ctx_width]),
                 helper.make_tensor_value_info(N.LOGITS, f32, ["rows", c.vocab_size])]
@@ -194,7 +263,7 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
     return model
 
 
-def _head_norm(b: _Builder, x: str, heads: int, hd: int, weight: torch.Tensor, eps: float, name: str) -> str:
+def _head_norm(b: _Builder, x: str, heads: int, hd: int, weight: np.ndarray, eps: float, name: str) -> str:
     """[1, n, heads*hd] -> RMSNorm over each head's hd -> [1, n, heads*hd]."""
     shape = b.const(f"{name}.heads", [1, -1, heads, hd])
     y = b.op("Reshape", [x, shape], f"{name}.split_heads")[0]

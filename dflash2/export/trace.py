@@ -74,8 +74,12 @@ def write_graph(model: onnx.ModelProto, folder: Path, spec: GraphSpec, num_draft
     data = f"{spec.name}.onnx.data"
     if spec.has_selector:
         so.add_flavour(model, "portable", num_drafts)
-    onnx.save_model(model, str(folder / files["portable"]), save_as_external_data=True,
-                    all_tensors_to_one_file=True, location=data, size_threshold=1024)
+    streamed = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    if streamed:  # built straight into its data file (dflash2.export.weights.DataFile): only the proto is left
+        onnx.save_model(model, str(folder / files["portable"]))
+    else:
+        onnx.save_model(model, str(folder / files["portable"]), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data, size_threshold=1024)
     if "tensorrt" in files:
         trt = fixed if fixed is not None else onnx.load(str(folder / files["portable"]), load_external_data=False)
         if spec.has_selector:

@@ -18,7 +18,8 @@ import torch
 from dflash2 import dtypes
 from dflash2.errors import ValidationError
 from dflash2.export.graphs import GraphSpec
-from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES, compare_floats, ids_within
+from dflash2.export import signature as N
+from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES, argmax_agreement, compare_floats, ids_within
 from dflash2.onnxrt import open_session, run
 
 
@@ -45,7 +46,8 @@ def reference_outputs(spec: GraphSpec, feeds: list[dict[str, torch.Tensor]]) -> 
 
 def compare(graph: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray], dtype: str,
             step: int) -> tuple[list[str], dict]:
-    """dflash2.numerics' rule for every output of one step; (failures, report)."""
+    """dflash2.numerics' rule for every output of one step; (failures, report). graph: the name each
+    failing line starts with, the flavour included ("target.trt")."""
     atol, rtol = TOLERANCES[dtype]
     failures, report = [], {}
     for name, ref in want.items():
@@ -61,10 +63,14 @@ def compare(graph: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray],
                                 f"(allowed {ID_MISMATCH_SHARE[dtype]:.0%} in {dtype})")
             continue
         d = compare_floats(out, ref, atol, rtol)
-        report[name] = {"max_abs": d.max_abs, "max_rel": d.max_rel}
+        report[name] = {"max_abs": d.max_abs, "max_rel": d.max_rel, "atol_scale": round(d.scale, 3)}
+        agree = ""
+        if name == N.LOGITS and ref.ndim == 2:  # what greedy decoding reads off them
+            report[name]["argmax_agreement"] = argmax_agreement(out, ref)
+            agree = f", argmax agrees on {report[name]['argmax_agreement']:.0%} of {len(ref)} rows"
         if not d.ok:
             failures.append(f"{graph}.{name} (step {step}): max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g} "
-                            f"(atol {atol}, rtol {rtol})")
+                            f"(atol {atol} x {d.scale:.3g} for the output's magnitude, rtol {rtol}){agree}")
     return failures, report
 
 
@@ -101,7 +107,7 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
         if spec.trim is not None:
             got = {k: spec.trim(k, v, feed) for k, v in got.items()}
             ref = {k: spec.trim(k, v, feed) for k, v in ref.items()}
-        f, r = compare(spec.name, got, ref, dtype, step)
+        f, r = compare(name, got, ref, dtype, step)
         failures += f
         report[f"step{step}"] = r
     return failures, report

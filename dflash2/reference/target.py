@@ -49,6 +49,10 @@ class Target(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def iter_layers(self):
+        """The layers in order (dflash2.reference.streamed reads each one from disk as it is reached)."""
+        return iter(self.layers)
+
     def kv_row_shape(self) -> tuple[int, int, int, int]:
         c = self.config
         return (c.num_layers, 2, c.num_kv_heads, c.head_dim)
@@ -68,7 +72,7 @@ class Target(nn.Module):
         visible = k_pos[None, :] <= pos[:, None]  # [n, P+n] causal
         h = self.embed_tokens(input_ids)  # [n, H]
         taps, new_kv = {}, []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.iter_layers()):
             h, kv = layer(h, past_kv[:, i, 0], past_kv[:, i, 1], cos, sin, visible)
             new_kv.append(kv)
             if i in self.tap_ids:

@@ -32,24 +32,30 @@ def pick_backend(manifest: mf.Manifest, requested: str | None) -> str:
     return requested or ("tensorrt" if isinstance(manifest, mf.EngineManifest) else "onnxruntime")
 
 
-def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None,
-                 threads: int | None = None):
+def check_runnable(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None) -> None:
+    """What this machine cannot run is refused before any file is hashed or any session opened."""
     if name == "tensorrt":
         from dflash2.native.tensorrt import require_tensorrt
-        from dflash2.runtime.trt import TrtBackend
 
         require_tensorrt()  # "TensorRT is not installed: ..." before any folder-kind message
-
         if not isinstance(manifest, mf.EngineManifest):
             raise Dflash2Error(f"{folder}: --backend tensorrt needs an engine folder (dflash2-build), "
                                f"found an export folder")
-        return TrtBackend(folder, manifest)
-    from dflash2.runtime.engines import OrtBackend
-
-    if manifest.dtype == "bfloat16" and (provider or "CPUExecutionProvider") == "CPUExecutionProvider":
+    elif manifest.dtype == "bfloat16" and (provider or "CPUExecutionProvider") == "CPUExecutionProvider":
         raise Dflash2Error(f"{folder}: a bfloat16 export cannot run on ONNX Runtime's CPU provider (it has no "
                            f"bfloat16 kernels); build TensorRT engines from it (dflash2-build), or export with "
                            f"--dtype float32 for the CPU")
+
+
+def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None,
+                 threads: int | None = None):
+    check_runnable(folder, manifest, name, provider)
+    if name == "tensorrt":
+        from dflash2.runtime.trt import TrtBackend
+
+        return TrtBackend(folder, manifest)
+    from dflash2.runtime.engines import OrtBackend
+
     if isinstance(manifest, mf.EngineManifest):  # an engine folder remembers the export it was built from
         folder = Path(manifest.export_dir)
         manifest = mf.load(folder, mf.ExportManifest, check_files=False)  # weights not rehashed at every start
@@ -58,13 +64,18 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
 
 
 class Runtime:
-    def __init__(self, folder: str | Path, backend: str | None = None, verify: bool = True,
+    def __init__(self, folder: str | Path, backend: str | None = None, verify: bool | str = True,
                  max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None,
                  log: Callable[[str], None] | None = None):
-        """log: where a line about what is allocated goes before allocating (dflash2-run: stderr)."""
+        """log: where a line about what is allocated goes before allocating (dflash2-run: stderr).
+        verify: True checks every file's size and sha256, hashing only files changed since their last check
+        (dflash2.verified); "full" hashes every file; False checks nothing."""
         self.folder = Path(folder)
-        self.manifest = mf.load(self.folder, check_files=verify)
+        self.manifest = mf.load(self.folder, check_files=False)
         self.backend_name = pick_backend(self.manifest, backend)
+        check_runnable(self.folder, self.manifest, self.backend_name, provider)  # before any hashing
+        if verify:
+            mf.check_files(self.folder, self.manifest, rehash=verify == "full")
         self.session = SpecSession(self.manifest, make_backend(self.folder, self.manifest, self.backend_name,
                                                                provider, threads), max_seq_len, log)
         self._text: Text | None = None
@@ -99,7 +110,7 @@ class Runtime:
     @property
     def text(self) -> Text:
         if self._text is None:
-            self._text = Text(self.folder)
+            self._text = Text(self.folder, self.manifest.vocab_size)
         return self._text
 
     @property

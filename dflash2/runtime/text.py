@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash2.config import check_tokenizer_files, read_json_object
+from dflash2.config import check_tokenizer_files, check_tokenizer_vocab, read_json_object
 from dflash2.errors import Dflash2Error
 
 
@@ -14,7 +14,8 @@ class TokenizerError(Dflash2Error):
 
 
 class Text:
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, vocab_size: int | None = None):
+        """vocab_size: the model's; a tokenizer that does not match it is refused (config.check_tokenizer_vocab)."""
         from tokenizers import Tokenizer
 
         path = folder / "tokenizer.json"
@@ -23,6 +24,9 @@ class Text:
                                  f"text prompts, --stop and text output need it (--prompt-ids without --stop do not)")
         check_tokenizer_files(folder)  # checked at export too; this also covers hand-made folders
         self.tok = Tokenizer.from_file(str(path))
+        if vocab_size is not None:
+            ids = 1 + max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1)
+            check_tokenizer_vocab(path, ids, vocab_size)
         cfg_path = folder / "tokenizer_config.json"
         self.config = read_json_object(cfg_path) if cfg_path.is_file() else {}
         template = self.config.get("chat_template")

@@ -1,0 +1,71 @@
+"""Scale is a feature: the streamed export stages hold one tensor (plus a constant), never the model.
+
+A checkpoint shaped so that a whole-model copy is many times its largest tensor (24 layers, a 32k
+vocabulary): in a fresh process, the gqa target built from the checkpoint (fp32 and int4, weights
+streamed into the data file, quantized as written) and a forward of the layer-streamed reference must
+raise the peak resident memory by at most a few largest tensors over the process after its imports.
+Loading the model whole (~450 MB of fp32 here) fails it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from dflash2.scalecheck import Shape, make_pair
+
+SHAPE = Shape("many-layers", hidden=512, layers=24, heads=8, kv_heads=4, intermediate=2048, vocab=32000, tied=False,
+              draft_layers=1, taps=(1, 12, 22), block=8, top_k=8, rank=32, head_dim=64, tokens=31_900,
+              sliding_window=None, max_positions=4096)
+
+CHILD = r"""
+import json, sys
+from pathlib import Path
+import torch
+from dflash2.checkpoint import Weights
+from dflash2.config import load_drafter_config, load_target_config
+from dflash2.export import gqa, weights as W
+from dflash2.export.quantize import OrtQuant
+from dflash2.reference.streamed import StreamedTarget
+
+def status(key):
+    return int(Path("/proc/self/status").read_text().split(key + ":")[1].split()[0]) * 1024
+
+d, t, out = map(Path, sys.argv[1:4])
+tc, dc = load_target_config(t), load_drafter_config(d)
+W.NBits(OrtQuant("int4"))  # ONNX Runtime's quantizer imported before the baseline
+base = status("VmRSS")
+for q in (None, OrtQuant("int4")):
+    with W.DataFile(out / "target.onnx.data") as data:
+        gqa.build(tc, dc, Weights(t), Weights(d), True, 256, data, quant=q)
+st = StreamedTarget(tc, dc.target_layer_ids, Weights(t))
+with torch.no_grad():
+    st(torch.arange(9), torch.zeros(0, *st.kv_row_shape()))
+print(json.dumps({"base": base, "peak": status("VmHWM")}))
+"""
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(SHAPE, tmp_path_factory.mktemp("scale"))
+
+
+def test_streamed_stages_hold_a_few_tensors_not_the_model(pair, tmp_path):
+    from dflash2.checkpoint import target_tensor_shapes
+    from dflash2.config import load_target_config
+
+    drafter, target = pair
+    shapes = target_tensor_shapes(load_target_config(target))
+    largest = 4 * max(math.prod(s) for s in shapes.values())  # fp32 bytes
+    model = 4 * sum(math.prod(s) for s in shapes.values())
+    assert model > 6 * largest  # the shape can tell a model copy from a tensor
+    r = subprocess.run([sys.executable, "-c", CHILD, str(drafter), str(target), str(tmp_path)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    grown = max(0, m["peak"] - m["base"])
+    assert grown <= 4 * largest, (f"peak grew {grown / 2**20:.0f} MiB over the imports: more than 4 x the largest "
+                                  f"tensor ({largest / 2**20:.0f} MiB); the model is {model / 2**20:.0f} MiB")
