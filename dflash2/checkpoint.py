@@ -294,8 +294,9 @@ class Weights:
                     flat[i:i + n] = buf
         # one cheap pass: a sum is finite unless some entry is not (or it overflows: then the exact check)
         if not np.isfinite(np.add.reduce(flat, dtype=np.float32)) and not np.isfinite(out).all():
+            where = "" if rows is None else f" in rows {start}..{stop - 1}"
             raise CheckpointError(f, key, "finite values (no NaN / inf)",
-                                  f"{int(np.isnan(out).sum())} NaN, {int(np.isinf(out).sum())} inf")
+                                  f"{int(np.isnan(out).sum())} NaN, {int(np.isinf(out).sum())} inf{where}")
         return out
 
     def row_chunks(self, name: str, max_bytes: int = CHUNK_BYTES):

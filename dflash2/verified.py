@@ -2,7 +2,7 @@
 
 `dflash2-run` checks every file of a folder against the sha256 its manifest records. Hashing is ~1 s
 per GB here (4.5 s for a 3.8 GB Qwen3-0.6B-shaped export at every start), so a check that passed is
-recorded in the cache (`$DFLASH2_CACHE/verified/`, default ~/.cache/dflash2) with the file's size,
+recorded in the cache (`$DFLASH2_VERIFIED_DIR`, default `$DFLASH2_CACHE/verified/`, ~/.cache/dflash2) with the file's size,
 mtime, ctime, inode and the sha256 it matched; the next start trusts a file whose size, mtime, ctime and
 inode are unchanged and rehashes the others. `dflash2-run --verify-files` (or `load(..., rehash=True)`) hashes
 everything regardless.
@@ -33,7 +33,7 @@ class Record:
     def __init__(self, folder: Path):
         self.folder = Path(folder).absolute()
         key = hashlib.sha256(str(self.folder).encode()).hexdigest()[:24]
-        self.path = cache_root() / "verified" / f"{key}.json"
+        self.path = Path(os.environ.get("DFLASH2_VERIFIED_DIR") or cache_root() / "verified") / f"{key}.json"
         self.entries: dict[str, dict] = {}
         self.changed = False
         try:

@@ -19,6 +19,20 @@ from tests.exports import T
 PAIRS = [("llama", 1), ("llama", 2), ("qwen3", 1), ("qwen3", 2)]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def verified_record(tmp_path_factory):
+    """dflash2-run's record of hashed files (dflash2.verified) goes to a temporary folder, not ~/.cache."""
+    import os
+
+    old = os.environ.get("DFLASH2_VERIFIED_DIR")
+    os.environ["DFLASH2_VERIFIED_DIR"] = str(tmp_path_factory.mktemp("verified"))
+    yield
+    if old is None:
+        os.environ.pop("DFLASH2_VERIFIED_DIR", None)
+    else:
+        os.environ["DFLASH2_VERIFIED_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")

@@ -220,7 +220,7 @@ def test_streamed_build_writes_the_same_weights_as_the_module_build(tmp_path, pa
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-def test_weights_are_read_as_stored(tmp_path):
+def test_weights_are_read_as_stored(tmp_path, monkeypatch):
     """bf16 / fp16 / fp32 safetensors widened exactly; rows read alone; NaN named with its tensor."""
     import torch
     from safetensors.torch import save_file
@@ -228,6 +228,9 @@ def test_weights_are_read_as_stored(tmp_path):
     from dflash2.checkpoint import Weights
     from dflash2.errors import CheckpointError
 
+    from dflash2 import checkpoint
+
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 10)  # many pieces per tensor
     g = torch.Generator().manual_seed(0)
     ts = {"model.a": torch.randn(7, 5, generator=g).bfloat16(), "b": torch.randn(3, generator=g).half(),
           "c": torch.randn(4, 4, generator=g)}
@@ -241,3 +244,37 @@ def test_weights_are_read_as_stored(tmp_path):
     save_file(ts, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="c: expected finite values .*1 NaN"):
         Weights(tmp_path).get("c")
+    with pytest.raises(CheckpointError, match="1 NaN, 0 inf in rows 1..1"):
+        Weights(tmp_path).get("c", slice(1, 2))
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
+def test_quantized_as_written_equals_the_whole_graph_quantizer(tmp_path, bits, symmetric):
+    """dflash2.export.weights.NBits per weight, the head in column slices, = ONNX Runtime's MatMulNBitsQuantizer
+    over the whole graph (same packed bytes, scales, zero points, attributes); K = 80 is not a multiple of 32."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dflash2.export import weights as W
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((80, 24)).astype(np.float32)  # [K, N]
+    q = qz.OrtQuant(f"int{bits}", symmetric=symmetric)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 80])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g", [x], [y],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    quantizer = qz._quantizer_class()(model, bits=bits, block_size=q.block_size, is_symmetric=symmetric,
+                                      accuracy_level=q.accuracy_level)
+    quantizer.process()
+    want = sorted(numpy_helper.to_array(t).reshape(-1).tobytes() for t in quantizer.model.model.graph.initializer)
+    want_node = next(n for n in quantizer.model.model.graph.node if n.op_type == "MatMulNBits")
+    with W.DataFile(tmp_path / "g.onnx.data") as data:
+        b = gqa._Builder(data, q)
+        b.matmul_nbits("x", "mm", (80, 24), [w[:, :10], w[:, 10:]])  # two column slices
+    assert {a.name: helper.get_attribute_value(a) for a in b.nodes[0].attribute} == \
+        {a.name: helper.get_attribute_value(a) for a in want_node.attribute}
+    onnx.save_model(helper.make_model(helper.make_graph(b.nodes, "g", [x], [y], b.inits)), str(tmp_path / "g.onnx"))
+    got = sorted(numpy_helper.to_array(t).reshape(-1).tobytes()
+                 for t in onnx.load(str(tmp_path / "g.onnx")).graph.initializer)
+    assert got == want  # packed weights, scales (, zero points): the same bytes

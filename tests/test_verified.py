@@ -17,7 +17,7 @@ from tests.exports import edit_manifest
 
 @pytest.fixture
 def folder(exports, tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DFLASH2_VERIFIED_DIR", str(tmp_path / "cache" / "verified"))
     copy = tmp_path / "copy"
     shutil.copytree(exports[("llama", 1)], copy)  # copy2 keeps the export's (older) mtimes
     old = (copy / "manifest.json").stat().st_mtime - 60

@@ -183,7 +183,7 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
     for spec in graph_specs(target, drafter, fuse_context):
         t0 = time.perf_counter()
         if spec.name == "target" and target_attention == "gqa":
-            spec, files, checked, q_report = _gqa_target(tmp, spec, drafter, tc, dc, sources, fuse_context,
+            spec, files, checked, q_report = _gqa_target(tmp, spec, target, drafter, tc, dc, sources, fuse_context,
                                                          max_seq_len, quantize, progress, dtype)
             validation.update(checked)
             if q_report is not None:
@@ -297,22 +297,23 @@ def _qdq_graph(tmp: Path, spec, files: dict, q: qdq.TrtQuant) -> tuple[dict, mf.
             mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev, skipped=skipped))
 
 
-TRUNCATED_LAYERS = 2  # the end-to-end check of the templates: this many layers, the real embedding and head
+TRUNCATED_LAYERS = 4  # the end-to-end check of the templates: this many layers, the real embedding and head
 
 
-def _gqa_target(tmp: Path, plain_spec, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int, quantize,
-                progress: Progress, dtype: str):
+def _gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int,
+                quantize, progress: Progress, dtype: str):
     """The target from ONNX Runtime's fused-op templates (dflash2.export.gqa), weights streamed from the
     checkpoint, checked at bounded memory:
     1. a TRUNCATED_LAYERS-layer build of the same templates with the real embedding, head and context
-       projection, validated against the layer-streamed PyTorch reference by the one comparison rule;
+       projection (the taps spread over its layers), validated against the layer-streamed PyTorch reference
+       by the one comparison rule;
     2. the whole graph, quantized as it is written when --quantize int4 / int8 asks: its deviation from
        the reference is measured; else fp32 and validated like every graph.
     Returns (spec, files, validations, quantization report or None)."""
     tw, dw = Weights(sources[1]), Weights(sources[0])
     checked = {}
     short_tc, short_dc = truncated(tc, dc, TRUNCATED_LAYERS)
-    short = StreamedTarget(short_tc, short_dc.target_layer_ids, tw)
+    short = StreamedTarget(short_tc, short_dc.target_layer_ids, tw, like=target)
     short_spec = gqa.gqa_spec(graph_specs(short, drafter, fuse_context)[0])
     name = "target.truncated"
     with progress.step(f"{name}.onnx: the templates end to end ({short_tc.num_layers} layers, the real embedding "

@@ -7,8 +7,8 @@ validated, `share()` points each external initializer whose bytes (dtype and sha
 are already stored by a graph written earlier at that copy (onnxruntime-genai shares one
 `.onnx.data` between its graphs the same way; ONNX Runtime and TensorRT's parser resolve each tensor's
 `location` relative to the graph file), then rewrites each data file with only the bytes some graph
-still reads, and deletes a data file nothing reads. Memory: one tensor's bytes at a time (hashed
-through a memory map). Outputs are bit-identical: the bytes read are the same bytes.
+still reads, and deletes a data file nothing reads. Memory: 64 MB of a tensor at a time (hashed
+with pread). Outputs are bit-identical: the bytes read are the same bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import hashlib
 import os
 from pathlib import Path
 
-import numpy as np
 import onnx
 from onnx import TensorProto
 
@@ -41,37 +40,51 @@ def _externals(model: onnx.ModelProto) -> list[TensorProto]:
 
 
 def share(folder: Path, graph_files: list[str]) -> dict:
-    """graph_files: in the order written (earlier graphs keep their copies). Returns a report:
-    bytes before / after, tensors repointed, data files removed."""
+    """graph_files: every graph file of the folder, in the order written (earlier graphs keep their copies).
+    Returns a report: bytes before / after, tensors repointed, data files removed. Only tensors of a
+    (dtype, length) that occurs more than once are hashed, read with pread in pieces (a memory map's pages
+    would count as resident: the whole export)."""
     folder = Path(folder)
+    unlisted = sorted({g.name for g in folder.glob("*.onnx")} - set(graph_files))
+    if unlisted:  # compaction moves offsets: a graph not rewritten with them would read the wrong bytes
+        raise ValueError(f"dedupe.share: graphs {unlisted} in {folder} are not in the list to rewrite")
     models = {g: onnx.load(str(folder / g), load_external_data=False) for g in graph_files}
-    maps: dict[str, np.memmap] = {}
-    digests: dict[tuple[str, int, int], str] = {}
-    seen: dict[tuple, tuple[str, int, int]] = {}  # (dtype, sha256) -> (location, offset, length)
     read_before = _data_files(models)
     before = sum((folder / f).stat().st_size for f in read_before)
-    repointed = 0
+    order = []  # (tensor, span) in the order written
+    sizes: dict[tuple[int, int], int] = {}
     for g in graph_files:
         for t in _externals(models[g]):
             e = _ext(t)
-            loc, off, n = e["location"], int(e.get("offset", 0)), int(e["length"])
-            if n < MIN_BYTES:
-                continue
-            if (loc, off, n) not in digests:
-                if loc not in maps:
-                    maps[loc] = np.memmap(folder / loc, dtype=np.uint8, mode="r")
-                digests[(loc, off, n)] = hashlib.sha256(memoryview(maps[loc][off:off + n])).hexdigest()
-            key = (t.data_type, digests[(loc, off, n)])  # same bytes: the dims only say how they are read
-            first = seen.setdefault(key, (loc, off, n))
-            if first != (loc, off, n):
-                _set_ext(t, *first)
-                repointed += 1
-    maps.clear()
+            span = (e["location"], int(e.get("offset", 0)), int(e["length"]))
+            if span[2] >= MIN_BYTES:
+                order.append((t, span))
+                sizes[(t.data_type, span[2])] = sizes.get((t.data_type, span[2]), 0) + 1
+    digests: dict[tuple[str, int, int], str] = {}
+    seen: dict[tuple, tuple[str, int, int]] = {}  # (dtype, sha256) -> (location, offset, length)
+    repointed = 0
+    for t, span in order:
+        if sizes[(t.data_type, span[2])] < 2:
+            continue  # no other tensor of this dtype and length: nothing to share
+        if span not in digests:
+            digests[span] = _sha256(folder / span[0], span[1], span[2])
+        first = seen.setdefault((t.data_type, digests[span]), span)  # same bytes: the dims only say how read
+        if first != span:
+            _set_ext(t, *first)
+            repointed += 1
     removed = _compact(folder, models, read_before)
     for g, m in models.items():
         onnx.save_model(m, str(folder / g))
     after = sum((folder / f).stat().st_size for f in _data_files(models))
     return {"bytes_before": before, "bytes_after": after, "tensors_shared": repointed, "data_files_removed": removed}
+
+
+def _sha256(path: Path, offset: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for pos in range(offset, offset + length, 64 << 20):
+            h.update(os.pread(fh.fileno(), min(64 << 20, offset + length - pos), pos))
+    return h.hexdigest()
 
 
 def data_files_of(graph: Path) -> set[str]:

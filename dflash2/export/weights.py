@@ -1,6 +1,6 @@
 """Weights streamed from safetensors into a graph's external data: memory bounded by one tensor.
 
-`dflash2.checkpoint.Weights` reads a checkpoint folder (single file or sharded index) through memory maps,
+`dflash2.checkpoint.Weights` reads a checkpoint folder (single file or sharded index) with pread in pieces,
 one tensor at a time, widened to fp32 on demand (bf16 / fp16 -> fp32 is exact); nothing holds the model. `DataFile`
 appends each initializer's bytes to the graph's `.onnx.data` file as the builder makes it and hands back
 a TensorProto that only points there, so a graph of any size is built while at most the tensor being
@@ -65,20 +65,24 @@ class DataFile:
         return self.bytes
 
     def add(self, name: str, array: np.ndarray) -> TensorProto:
-        a = np.ascontiguousarray(array)
+        a = np.ascontiguousarray(array, dtype=np.asarray(array).dtype.newbyteorder("<"))  # ONNX: little-endian
         offset = self._start(a.nbytes)
-        self.fh.write(a.tobytes(order="C") if a.dtype.byteorder == ">" else memoryview(a).cast("B"))
+        self.fh.write(memoryview(a).cast("B"))
         self.bytes += a.nbytes
         return self._proto(name, a.dtype, a.shape, offset, a.nbytes)
 
     def add_chunks(self, name: str, chunks, dtype, shape: tuple[int, ...]) -> TensorProto:
         """A tensor written piece by piece along its first axis (the embedding: never whole in memory)."""
-        offset = self._start(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        want = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        offset = self._start(want)
         for c in chunks:
-            c = np.ascontiguousarray(c, dtype=dtype)
+            c = np.ascontiguousarray(c, dtype=np.dtype(dtype).newbyteorder("<"))
             self.fh.write(memoryview(c).cast("B"))
             self.bytes += c.nbytes
-        return self._proto(name, np.dtype(dtype), shape, offset, self.bytes - offset)
+        if self.bytes - offset != want:
+            raise ValueError(f"DataFile: {name}: expected {want} bytes for {np.dtype(dtype)} {list(shape)}, "
+                             f"the chunks gave {self.bytes - offset}")
+        return self._proto(name, np.dtype(dtype), shape, offset, want)
 
     def _proto(self, name, dtype, shape, offset, nbytes) -> TensorProto:
         t = TensorProto()

@@ -177,7 +177,7 @@ def make_pair(shape: Shape, root: Path | None = None) -> tuple[Path, Path]:
     print(f"scale check: writing {shape.name} random weights to {root} ...", file=sys.stderr, flush=True)
     write_safetensors(target, target_tensor_shapes(tc), shape.dtype, seed=0)
     write_safetensors(drafter, drafter_tensor_shapes(load_drafter_config(drafter), shape.hidden), shape.dtype, seed=1)
-    (root / "DONE").write_text("random weights: dflash2.scalecheck.make_pair\n")
+    (root / "DONE").write_text("random weights: dflash2.export.scalecheck.make_pair\n")
     return drafter, target
 
 
@@ -187,7 +187,7 @@ MODES = {"fp32": [], "int4": ["--quantize", "int4"], "fp16": ["--dtype", "float1
          # the streamed stage alone: the CPU target graph from its templates, as the export builds it
          "target-int4": ["int4"], "target-fp32": ["fp32"]}
 
-# `python -m dflash2.scalecheck --stage target ...`: the export's streamed target stage by itself (the whole
+# `python -m dflash2.export.scalecheck --stage target ...`: the export's streamed target stage by itself (the whole
 # export still traces the drafter in memory: docs/scale.md), with the same progress lines
 STAGE = "target"
 
@@ -225,7 +225,7 @@ def measure(shape: Shape, mode: str, out_root: Path, max_rss_gib: float, timeout
     drafter, target = make_pair(shape)
     out = out_root / f"{shape.name}-{mode}"
     if mode.startswith("target-"):
-        cmd = ["/usr/bin/time", "-v", python, "-m", "dflash2.scalecheck", "--stage", STAGE, str(drafter), str(target),
+        cmd = ["/usr/bin/time", "-v", python, "-m", "dflash2.export.scalecheck", "--stage", STAGE, str(drafter), str(target),
                str(out), *MODES[mode]]
     else:
         cmd = ["/usr/bin/time", "-v", python, "-m", "dflash2.cli.export", "--model", str(drafter), "--target",
