@@ -350,9 +350,8 @@ def _gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_co
 def _nbits_report(model, q: qz.OrtQuant, data: Path, tc) -> mf.QuantizedGraph:
     nodes = model.graph.node
     heads = [n.name for n in nodes if n.name in ("lm_head", f"lm_head_Q{q.bits}")]
-    quant_weights = sum(_has_weight(n, model) for n in nodes if n.op_type == "MatMulNBits")
     return mf.QuantizedGraph(
-        weight_matmuls=sum(_has_weight(n, model) for n in nodes), quantized=quant_weights, lm_heads=heads,
+        weight_matmuls=_weight_matmuls(model), quantized=sum(n.op_type == "MatMulNBits" for n in nodes), lm_heads=heads,
         kept_fp32=[] if q.lm_head else heads,
         weight_mb_before=round(_fp32_weight_bytes(tc) / 2**20, 2), weight_mb_after=round(data.stat().st_size / 2**20, 2))
 
@@ -364,16 +363,13 @@ def _fp32_weight_bytes(tc) -> int:
     return 4 * sum(int(np.prod(s)) for s in target_tensor_shapes(tc).values())
 
 
-def _has_weight(node, model) -> bool:
-    """A weight MatMul: MatMulNBits, or a MatMul whose second input is an initializer or the Transpose of one
-    (the LM head kept fp32 reads the embedding through a Transpose: no second copy on disk)."""
-    if node.op_type == "MatMulNBits":
-        return True
-    if node.op_type != "MatMul":
-        return False
+def _weight_matmuls(model) -> int:
+    """MatMulNBits, and MatMuls whose second input is an initializer or the Transpose of one (the LM head kept
+    fp32 reads the embedding through a Transpose: no second copy on disk)."""
     inits = {t.name for t in model.graph.initializer}
-    transposed = {n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in inits}
-    return node.input[1] in inits or node.input[1] in transposed
+    weights = inits | {n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in inits}
+    return sum(n.op_type == "MatMulNBits" or (n.op_type == "MatMul" and n.input[1] in weights)
+               for n in model.graph.node)
 
 
 def _quantize_graph(tmp: Path, spec, files: dict, q: qz.OrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:
