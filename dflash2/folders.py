@@ -187,8 +187,22 @@ def temp_folder(out: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def replace_folder(tmp: Path, out: Path) -> None:
-    """Rename into place; an existing folder (only with --force) is moved aside first, then removed."""
+def replace_folder(tmp: Path, out: Path, force: bool = False, replaceable=None, what: str = "the output") -> None:
+    """Rename into place; an existing folder (only with --force) is moved aside first, then removed.
+
+    The output rule is checked again here, at the last moment: a folder or file that appeared at `out` while the
+    tool ran (a user's, or a second run's) is refused and left as it is, never deleted; with `force`, only a
+    folder that is empty or `replaceable` (default: written by dflash2) is replaced. Refused: OutputError, and
+    the caller's temp folder goes (`temp_folder`): nothing was written."""
+    replaceable = replaceable or written_by_dflash2
+    if out.exists() or out.is_symlink():
+        kept = f"it was left as it is and {what} was not written"
+        if not force:
+            raise OutputError(f"{out}: appeared while this ran (it did not exist at the start); {kept}: choose "
+                              f"another output or run again with --force")
+        if out.is_symlink() or not out.is_dir() or (_has_entries(out) and not replaceable(out)):
+            raise OutputError(f"{out}: changed while this ran into something --force does not replace (a file, "
+                              f"a link, or a folder dflash2 did not write); {kept}")
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"

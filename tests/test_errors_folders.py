@@ -126,3 +126,58 @@ def test_prepare_never_replaces_a_users_file_or_folder(tmp_path, capsys, force):
         assert smollm2.main(["--out", str(out), *(["--force"] if force else [])]) == 2
         assert want in one_line_error(capsys.readouterr().err, "dflash2-prepare-smollm2")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("appeared", ["user-folder", "user-file", "second-export"])
+def test_what_appears_at_out_meanwhile_is_never_replaced(tmp_path, pair, capsys, monkeypatch, appeared):
+    """The output rule again at the final rename: a folder or file that appeared at --out while the export ran
+    (checked absent at the start) is refused and left byte-identical; nothing is left behind."""
+    from dflash2.export import api
+    from dflash2.folders import replace_folder
+
+    drafter, target = pair
+    out = tmp_path / "out"
+    other = tmp_path / "other-export"
+    if appeared == "second-export":  # two exports to one --out: the one finishing second must not replace
+        assert export_cli.main(["--model", str(drafter), "--target", str(target), "--out", str(other), "--quiet"]) == 0
+        capsys.readouterr()
+
+    def racing(tmp, dest, *a, **kw):
+        if appeared == "user-folder":
+            dest.mkdir()
+            (dest / "notes.txt").write_text("mine")
+        elif appeared == "user-file":
+            dest.write_text("mine")
+        else:
+            os.rename(other, dest)
+        return replace_folder(tmp, dest, *a, **kw)
+
+    monkeypatch.setattr(api, "replace_folder", racing)
+    code = export_cli.main(["--model", str(drafter), "--target", str(target), "--out", str(out), "--quiet"])
+    msg = one_line_error(capsys.readouterr().err, "dflash2-export")
+    assert code == 2 and "appeared while this ran" in msg and "left as it is" in msg
+    if appeared == "user-folder":
+        assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    elif appeared == "user-file":
+        assert out.read_text() == "mine"
+    else:
+        assert (out / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", "out"])  # no .out.tmp-* / .old-*
+
+
+def test_force_still_refuses_a_users_folder_that_appeared(tmp_path):
+    """With --force the final rename replaces an empty folder or one of ours, never a user's."""
+    from dflash2.folders import OutputError, replace_folder
+
+    out, tmp = tmp_path / "out", tmp_path / ".out.tmp-1"
+    tmp.mkdir()
+    (tmp / "manifest.json").write_text(json.dumps({"format": "dflash2-export"}))
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="does not replace"):
+        replace_folder(tmp, out, force=True)
+    assert (out / "notes.txt").read_text() == "mine" and tmp.is_dir()
+    (out / "notes.txt").unlink()  # empty now: --force may replace it
+    replace_folder(tmp, out, force=True)
+    assert (out / "manifest.json").is_file() and not tmp.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

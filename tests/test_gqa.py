@@ -9,7 +9,7 @@ import pytest
 
 from dflash2 import manifest as mf
 from dflash2.engines.plan import PrecisionError, plan_build
-from dflash2.export import gqa
+from dflash2.export import gqa, templates
 from dflash2.export import signature as sig
 from dflash2.export import quantize as qz
 from dflash2.export.api import OutputError, export
@@ -67,7 +67,7 @@ def test_graph_is_the_fused_one_and_validated(gqa_exports, fam, ver):
     assert c["Concat"] <= 1 and c["Pad"] == (1 if ver == 2 else 3) * L and c["Slice"] == L + 1
     names = [i.name for i in m.graphs["target"].inputs]
     assert names[:2] == ["input_ids", "past_len"] and sig.gqa_kv_names(L)[0] == names[2:]
-    assert m.graphs["drafter"].flavours.tensorrt  # the drafter keeps both flavours
+    assert m.graphs["drafter"].flavours.tensorrt is None  # the drafter from the same templates (fused_drafter)
     # validation compared every output, the present buffers' valid rows included, and they matched
     step = m.validation["target"].steps["step1"]
     assert step["next_ids"]["mismatches"] == 0 and "present.0.key" in step
@@ -270,7 +270,7 @@ def test_quantized_as_written_equals_the_whole_graph_quantizer(tmp_path, bits, s
     want = sorted(numpy_helper.to_array(t).reshape(-1).tobytes() for t in quantizer.model.model.graph.initializer)
     want_node = next(n for n in quantizer.model.model.graph.node if n.op_type == "MatMulNBits")
     with W.DataFile(tmp_path / "g.onnx.data") as data:
-        b = gqa._Builder(data, q)
+        b = templates.Builder(data, q)
         b.matmul_nbits("x", "mm", (80, 24), [w[:, :10], w[:, 10:]])  # two column slices
     assert {a.name: helper.get_attribute_value(a) for a in b.nodes[0].attribute} == \
         {a.name: helper.get_attribute_value(a) for a in want_node.attribute}

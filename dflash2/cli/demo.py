@@ -34,8 +34,8 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize:
     files = ("model.safetensors", "config.json", "draft_vocab.json")
     stamp = {"drafter": {f: mf.sha256(drafter / f) for f in files if (drafter / f).is_file()}, "target": str(target),
              "format_version": mf.FORMAT_VERSION, "contract_version": C.CONTRACT_VERSION}  # older: redone
-    if quantize != "none":  # the target only (the fp32 drafter was faster), its fused-op graph (auto)
-        stamp["quantize"], stamp["layout"] = quantize, "target-only gqa"
+    if quantize != "none":  # target and drafter, both fused-op graphs built from templates (auto: gqa)
+        stamp["quantize"], stamp["layout"] = quantize, "gqa target + fused drafter"
     if (out / "demo.json").is_file() and json.loads((out / "demo.json").read_text()) == stamp:
         return
     from dflash2.export.api import export
@@ -43,7 +43,7 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize:
 
     print(f"exporting {drafter.name} + {target.name} -> {out}", file=sys.stderr)
     export(drafter, target, out, force=True, quiet=quiet,
-           quantize=None if quantize == "none" else OrtQuant(quantize, drafter=False))
+           quantize=None if quantize == "none" else OrtQuant(quantize))
     (out / "demo.json").write_text(json.dumps(stamp))
 
 

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                         "answers may differ from fp32 greedy after a few tokens)")
     p.add_argument("--shard-size", type=int, default=128, help="prompts per corpus shard (the resume unit)")
     p.add_argument("--corpus-only", action="store_true", help="generate the corpus, then stop")
+    p.add_argument("--repair-corpus", action="store_true",
+                   help="regenerate the unreadable or missing shards of a damaged --corpus (with the settings it "
+                        "records; the intact shards are kept); without it a damaged corpus is refused")
     p.add_argument("--partial-corpus", action="store_true",
                    help="train on the shards a still-unfinished corpus has so far (its generation is not resumed)")
     p.add_argument("--taps-cache", type=Path, metavar="DIR",
@@ -111,6 +114,17 @@ def main(argv: list[str] | None = None) -> int:
 
             corpora = [build_taps(IdCorpus(c), a.target, list(taps), a.taps_cache, threads=a.threads)
                        if is_id_corpus(c) else c for c in corpora]
+        if a.repair_corpus:
+            from dflash2.train.corpus import repair
+
+            if is_id_corpus(a.corpus[0] if a.corpus else corpora[0]):
+                raise Dflash2Error("--repair-corpus: an id corpus (dflash2-corpus) is repaired by its own command: "
+                                   "dflash2-corpus grow resumes at its missing shards")
+            meta, redo = repair(corpora[0])
+            print(f"repairing {corpora[0]}: regenerating shard(s) {redo} with its recorded settings", file=sys.stderr)
+            generate_corpus(a.target, meta["prompts"], corpora[0], meta["tap_ids"], meta["max_new_tokens"],
+                            batch_size=a.gen_batch, shard_size=meta["shard_size"], dtype=meta["dtype"],
+                            max_prompt_tokens=10**9, device=a.device)  # its prompts were kept once already
         if not corpus_complete(corpora[0]) and not a.partial_corpus and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise Dflash2Error(f"{corpora[0]}: expected a complete corpus under torchrun; generate it first in one "
                                "process (the same command with --corpus-only, without torchrun)")

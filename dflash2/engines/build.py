@@ -116,7 +116,7 @@ def build(plan: BuildPlan, quiet: bool = False) -> mf.EngineManifest:
                 write_atomic(plan.timing_cache, cache.serialize())
             _copy_tokenizer(plan, tmp)
             manifest = mf.write(tmp, em.build_manifest(plan, built, trt.__version__))
-        replace_folder(tmp, plan.out)
+        replace_folder(tmp, plan.out, plan.force, what="the engines")
     return manifest
 
 

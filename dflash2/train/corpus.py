@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dflash2.errors import Dflash2Error
@@ -86,7 +86,7 @@ class _Shard:
             self.ids_offsets = self._f.get_tensor("ids_offsets").tolist()
             self.taps_offsets = self._f.get_tensor("taps_offsets").tolist()
             self.prompt_len = self._f.get_tensor("prompt_len")
-        except (OSError, RuntimeError, ValueError) as e:  # safetensors reports a bad file as these
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # how safetensors reports a bad file
             raise Dflash2Error(f"{path}: not a readable corpus shard ({e})") from None
         self._taps = self._f.get_slice("taps")
 
@@ -107,8 +107,13 @@ class Corpus(Sequence):
         self.meta = read_meta(self.folder, need_complete=not partial)
         if self.meta is None:
             raise Dflash2Error(f"{self.folder / META}: expected a corpus, found none")
-        self._shards = [_Shard(p) for p in sorted(self.folder.glob(SHARD_GLOB))]
         self.complete = bool(self.meta.get("complete"))
+        if self.complete:  # a corpus is an input: a damaged one is refused, never regenerated behind the user's back
+            bad = damage(self.folder, self.meta)
+            if bad:
+                raise Dflash2Error(f"{self.folder}: a damaged corpus: {'; '.join(bad)}. Nothing was changed; "
+                                   f"--repair-corpus regenerates only those shards (the intact ones are kept)")
+        self._shards = [_Shard(p) for p in sorted(self.folder.glob(SHARD_GLOB))]
         self._index = [(s, j) for s in self._shards for j in range(len(s))]
 
     def __len__(self) -> int:
@@ -122,6 +127,75 @@ class Corpus(Sequence):
 
     def answer_tokens(self) -> int:
         return sum(len(r["ids"]) - r["prompt_len"] for r in self)
+
+
+def _index(p: Path) -> int:
+    return int(p.name.split("-")[1].split(".")[0])
+
+
+def shard_size(folder: Path, meta: dict) -> int | None:
+    """Prompts per shard: recorded in the metadata (since it is), else the rows of the first readable shard that
+    is not the last one (every shard but the last is full); None when neither can be read."""
+    size = meta.get("shard_size")
+    if isinstance(size, int) and size >= 1:
+        return size
+    paths = sorted(folder.glob(SHARD_GLOB))
+    for p in paths[:-1] or paths:
+        try:
+            return len(_Shard(p))
+        except Dflash2Error:
+            continue
+    return None
+
+
+def expected_shards(folder: Path, meta: dict) -> int | None:
+    """How many shards a complete corpus has (None: unknown, see shard_size)."""
+    size = shard_size(folder, meta)
+    return None if size is None else -(-len(meta.get("prompts", [])) // size)
+
+
+def damage(folder: Path, meta: dict) -> list[str]:
+    """What is wrong with a complete corpus's shards: unreadable ones, missing indices, rows that do not add up
+    to its prompts. [] when intact."""
+    problems, rows = [], 0
+    paths = sorted(folder.glob(SHARD_GLOB))
+    for p in paths:
+        try:
+            rows += len(_Shard(p))
+        except Dflash2Error as e:
+            problems.append(str(e).replace(str(p), p.name))
+    n = expected_shards(folder, meta)
+    have = {_index(p) for p in paths}
+    missing = sorted(set(range(n)) - have) if n is not None else []
+    if missing:
+        problems.append(f"shard(s) {', '.join(shard_path(folder, i).name for i in missing)} missing")
+    if not problems and rows != len(meta.get("prompts", [])):
+        problems.append(f"{rows} records in its shards, expected {len(meta.get('prompts', []))} (one per prompt)")
+    return problems
+
+
+def repair(folder: Path) -> tuple[dict, list[int]]:
+    """--repair-corpus: remove the unreadable shards of a damaged corpus and mark it unfinished, so its
+    generation resumes at exactly the missing shards. Returns (its metadata, the shard indices to regenerate)."""
+    meta = read_meta(folder)
+    if meta is None:
+        raise Dflash2Error(f"{folder / META}: expected a corpus to repair, found none")
+    size = shard_size(folder, meta)
+    if size is None:
+        raise Dflash2Error(f"{folder}: cannot repair: its shard size is not recorded and no full shard is "
+                           "readable; regenerate the corpus into a new folder")
+    n = -(-len(meta.get("prompts", [])) // size)
+    redo = []
+    for p in sorted(folder.glob(SHARD_GLOB)):
+        try:
+            _Shard(p)
+        except Dflash2Error:
+            p.unlink()
+            redo.append(_index(p))
+    have = {_index(p) for p in folder.glob(SHARD_GLOB)}
+    redo = sorted(set(redo) | (set(range(n)) - have))
+    write_meta(folder, meta | {"complete": False, "shard_size": size})
+    return read_meta(folder), redo
 
 
 def read_meta(folder: Path, need_complete: bool = False) -> dict | None:
@@ -167,7 +241,7 @@ def start_or_resume(folder: Path, meta: dict,
         raise Dflash2Error(f"{folder / META}: this corpus was generated with other {', '.join(diff)} "
                            f"(tap_ids {old.get('tap_ids')} vs {meta['tap_ids']}, {len(old.get('prompts', []))} vs "
                            f"{len(meta['prompts'])} prompts); use another folder or delete it")
-    return {int(p.name.split("-")[1].split(".")[0]) for p in folder.glob(SHARD_GLOB)}
+    return {_index(p) for p in folder.glob(SHARD_GLOB)}
 
 
 def corpus_complete(folder: str | Path) -> bool:

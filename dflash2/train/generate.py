@@ -122,7 +122,8 @@ def generate_corpus(target_dir: str | Path, prompts: list[str], out_dir: str | P
     if len(kept) < len(ids):
         log(f"corpus: skipping {len(ids) - len(kept)} of {len(ids)} prompts longer than {max_prompt_tokens} tokens")
     meta = {"target": str(target_dir), "tap_ids": list(tap_ids), "prompts": [prompts[i] for i in kept],
-            "max_new_tokens": max_new_tokens, "dtype": dtype, "generation": f"{dtype} weights"}
+            "max_new_tokens": max_new_tokens, "dtype": dtype, "generation": f"{dtype} weights",
+            "shard_size": shard_size}  # what a repair needs to regenerate exactly the missing shards
     done = start_or_resume(out, meta)
     pad = json.loads((Path(target_dir) / "config.json").read_text()).get("pad_token_id") or 0
     order = sorted(kept, key=lambda i: len(ids[i]))  # similar lengths share a batch: less padding

@@ -1,0 +1,78 @@
+"""A corpus is an input: one with a shard missing or unreadable is refused with the shard named and nothing
+changed; --repair-corpus regenerates exactly those shards (byte-identical here: greedy fp32, same batches)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from dflash2 import tiny
+from dflash2.cli import train as train_cli
+from dflash2.train.corpus import META, load_corpus
+from dflash2.train.data import make_prompts
+from dflash2.train.generate import generate_corpus
+from tests.errorcheck import one_line_error, snapshot
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("damage")
+    target = tiny.make_target(root / "target")
+    generate_corpus(target, make_prompts(12), root / "corpus", [1, 2], max_new_tokens=8, batch_size=4, shard_size=4,
+                    log=lambda m: None)
+    return target, root / "corpus"
+
+
+def _sums(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("shard-*"))}
+
+
+def _train(target, corpus, out, *extra):
+    return train_cli.main(["--target", str(target), "--corpus", str(corpus), "--out", str(out), "--steps", "1",
+                           "--layers", "1", "--threads", "1", "--taps", "1,2", *extra])
+
+
+def _one_prompt_more(corpus):
+    """corpus.json edited to claim a 13th prompt: the shards hold 12 records."""
+    meta = json.loads((corpus / META).read_text())
+    (corpus / META).write_text(json.dumps(meta | {"prompts": meta["prompts"] + ["x"], "shard_size": 13}))
+
+
+DAMAGE = {
+    "missing": (lambda c: (c / "shard-00001.safetensors").unlink(), "shard(s) shard-00001.safetensors missing"),
+    "truncated": (lambda c: (c / "shard-00002.safetensors").write_bytes((c / "shard-00002.safetensors").read_bytes()[:-64]),
+                  "shard-00002.safetensors: not a readable corpus shard"),
+    "rows_short": (lambda c: _one_prompt_more(c), "12 records in its shards, expected 13"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_damaged_corpus_is_refused_untouched(tmp_path, made, capsys, case):
+    target, original = made
+    corpus = tmp_path / "corpus"
+    shutil.copytree(original, corpus)
+    damage, words = DAMAGE[case]
+    damage(corpus)
+    before = snapshot(tmp_path)
+    assert _train(target, corpus, tmp_path / "drafter") == 2
+    msg = one_line_error(capsys.readouterr().err, "dflash2-train")
+    assert words in msg and "--repair-corpus" in msg
+    assert snapshot(tmp_path) == before  # nothing changed, nothing written (no drafter folder either)
+
+
+def test_repair_regenerates_only_the_damaged_shards(tmp_path, made, capsys):
+    target, original = made
+    corpus = tmp_path / "corpus"
+    shutil.copytree(original, corpus)
+    want = _sums(original)
+    DAMAGE["missing"][0](corpus)
+    DAMAGE["truncated"][0](corpus)
+    kept = (corpus / "shard-00000.safetensors").stat().st_mtime_ns
+    assert _train(target, corpus, tmp_path / "drafter", "--repair-corpus") == 0
+    assert "regenerating shard(s) [1, 2]" in capsys.readouterr().err
+    assert _sums(corpus) == want  # the same bytes as before the damage
+    assert (corpus / "shard-00000.safetensors").stat().st_mtime_ns == kept  # the intact shard untouched
+    assert len(load_corpus(corpus)) == 12 and (tmp_path / "drafter" / "config.json").is_file()

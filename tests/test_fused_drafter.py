@@ -1,0 +1,192 @@
+"""The drafter built from layer templates (dflash2.export.fused_drafter): ONNX Runtime's fused ops, checked
+against the PyTorch reference on every config field that changes its graph, byte-equal whether its weights
+come from the safetensors folders or the loaded modules, and in the gqa export lossless end to end."""
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+from dflash2 import draft_vocab as dv
+from dflash2 import manifest as mf
+from dflash2 import tiny
+from dflash2.checkpoint import Weights
+from dflash2.config import load_target_config
+from dflash2.export import fused_drafter as fd
+from dflash2.export import quantize as qz
+from dflash2.export import selector_onnx as so
+from dflash2.export import weights as W
+from dflash2.export.api import export
+from dflash2.export.graphs import graph_specs
+from dflash2.export.validate import validate_graph
+from dflash2.reference.load import load_pair
+from dflash2.runtime.api import Runtime
+from dflash2.speculative import generate
+
+WINDOWED = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+CASES = {  # name -> (family, version, make_drafter keywords)
+    "llama-v2": ("llama", 2, dict(num_layers=2)),
+    "qwen3-v1": ("qwen3", 1, {}),
+    "qwen3-v2-window": ("qwen3", 2, dict(num_layers=2, extra=WINDOWED)),  # a sliding layer and a full one
+    "llama-v2-conv3-softcap": ("llama", 2, dict(conv_kernel_size=3, softcap=5.0, output_multiplier=0.7)),
+    "llama-v1-causal": ("llama", 1, dict(extra={"is_causal": True})),
+}
+
+
+def _pair(root, name):
+    fam, ver, kw = CASES[name]
+    return tiny.make_pair(root / name, family=fam, version=ver, **kw)
+
+
+def _build(drafter, target, draft_ids=None, fuse_context=True, **kw):
+    ids = None if draft_ids is None else np.asarray(draft_ids)
+    m = fd.build(drafter.config, target.config, W.ModuleWeights(drafter), W.ModuleWeights(target), fuse_context,
+                 64, ids, **kw)
+    if drafter.config.version == 2:
+        so.add_flavour(m, "portable", drafter.config.num_drafts)
+    return m
+
+
+def _validate(tmp_path, model, target, drafter, fuse_context=True):
+    path = tmp_path / "drafter.onnx"
+    onnx.save(model, str(path))
+    spec = next(s for s in graph_specs(target, drafter, fuse_context) if s.name == "drafter")
+    failures, report = validate_graph(spec, path, "float32", save_dir=tmp_path, name="drafter")
+    return failures, report, spec
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_the_reference(tmp_path, case):
+    target, drafter = load_pair(*_pair(tmp_path, case))
+    c = drafter.config
+    if case == "qwen3-v2-window":
+        assert c.layer_window == (4, None)  # the mask is exercised: the feeds' context is longer than 4
+    if case == "llama-v1-causal":
+        assert all(c.layer_causal)
+    failures, report, spec = _validate(tmp_path, _build(drafter, target), target, drafter)
+    assert failures == []
+    assert set(report["step1"]) == set(spec.outputs)  # every output compared, the sampled step included
+
+
+def test_draft_vocabulary_and_raw_taps(tmp_path):
+    """A draft vocabulary (head rows gathered chunk by chunk, ids mapped back) and unfused context (fc +
+    hidden_norm inside the drafter graph)."""
+    target, drafter = load_pair(*_pair(tmp_path, "llama-v2"))
+    V = target.config.vocab_size
+    ids = sorted(set(range(0, V, 3)) | {5, 7})
+    drafter.set_draft_vocab(ids)
+    for fuse in (True, False):
+        failures, _, _ = _validate(tmp_path, _build(drafter, target, ids, fuse_context=fuse), target, drafter, fuse)
+        assert failures == [], fuse
+
+
+def test_head_rows_are_read_chunk_by_chunk(tmp_path):
+    d, t = _pair(tmp_path, "llama-v2")
+    w = Weights(t)
+    full = w.get("embed_tokens.weight")
+    ids = np.array([0, 3, 4, 200, full.shape[0] - 1])
+    got = np.concatenate(list(fd.head_rows(w, "embed_tokens.weight", ids)))
+    assert np.array_equal(got, full[ids])
+    # small chunks: only those holding a wanted row yield (0, 3, 4 | 200 | the last)
+    chunks = list(fd.head_rows(_Chunked(w, 7), "embed_tokens.weight", ids))
+    assert len(chunks) == 3 and np.array_equal(np.concatenate(chunks), full[ids])
+
+
+class _Chunked:
+    def __init__(self, w, rows):
+        self.w, self.rows = w, rows
+
+    def row_chunks(self, name):
+        n = self.w.shape(name)[0]
+        for i in range(0, n, self.rows):
+            yield self.w.get(name, slice(i, min(n, i + self.rows)))
+
+
+def test_streamed_build_equals_module_build(tmp_path):
+    """Weights read from the safetensors folders give the same graph and bytes as the loaded modules."""
+    d, t = _pair(tmp_path, "qwen3-v2-window")
+    target, drafter = load_pair(d, t)
+    with W.DataFile(tmp_path / "a.onnx.data") as data:
+        a = fd.build(drafter.config, target.config, Weights(d), Weights(t), True, 64, None, data)
+    with W.DataFile(tmp_path / "b.onnx.data") as data:
+        b = fd.build(drafter.config, target.config, W.ModuleWeights(drafter), W.ModuleWeights(target), True, 64, None,
+                     data)
+    assert [n.op_type for n in a.graph.node] == [n.op_type for n in b.graph.node]
+    assert (tmp_path / "a.onnx.data").read_bytes() == (tmp_path / "b.onnx.data").read_bytes()
+
+
+def test_few_nodes(tmp_path):
+    """The point of the builder: few nodes per layer (measured: 42 + 68 per DFlash2 layer, its two convolutions
+    32 of them; the traced graph of the shipped 2-layer drafter has 426 plus the selector's function)."""
+    target, drafter = load_pair(*_pair(tmp_path, "llama-v2"))
+    m = _build(drafter, target)
+    ops = Counter(n.op_type for n in m.graph.node)
+    L = drafter.config.num_layers
+    assert len(m.graph.node) <= 45 + 70 * L, ops
+    assert ops["RotaryEmbedding"] == 1 + 2 * L and ops["SkipSimplifiedLayerNormalization"] == 2 * L
+    # context K|V; per layer qkv, o, gate_up, down, the two convolutions' projections, scores, attend; head; gate
+    assert ops["MatMul"] == 1 + 8 * L + 2
+    assert ops["DFlash2Selector"] == 1
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_build_deviates_little(tmp_path, bits):
+    """Every weight MatMul as MatMulNBits (the head included); its drafts are not the fp32 ones bit for bit,
+    so the check is the deviation, as for the int4 target; the export stays lossless (test below)."""
+    from dflash2.export import deviation
+
+    target, drafter = load_pair(*_pair(tmp_path, "llama-v2"))
+    with W.DataFile(tmp_path / "drafter.onnx.data") as data:
+        m = _build(drafter, target, data=data, quant=qz.OrtQuant(f"int{bits}"))
+    ops = Counter(n.op_type for n in m.graph.node)
+    assert ops["MatMulNBits"] == 1 + 4 * drafter.config.num_layers + 2 * drafter.config.num_layers + 2
+    assert ops["MatMul"] == 2 * drafter.config.num_layers  # only the attention's activations
+    onnx.save(m, str(tmp_path / "drafter.onnx"))
+    spec = next(s for s in graph_specs(target, drafter) if s.name == "drafter")
+    failures, steps, dev = deviation.measure(spec, tmp_path / "drafter.onnx")
+    assert failures == [] and steps
+
+
+@pytest.mark.parametrize("fam,ver", [("llama", 2), ("qwen3", 1)])
+def test_gqa_export_uses_it_and_stays_lossless(tmp_path, pairs, fam, ver):
+    d, t = pairs[(fam, ver)]
+    prompt = [7, 1, 8, 2, 8, 1, 8]
+    for q in (None, qz.OrtQuant("int4")):
+        out = tmp_path / f"out-{q is not None}"
+        m = export(d, t, out, max_seq_len=256, quiet=True, target_attention="gqa", quantize=q)
+        g = m.graphs["drafter"]
+        assert g.flavours.portable == "drafter.onnx" and g.flavours.tensorrt is None
+        assert not (out / "drafter.trt.onnx").exists()
+        assert m.validation["drafter"].ok and g.signature.kv.kind == "prefix"
+        ops = Counter(n.op_type for n in onnx.load(str(out / "drafter.onnx"), load_external_data=False).graph.node)
+        assert ops["RotaryEmbedding"] >= 1 and (ops["MatMulNBits"] > 0) == (q is not None)
+        if q is not None:
+            assert m.quantization.graphs["drafter"].lm_heads == ["draft_head_Q4"]
+            assert m.validation["drafter"].deviation is not None
+        rt = Runtime(out)
+        spec = generate(rt.session, prompt, 40)
+        ar = generate(rt.session, prompt, 40, speculative=False)
+        assert spec.ids == ar.ids  # lossless against the export's own target
+        if q is None:  # fp32: the same drafts as the PyTorch reference, round by round
+            from dflash2.reference.backend import TorchBackend
+
+            ref = generate(TorchBackend(*load_pair(d, t), 512), prompt, 40)
+            assert spec.ids == ref.ids and spec.stats.accepted == ref.stats.accepted
+
+
+def test_export_with_a_draft_vocabulary(tmp_path, pairs):
+    src, t = pairs[("llama", 2)]
+    d = tmp_path / "drafter"
+    import shutil
+
+    shutil.copytree(src, d)
+    V = load_target_config(t).vocab_size
+    dv.write(d, list(range(0, V, 2)), V, "test")
+    m = export(d, t, tmp_path / "out", max_seq_len=256, quiet=True, target_attention="gqa")
+    assert m.draft_vocab.size == V // 2 and m.validation["drafter"].ok
+    rt = Runtime(tmp_path / "out")
+    prompt = [3, 9, 27, 81]
+    assert generate(rt.session, prompt, 32).ids == generate(rt.session, prompt, 32, speculative=False).ids
+    loaded = mf.load(tmp_path / "out", mf.ExportManifest)
+    assert loaded.graphs["drafter"].flavours.tensorrt is None
