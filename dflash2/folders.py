@@ -207,12 +207,18 @@ def replace_folder(tmp: Path, out: Path, force: bool = False, replaceable=None, 
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
+    done = False
     try:
         tmp.rename(out)
-    finally:  # interrupted between the renames: the previous folder goes back, never lost
-        if old is not None and out.exists():
+        done = True
+    except OSError as e:  # something took the name between the check and the rename
+        raise OutputError(f"{out}: could not be put in place ({e.strerror}); what is there was left as it is and "
+                          f"{what} was not written" + (f"; the previous folder was not removed (back at {out}, or in {old} "
+                                                        f"when the name is taken)" if old else "")) from None
+    finally:  # the previous folder goes only once the new one is in place; interrupted: it goes back
+        if old is not None and done:
             shutil.rmtree(old, ignore_errors=True)
-        elif old is not None:
+        elif old is not None and not out.exists() and not out.is_symlink():
             old.rename(out)
 
 

@@ -290,6 +290,7 @@ class QuantizedGraph:
     weight_mb_after: float
     gemm_rewritten: int = 0
     fused: dict[str, int] = field(default_factory=dict)  # rewrite -> count (dflash2.export.fuse)
+    native: dict[str, int] = field(default_factory=dict)  # ggml block type -> MatMuls carrying those blocks as they are
 
 
 @dataclass
@@ -309,6 +310,7 @@ class Quantization:
     drafter: bool = True  # drafter graph quantized too
     fuse: bool = False  # ONNX Runtime fusions applied before quantizing (dflash2.export.fuse)
     calibration: str | None = None  # what calibrated activation ranges (Q/DQ methods)
+    native: str | None = None  # the GGUF whose quantized blocks the target carries unchanged (not requantized)
     lossless_against: str = "the quantized target: speculative ids == its own greedy ids"
 
 

@@ -59,7 +59,8 @@ def test_damaged_corpus_is_refused_untouched(tmp_path, made, capsys, case):
     before = snapshot(tmp_path)
     assert _train(target, corpus, tmp_path / "drafter") == 2
     msg = one_line_error(capsys.readouterr().err, "dflash2-train")
-    assert words in msg and "--repair-corpus" in msg
+    # the way out it names: a repair where regenerating shards can make it whole, else a new corpus
+    assert words in msg and ("regenerate it into a new folder" if case == "rows_short" else "--repair-corpus") in msg
     assert snapshot(tmp_path) == before  # nothing changed, nothing written (no drafter folder either)
 
 
@@ -76,3 +77,20 @@ def test_repair_regenerates_only_the_damaged_shards(tmp_path, made, capsys):
     assert _sums(corpus) == want  # the same bytes as before the damage
     assert (corpus / "shard-00000.safetensors").stat().st_mtime_ns == kept  # the intact shard untouched
     assert len(load_corpus(corpus)) == 12 and (tmp_path / "drafter" / "config.json").is_file()
+
+
+def test_repair_refuses_another_target_and_torchrun(tmp_path, made, capsys, monkeypatch):
+    """Regenerating shards with another model would mix two models' answers; under torchrun every rank would
+    regenerate the same shards: both refused, nothing changed."""
+    target, original = made
+    corpus = tmp_path / "corpus"
+    shutil.copytree(original, corpus)
+    DAMAGE["missing"][0](corpus)
+    other = tiny.make_target(tmp_path / "other")
+    before = snapshot(corpus)
+    assert _train(other, corpus, tmp_path / "drafter", "--repair-corpus") == 2
+    assert "would mix two models' answers" in one_line_error(capsys.readouterr().err, "dflash2-train")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _train(target, corpus, tmp_path / "drafter", "--repair-corpus") == 2
+    assert "without torchrun" in one_line_error(capsys.readouterr().err, "dflash2-train")
+    assert snapshot(corpus) == before

@@ -106,7 +106,8 @@ def test_stale_old_folder_is_put_back_when_the_output_is_missing(tmp_path):
 def test_replace_folder_interrupted_puts_the_previous_folder_back(tmp_path, monkeypatch):
     out, tmp = tmp_path / "export", tmp_path / ".export.tmp-1"
     out.mkdir()
-    (out / "manifest.json").write_text("previous")
+    previous = '{"format": "dflash2-export", "note": "previous"}'  # ours: --force may replace it
+    (out / "manifest.json").write_text(previous)
     tmp.mkdir()
     real_rename = Path.rename
 
@@ -117,8 +118,8 @@ def test_replace_folder_interrupted_puts_the_previous_folder_back(tmp_path, monk
 
     monkeypatch.setattr(Path, "rename", rename)
     with pytest.raises(KeyboardInterrupt):
-        folders.replace_folder(tmp, out)
-    assert (out / "manifest.json").read_text() == "previous"
+        folders.replace_folder(tmp, out, force=True)
+    assert (out / "manifest.json").read_text() == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == [".export.tmp-1", "export"]
 
 

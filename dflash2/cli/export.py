@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--quant-target-only", action="store_true", help="keep the drafter fp32")
     q.add_argument("--quant-no-fuse", action="store_true",
                    help="skip the MatMul merge and RMSNorm fusion done before quantizing (measured faster)")
+    q.add_argument("--quant-from-gguf", type=Path, metavar="GGUF",
+                   help="with --quantize int4|int8: the target's own quantized blocks from this GGUF (Q4_0, Q4_1, "
+                        "Q8_0) go into MatMulNBits as they are instead of quantizing its dequantized weights again; "
+                        "each is checked to dequantize exactly to --target's weights")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
@@ -58,11 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         quant = None
+        if a.quant_from_gguf is not None and a.quantize not in ("int4", "int8"):
+            raise Dflash2Error(f"--quant-from-gguf: expected with --quantize int4 or int8, found "
+                               f"{'no --quantize' if a.quantize is None else '--quantize ' + a.quantize}")
+        if a.quant_from_gguf is not None and not a.quant_from_gguf.is_file():
+            raise Dflash2Error(f"--quant-from-gguf {a.quant_from_gguf}: expected a GGUF file, found "
+                               f"{'a folder' if a.quant_from_gguf.is_dir() else 'nothing there'}")
         if a.quantize in TRT_METHODS:
             quant = TrtQuant(a.quantize, a.quant_block_size or 128)
         elif a.quantize is not None:
             quant = OrtQuant(a.quantize, a.quant_block_size or 32, a.quant_accuracy_level, lm_head=not a.quant_keep_head,
-                             drafter=not a.quant_target_only, fuse=not a.quant_no_fuse)
+                             drafter=not a.quant_target_only, fuse=not a.quant_no_fuse,
+                             native=None if a.quant_from_gguf is None else str(a.quant_from_gguf.absolute()))
         m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, not a.no_fuse_context, a.quiet,
                    a.full_vocab, a.beyond_max_positions, quantize=quant, target_attention=a.target_attention)
     except Dflash2Error as e:

@@ -16,6 +16,32 @@ from dflash2.errors import Dflash2Error, require_extra
 from dflash2.interrupts import interruptible
 
 
+def _repair(a, corpora: list[Path]) -> None:
+    """--repair-corpus: regenerate the damaged shards of each generated corpus given, with the settings it records
+    and the model it records (refused: another --target, torchrun, an id corpus, nothing damaged)."""
+    from dflash2.train.corpus import damage, read_meta, repair
+    from dflash2.train.data import generate_corpus
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise Dflash2Error("--repair-corpus: run it in one process (without torchrun): every rank would regenerate "
+                           "the same shards at once")
+    if not corpora:
+        raise Dflash2Error("--repair-corpus: no generated corpus among --corpus (an id corpus's taps cache is rebuilt "
+                           "by deleting it)")
+    for c in corpora:
+        meta = read_meta(c)
+        if meta is None or not meta.get("complete") or not damage(c, meta):
+            continue  # nothing to repair here (an unfinished corpus resumes by itself)
+        if Path(str(meta.get("target"))).resolve() != Path(a.target).resolve():
+            raise Dflash2Error(f"--repair-corpus: {c} holds the answers of {meta.get('target')}, --target is {a.target}: "
+                               "regenerating its shards with another model would mix two models' answers")
+        meta, redo = repair(c)
+        print(f"repairing {c}: regenerating shard(s) {redo} with its recorded settings", file=sys.stderr)
+        generate_corpus(a.target, meta["prompts"], c, meta["tap_ids"], meta["max_new_tokens"], batch_size=a.gen_batch,
+                        shard_size=meta["shard_size"], dtype=meta["dtype"], max_prompt_tokens=10**9,
+                        device=a.device)  # its prompts were kept once already
+
+
 @interruptible("dflash2-train", "rerun the same command to resume from the last saved step")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-train", "train", 'torch', 'transformers')
@@ -115,16 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             corpora = [build_taps(IdCorpus(c), a.target, list(taps), a.taps_cache, threads=a.threads)
                        if is_id_corpus(c) else c for c in corpora]
         if a.repair_corpus:
-            from dflash2.train.corpus import repair
-
-            if is_id_corpus(a.corpus[0] if a.corpus else corpora[0]):
-                raise Dflash2Error("--repair-corpus: an id corpus (dflash2-corpus) is repaired by its own command: "
-                                   "dflash2-corpus grow resumes at its missing shards")
-            meta, redo = repair(corpora[0])
-            print(f"repairing {corpora[0]}: regenerating shard(s) {redo} with its recorded settings", file=sys.stderr)
-            generate_corpus(a.target, meta["prompts"], corpora[0], meta["tap_ids"], meta["max_new_tokens"],
-                            batch_size=a.gen_batch, shard_size=meta["shard_size"], dtype=meta["dtype"],
-                            max_prompt_tokens=10**9, device=a.device)  # its prompts were kept once already
+            _repair(a, [c for c, given in zip(corpora, a.corpus or corpora) if not is_id_corpus(given)])
         if not corpus_complete(corpora[0]) and not a.partial_corpus and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise Dflash2Error(f"{corpora[0]}: expected a complete corpus under torchrun; generate it first in one "
                                "process (the same command with --corpus-only, without torchrun)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,10 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     dc, tc = check_inputs(drafter_dir, target_dir, out, dtype, max_seq_len, force, beyond_max_positions)
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     target_attention = _attention(target_attention, quantize, tc, dc, max_seq_len)
+    if isinstance(quantize, qz.OrtQuant) and quantize.native and target_attention != "gqa":
+        raise OutputError("--quant-from-gguf: expected the fused-op target graph (--target-attention gqa, the default "
+                          f"with --quantize int4|int8), found --target-attention {target_attention}"
+                          + (f" ({gqa.unsupported(tc, dc, max_seq_len)})" if gqa.unsupported(tc, dc, max_seq_len) else ""))
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
@@ -345,8 +350,14 @@ def _gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_co
     what = f"{q.method} weights quantized as they are written" if q else "fp32"
     with progress.step(f"target.onnx: ONNX Runtime's fused ops (GroupQueryAttention), streamed from safetensors, "
                        f"{what}") as step:
+        native = None
+        if q is not None and q.native:  # the checkpoint's own quantized blocks, each checked to dequantize to it
+            from dflash2.gguf_blocks import GgufBlocks
+
+            native = GgufBlocks(q.native, tc.num_heads, tc.num_kv_heads)
         with W.DataFile(tmp / "target.onnx.data") as data:
-            model = gqa.build(tc, dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer, quant=q)
+            model = gqa.build(tc, dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer, quant=q,
+                              native=native)
         files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False)
     if q is None:
         checked["target"] = _validate(progress, "target.onnx: validating against PyTorch on ONNX Runtime", spec,
@@ -358,7 +369,13 @@ def _gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_co
     checked["target"] = mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev)
     if failures:
         raise ValidationError(failures)
-    return spec, files, checked, _nbits_report(model, q, tmp / "target.onnx.data", tc)
+    report = _nbits_report(model, q, tmp / "target.onnx.data", tc)
+    if native is not None:  # ggml type -> MatMulNBits nodes that carry its blocks as they are
+        if not native.used:
+            raise OutputError(f"--quant-from-gguf {q.native}: none of its tensors went in as blocks (types that map: "
+                              f"Q4_0, Q4_1, Q8_0; this file has {native.types()})")
+        report.native = dict(sorted(Counter(native.used.values()).items()))
+    return spec, files, checked, report
 
 
 def _fused_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int, quantize,
@@ -382,26 +399,30 @@ def _fused_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bool
     dev.judged = f"deviation from fp32 ({q.method} weights)"
     if failures:
         raise ValidationError(failures)
-    heads = [n.name for n in model.graph.node if n.name.startswith("draft_head")]
+    heads = [n.name for n in model.graph.node if n.name.startswith("draft_head") and n.op_type != "Transpose"]
     report = mf.QuantizedGraph(weight_matmuls=_weight_matmuls(model),
                                quantized=sum(n.op_type == "MatMulNBits" for n in model.graph.node),
-                               lm_heads=heads, kept_fp32=[] if q.lm_head else heads, weight_mb_before=round(_drafter_fp32_bytes(dc, tc, draft_ids) / 2**20, 2),
+                               lm_heads=heads, kept_fp32=[] if q.lm_head else heads,
+                               weight_mb_before=round(_drafter_fp32_bytes(dc, tc, draft_ids, fuse_context) / 2**20, 2),
                                weight_mb_after=round((tmp / "drafter.onnx.data").stat().st_size / 2**20, 2))
     return files, {"drafter": mf.Validation(ok=True, failures=[], steps=steps, deviation=dev)}, report
 
 
-def _drafter_fp32_bytes(dc, tc, draft_ids) -> int:
-    """The fp32 bytes the fused drafter graph reads: its own weights, its head rows, the target's embedding."""
+def _drafter_fp32_bytes(dc, tc, draft_ids, fuse_context: bool) -> int:
+    """The fp32 bytes the fused drafter graph reads: its own weights (fc / hidden_norm only when the context is not
+    fused into the target), its head rows (none of its own for a tied head over the whole vocabulary: the
+    embedding), the target's embedding."""
     from dflash2.checkpoint import drafter_tensor_shapes
 
-    own = sum(int(np.prod(s)) for s in drafter_tensor_shapes(dc, tc.hidden_size).values())
-    rows = tc.vocab_size if draft_ids is None else len(draft_ids)
+    shapes = drafter_tensor_shapes(dc, tc.hidden_size)
+    own = sum(int(np.prod(s)) for k, s in shapes.items() if not (fuse_context and k in ("fc.weight", "hidden_norm.weight")))
+    rows = 0 if draft_ids is None and tc.tie_word_embeddings else tc.vocab_size if draft_ids is None else len(draft_ids)
     return 4 * (own + (rows + tc.vocab_size) * tc.hidden_size)
 
 
 def _nbits_report(model, q: qz.OrtQuant, data: Path, tc) -> mf.QuantizedGraph:
     nodes = model.graph.node
-    heads = [n.name for n in nodes if n.name in ("lm_head", f"lm_head_Q{q.bits}")]
+    heads = [n.name for n in nodes if n.name == "lm_head" or n.name.startswith("lm_head_Q")]  # native Q8_0: _Q8
     return mf.QuantizedGraph(
         weight_matmuls=_weight_matmuls(model), quantized=sum(n.op_type == "MatMulNBits" for n in nodes), lm_heads=heads,
         kept_fp32=[] if q.lm_head else heads,

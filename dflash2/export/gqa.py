@@ -57,7 +57,7 @@ def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_l
 
 
 def build(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data: W.DataFile | None = None,
-          progress=None, quant=None) -> onnx.ModelProto:
+          progress=None, quant=None, native=None) -> onnx.ModelProto:
     """The fused-op target graph (module docstring) from weight sources (dflash2.export.weights: a
     safetensors folder read tensor by tensor, or a loaded module). c / dc: the target / drafter configs;
     src / dsrc: their weights; data: where the initializers go (None: inline); progress(i, L): per layer;
@@ -68,7 +68,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data: W.DataFi
     nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
     B = dc.block_size
     tap_ids = tuple(dc.target_layer_ids)
-    b = Builder(data, quant)
+    b = Builder(data, quant, native)
     eps = float(c.rms_norm_eps)
     past, present = N.gqa_kv_names(L)
 
@@ -139,7 +139,10 @@ def build(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data: W.DataFi
 
     y = b.op("Squeeze", [y, "axis0"], "norm.rows")[0]  # [n, H]: the LM head's MatMul feeds the ArgMax directly
     head_name = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    if quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
+    head_blocks = b.native_blocks([head_name], src) if quant is not None and quant.lm_head else None
+    if head_blocks is not None:  # the checkpoint's own blocks (e.g. Q8_0) as they are
+        logits = b.matmul_blocks(y, "lm_head", head_blocks)
+    elif quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
         logits = b.matmul_nbits(y, "lm_head", (H, c.vocab_size), (r.T for r in src.row_chunks(head_name)))
     else:
         head = embed if c.tie_word_embeddings else b.chunked("lm_head.weight", src.row_chunks("lm_head.weight"),

@@ -50,6 +50,7 @@ class OrtQuant:
     lm_head: bool = True  # quantize the LM heads (target and drafter)
     drafter: bool = True  # quantize the drafter graph as well as the target
     fuse: bool = True  # merge parallel MatMuls and fuse RMSNorms first (dflash2.export.fuse)
+    native: str | None = None  # a GGUF of the target: its quantized blocks as they are (dflash2.gguf_blocks)
 
     def __post_init__(self):
         if self.method not in ORT_METHODS:
@@ -71,7 +72,7 @@ class OrtQuant:
                                format="MatMulNBits (weight-only, blockwise)", graphs=per_graph,
                                block_size=self.block_size, accuracy_level=self.accuracy_level,
                                symmetric=self.symmetric, lm_head=self.lm_head, drafter=self.drafter,
-                               fuse=self.fuse)
+                               fuse=self.fuse, native=self.native)
 
 
 def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:

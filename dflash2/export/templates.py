@@ -21,12 +21,13 @@ class Builder:
     """Nodes and initializers of one graph. Weights go through `data` (a DataFile: written to disk as they
     are made, the proto only points at them) or, without one, inline into the proto."""
 
-    def __init__(self, data: W.DataFile | None = None, quant=None):
+    def __init__(self, data: W.DataFile | None = None, quant=None, native=None):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.names: set[str] = set()
         self.data = data
         self.nbits = None if quant is None else W.NBits(quant)  # quantize as the weights are written
+        self.native = native  # a GgufBlocks: weights it holds go in as its blocks, not requantized
 
     def _name(self, name: str) -> str:
         if name in self.names:  # ONNX Runtime would only warn and keep one of them
@@ -60,9 +61,13 @@ class Builder:
     def linear(self, x: str, name: str, src, prefixes: list[str], quantize: bool = True) -> str:
         """One MatMul over the [K, sum N] concatenation of Linear weights `{prefix}.weight` (+ biases);
         MatMulNBits when the builder quantizes (ONNX Runtime's own block quantizer, dflash2.export.weights)."""
-        w = np.concatenate([src.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
-        y = self.matmul(x, name, w, quantize)
-        del w
+        blocks = self.native_blocks([f"{p}.weight" for p in prefixes], src) if quantize else None
+        if blocks is not None:
+            y = self.matmul_blocks(x, name, blocks)
+        else:
+            w = np.concatenate([src.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
+            y = self.matmul(x, name, w, quantize)
+            del w
         if f"{prefixes[0]}.bias" in src:
             b = np.concatenate([src.get(f"{p}.bias") for p in prefixes])
             y = self.op("Add", [y, self.weight(f"{name}.bias", b)], f"{name}.bias")[0]
@@ -73,6 +78,45 @@ class Builder:
         if self.nbits is not None and quantize:
             return self.matmul_nbits(x, name, w.shape, [w])
         return self.op("MatMul", [x, self.weight(f"{name}.weight", w)], name)[0]
+
+    def native_blocks(self, names: list[str], src):
+        """The native blocks of these weights concatenated by rows (q|k|v, gate|up), each checked to dequantize to
+        the checkpoint's tensor; None unless the builder quantizes and every one has blocks of one bit width."""
+        if self.native is None or self.nbits is None:
+            return None
+        from dflash2.gguf_blocks import Blocks
+
+        parts = [self.native.checked(n, src) for n in names]
+        if any(p is None for p in parts) or len({p.bits for p in parts}) != 1:
+            return None
+        return Blocks.concat(parts)
+
+    def matmul_blocks(self, x: str, name: str, blocks) -> str:
+        """MatMulNBits over blocks given as they are (dflash2.gguf_blocks): block 32, their own bits, float zero
+        points where the format has them; the builder's accuracy level."""
+        N, K = blocks.shape
+        w = f"{name}.weight"
+        self.inits.append(self.data.add(self._name(f"{w}_Q{blocks.bits}"), blocks.packed))
+        inputs = [x, f"{w}_Q{blocks.bits}", self.weight(f"{w}_scales", blocks.scales.reshape(-1))]
+        attrs = {"K": K, "N": N, "bits": blocks.bits, "block_size": 32}
+        if self.nbits.accuracy_level:
+            attrs["accuracy_level"] = self.nbits.accuracy_level
+        node = f"{name}_Q{blocks.bits}"
+        self.native.used[node] = blocks.kind  # the export reports what went in unchanged
+        y = self.op("MatMulNBits", inputs, node, domain="com.microsoft", **attrs)[0]
+        if blocks.zero_points is None:
+            return y
+        # Float zero points (Q4_1's w = (q - zp) * scale) send ONNX Runtime's kernel down a path that dequantizes
+        # the whole weight on every call (measured 50x slower). Instead: the symmetric kernel (zero point 8) plus
+        # the rest, exactly: w = s (q - 8) + s (8 - zp), and x @ [s (8 - zp)] per block = (block sums of x) @ C.
+        # (x is [1, n, K] here: the fused target's activations.)
+        nb = K // 32
+        c = (blocks.scales * (2 ** (blocks.bits - 1) - blocks.zero_points)).T  # [nb, N]
+        split = self.op("Reshape", [x, self.const(f"{name}.blocks", [0, 0, nb, 32])], f"{name}.blocks")[0]
+        sums = self.op("ReduceSum", [split, self.const(f"{name}.last", [-1])], f"{name}.block_sums", keepdims=0)[0]
+        rest = self.op("MatMul", [sums, self.weight(f"{w}_offsets", np.ascontiguousarray(c, np.float32))],
+                       f"{name}.offsets")[0]  # [1, n, N]
+        return self.op("Add", [y, rest], f"{name}.q4_1")[0]
 
     def matmul_nbits(self, x: str, name: str, kn: tuple[int, int], column_blocks) -> str:
         """MatMulNBits of x and a [K, N] weight given as consecutive [K, n_i] column blocks (the LM head:

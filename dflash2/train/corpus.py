@@ -111,8 +111,11 @@ class Corpus(Sequence):
         if self.complete:  # a corpus is an input: a damaged one is refused, never regenerated behind the user's back
             bad = damage(self.folder, self.meta)
             if bad:
-                raise Dflash2Error(f"{self.folder}: a damaged corpus: {'; '.join(bad)}. Nothing was changed; "
-                                   f"--repair-corpus regenerates only those shards (the intact ones are kept)")
+                fix = ("--repair-corpus regenerates only those shards (the intact ones are kept)"
+                       if generated(self.meta) and all("records in its shards" not in b for b in bad) else
+                       "regenerate it into a new folder" if generated(self.meta) else
+                       "delete this taps cache folder: it is rebuilt from its id corpus")
+                raise Dflash2Error(f"{self.folder}: a damaged corpus: {'; '.join(bad)}. Nothing was changed; {fix}")
         self._shards = [_Shard(p) for p in sorted(self.folder.glob(SHARD_GLOB))]
         self._index = [(s, j) for s in self._shards for j in range(len(s))]
 
@@ -154,9 +157,15 @@ def expected_shards(folder: Path, meta: dict) -> int | None:
     return None if size is None else -(-len(meta.get("prompts", [])) // size)
 
 
+def generated(meta: dict) -> bool:
+    """A corpus generated from its prompts (what --repair-corpus can redo), not a taps cache of an id corpus
+    (dflash2.train.taps: no prompts, `sources`; rebuilt by its own command when missing)."""
+    return bool(meta.get("prompts")) and not meta.get("sources")
+
+
 def damage(folder: Path, meta: dict) -> list[str]:
-    """What is wrong with a complete corpus's shards: unreadable ones, missing indices, rows that do not add up
-    to its prompts. [] when intact."""
+    """What is wrong with a complete corpus's shards: unreadable ones; for a generated corpus also missing indices
+    and rows that do not add up to its prompts. [] when intact."""
     problems, rows = [], 0
     paths = sorted(folder.glob(SHARD_GLOB))
     for p in paths:
@@ -164,6 +173,8 @@ def damage(folder: Path, meta: dict) -> list[str]:
             rows += len(_Shard(p))
         except Dflash2Error as e:
             problems.append(str(e).replace(str(p), p.name))
+    if not generated(meta):
+        return problems
     n = expected_shards(folder, meta)
     have = {_index(p) for p in paths}
     missing = sorted(set(range(n)) - have) if n is not None else []
@@ -180,6 +191,9 @@ def repair(folder: Path) -> tuple[dict, list[int]]:
     meta = read_meta(folder)
     if meta is None:
         raise Dflash2Error(f"{folder / META}: expected a corpus to repair, found none")
+    if not generated(meta):
+        raise Dflash2Error(f"{folder}: --repair-corpus: a taps cache of an id corpus is not repaired; delete it and "
+                           "it is rebuilt from its id corpus")
     size = shard_size(folder, meta)
     if size is None:
         raise Dflash2Error(f"{folder}: cannot repair: its shard size is not recorded and no full shard is "
@@ -188,10 +202,22 @@ def repair(folder: Path) -> tuple[dict, list[int]]:
     redo = []
     for p in sorted(folder.glob(SHARD_GLOB)):
         try:
+            with open(p, "rb"):  # unreadable for another reason (permissions, I/O): stop, delete nothing
+                pass
+        except OSError as e:
+            raise Dflash2Error(f"{p}: cannot be read ({e.strerror}); nothing was repaired") from None
+        try:
             _Shard(p)
-        except Dflash2Error:
-            p.unlink()
+        except Dflash2Error:  # opened but not a valid shard: the damage itself
             redo.append(_index(p))
+    P = len(meta["prompts"])
+    wrong = [p.name for p in folder.glob(SHARD_GLOB) if _index(p) not in redo and
+             (_index(p) >= n or len(_Shard(p)) != min(size, P - _index(p) * size))]
+    if wrong:  # intact shards of another layout: regenerating the missing ones would not make it whole
+        raise Dflash2Error(f"{folder}: shard(s) {', '.join(sorted(wrong))} do not hold the rows its {P} prompts in "
+                           f"shards of {size} give; nothing was repaired: regenerate it into a new folder")
+    for i in redo:
+        shard_path(folder, i).unlink()
     have = {_index(p) for p in folder.glob(SHARD_GLOB)}
     redo = sorted(set(redo) | (set(range(n)) - have))
     write_meta(folder, meta | {"complete": False, "shard_size": size})
