@@ -125,18 +125,19 @@ def grow(target_dir: Path, folder: Path, minutes: float, shard_items: int = 256,
                 rows.append((p, r["ids"][r["prompt_len"]:].tolist(), it.conversation, it.turn))
             done = sum(len(r[1]) for r in rows)
             log(f"corpus: shard {s}: {len(rows)}/{len(kept)} rows, {done} answer tokens, "
-                f"{done / (time.monotonic() - t0):.0f} tok/s")
+                f"{done / max(time.monotonic() - t0, 1e-6):.0f} tok/s")
         rows.sort(key=lambda r: (r[2], r[3]))  # file order inside the shard: independent of batching
         entry = write_shard(folder / shard_name(s), rows, target["vocab_size"])
         entry["items"] = [s * shard_items, s * shard_items + len(chunk)]
         entry["skipped_context"] = len(chunk) - len(kept)
-        shard_seconds = time.monotonic() - t0
+        shard_seconds = max(time.monotonic() - t0, 1e-6)
         meta["shards"].append(entry)
         session["shards"] += 1
         session["rows"] += entry["rows"]
         session["answer_tokens"] += entry["answer_tokens"]
         session["seconds"] = round(time.monotonic() - t_start, 1)
-        session["answer_tok_per_s"] = round(session["answer_tokens"] / session["seconds"], 1)
+        # a tiny shard can finish within the rounding of its seconds: never divide by zero
+        session["answer_tok_per_s"] = round(session["answer_tokens"] / max(session["seconds"], 1e-3), 1)
         write_meta(folder, meta)  # after the shard's rename: the manifest never lists a shard not yet whole
         total = sum(e["answer_tokens"] for e in meta["shards"])
         eta = (n_shards - len(meta["shards"])) * shard_seconds / 3600
