@@ -188,31 +188,23 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
     graphs, validation, quantized = {}, {}, {}
     for spec in graph_specs(target, drafter, fuse_context):
         t0 = time.perf_counter()
-        if spec.name == "target" and target_attention == "gqa":
-            spec, files, checked, q_report = _gqa_target(tmp, spec, target, drafter, tc, dc, sources, fuse_context,
-                                                         max_seq_len, quantize, progress, dtype)
+        if target_attention == "gqa" and spec.name in ("target", "drafter"):  # built from templates, no TRT flavour
+            if spec.name == "target":
+                spec, files, checked, q_report = _gqa_target(tmp, spec, target, drafter, tc, dc, sources, fuse_context,
+                                                             max_seq_len, quantize, progress, dtype)
+            else:
+                files, checked, q_report = _fused_drafter(tmp, spec, drafter, tc, dc, sources, fuse_context,
+                                                          max_seq_len, quantize, progress, dtype)
             validation.update(checked)
             if q_report is not None:
                 quantized[spec.name] = q_report
             io = tr.io_spec(tmp / files["portable"])
+            kind = "gqa-shared" if spec.name == "target" else "prefix"
             graphs[spec.name] = mf.Graph(flavours=mf.Flavours(**files), data="",
                                          inputs=[mf.IoSpec(**d) for d in io["inputs"]],
                                          outputs=[mf.IoSpec(**d) for d in io["outputs"]],
                                          seconds=time.perf_counter() - t0,
-                                         signature=_signature(spec.name, "gqa-shared", io, tc.num_layers))
-            continue
-        if spec.name == "drafter" and target_attention == "gqa":  # the CPU path: no TensorRT flavour
-            files, checked, q_report = _fused_drafter(tmp, spec, drafter, tc, dc, sources, fuse_context, max_seq_len,
-                                                      quantize, progress, dtype)
-            validation.update(checked)
-            if q_report is not None:
-                quantized[spec.name] = q_report
-            io = tr.io_spec(tmp / files["portable"])
-            graphs[spec.name] = mf.Graph(flavours=mf.Flavours(**files), data="",
-                                         inputs=[mf.IoSpec(**d) for d in io["inputs"]],
-                                         outputs=[mf.IoSpec(**d) for d in io["outputs"]],
-                                         seconds=time.perf_counter() - t0,
-                                         signature=_signature(spec.name, "prefix", io, tc.num_layers))
+                                         signature=_signature(spec.name, kind, io, tc.num_layers))
             continue
         else:
             with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
