@@ -47,6 +47,18 @@ def exit_status(e: KeyboardInterrupt) -> int:
 Main = Callable[[list[str] | None], int]
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of the closed pipe raises nothing more."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def interruptible(prog: str, after: str = "nothing was written") -> Callable[[Main], Main]:
     """For a CLI's main(): Ctrl-C (SIGINT) or `kill` (SIGTERM) -> one line `PROG: interrupted; AFTER`
     on stderr and the shell's status, 130 / 143, instead of a KeyboardInterrupt traceback. No cleanup
@@ -57,10 +69,16 @@ def interruptible(prog: str, after: str = "nothing was written") -> Callable[[Ma
         def run(argv: list[str] | None = None) -> int:
             try:
                 with sigterm_raises():
-                    return main(argv)
+                    code = main(argv)
+                    sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at the exit's flush
+                    return code
             except KeyboardInterrupt as e:
                 word = "terminated" if isinstance(e, Terminated) else "interrupted"
                 print(f"\n{prog}: {word}; {after}", file=sys.stderr)
                 return exit_status(e)
+            except BrokenPipeError:  # stdout closed early (`... | head -c 5`): one line, the shell's SIGPIPE status
+                _silence_stdout()
+                print(f"{prog}: stopped: standard output was closed (broken pipe); {after}", file=sys.stderr)
+                return 128 + signal.SIGPIPE
         return run
     return wrap

@@ -117,6 +117,8 @@ def parse_spec(spec: str, default_split: str = "train", log=None) -> list[str]:
         return default_prompts()
     m = SPEC.match(spec)
     if m:
+        if m.group(2) is not None and int(m.group(2)) < 1:
+            raise Dflash2Error(f"--prompts {spec}: expected a count N >= 1 (or none for all), found {m.group(2)}")
         return sharegpt(m.group(1) or default_split, int(m.group(2)) if m.group(2) else None, log=log)
     return load_prompts(spec)
 
@@ -131,6 +133,11 @@ def load_prompts(path: str | Path | None) -> list[str]:
     except FileNotFoundError:
         raise Dflash2Error(f"{path}: prompt file not found (expected a JSON list, one prompt per line, "
                            "'default' or 'sharegpt[:eval][:N]')") from None
+    except IsADirectoryError:
+        raise Dflash2Error(f"{path}: expected a prompt file (a JSON list or one prompt per line), found a "
+                           "folder") from None
+    except OSError as e:
+        raise Dflash2Error(f"{path}: expected a readable prompt file, found {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise Dflash2Error(f"{path}: expected UTF-8 text, found undecodable bytes at offset {e.start}") from None
     if text.lstrip().startswith("["):
@@ -138,6 +145,10 @@ def load_prompts(path: str | Path | None) -> list[str]:
             items = json.loads(text)
         except json.JSONDecodeError as e:
             raise Dflash2Error(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        if not isinstance(items, list):
+            raise Dflash2Error(f"{path}: expected a JSON list of prompts, found {type(items).__name__}")
+        if not items:
+            raise Dflash2Error(f"{path}: expected at least one prompt, found an empty list")
         bad = [i for i, x in enumerate(items) if not isinstance(x, str) or not x.strip()]
         if bad:
             raise Dflash2Error(f"{path}: expected a list of non-empty strings, found other items at {bad[:5]}")

@@ -10,8 +10,9 @@
 # default target; installed with --no-deps). Or point TARGET at a prepared target folder.
 # Knobs (defaults sized for one H200): PYTHON, DEVICE (cuda), NPROC (1), TARGET, PROMPTS
 # (sharegpt:7000), MAX_NEW (256), GEN_BATCH (256), STEPS (3000), SEQS (32), LAYERS (2), BLOCK (8),
-# TOPK (8), RANK (32), LR (1e-3), INIT (a drafter to start from; default: the shipped one when the
-# shapes match), DRAFT_VOCAB (8192), WORK (scratch), OUT (where the result lands; default $WORK/result).
+# TOPK (8), SEL_RANK (32, the selector rank: not RANK, which torchrun sets for each process), LR (1e-3),
+# INIT (a drafter to start from; default: the shipped one when the shapes match), DRAFT_VOCAB (8192),
+# WORK (scratch), OUT (where the result lands; default $WORK/result).
 # The same script runs at toy size on a CPU (tests/test_train_scale.py: DEVICE=cpu and a tiny target).
 set -euo pipefail
 
@@ -40,9 +41,9 @@ fi
 echo "target: $TARGET"
 
 COMMON=(--target "$TARGET" --taps "${TAPS:-1,14,27}" --layers "${LAYERS:-2}" --block-size "${BLOCK:-8}"
-        --top-k "${TOPK:-8}" --rank "${RANK:-32}" --device "$DEVICE" ${MASK:+--mask-token-id "$MASK"}
+        --top-k "${TOPK:-8}" --rank "${SEL_RANK:-32}" --device "$DEVICE" ${MASK:+--mask-token-id "$MASK"}
         ${THREADS:+--threads "$THREADS"})
-if [[ -z "${INIT+x}" && "${LAYERS:-2}${BLOCK:-8}${TOPK:-8}${RANK:-32}" == "28832" ]]; then INIT="$SHIPPED"; fi
+if [[ -z "${INIT+x}" && "${LAYERS:-2}${BLOCK:-8}${TOPK:-8}${SEL_RANK:-32}" == "28832" ]]; then INIT="$SHIPPED"; fi
 
 step "corpus: the target's greedy answers + taps (one process)"
 "$PY" -m dflash2.cli.train "${COMMON[@]}" --out "$WORK/drafter" --corpus "$WORK/corpus" \

@@ -21,8 +21,15 @@ from tests.errorcheck import one_line_error, snapshot
 def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("damage")
     target = tiny.make_target(root / "target")
-    generate_corpus(target, make_prompts(12), root / "corpus", [1, 2], max_new_tokens=8, batch_size=4, shard_size=4,
-                    log=lambda m: None)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the repair runs (--threads 1): torch's CPU kernels round differently per thread count
+    try:
+        generate_corpus(target, make_prompts(12), root / "corpus", [1, 2], max_new_tokens=8, batch_size=4,
+                        shard_size=4, log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
     return target, root / "corpus"
 
 
@@ -90,7 +97,8 @@ def test_repair_refuses_another_target_and_torchrun(tmp_path, made, capsys, monk
     before = snapshot(corpus)
     assert _train(other, corpus, tmp_path / "drafter", "--repair-corpus") == 2
     assert "would mix two models' answers" in one_line_error(capsys.readouterr().err, "dflash2-train")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(k, v)  # as torchrun sets them for rank 0
     assert _train(target, corpus, tmp_path / "drafter", "--repair-corpus") == 2
     assert "without torchrun" in one_line_error(capsys.readouterr().err, "dflash2-train")
     assert snapshot(corpus) == before

@@ -35,7 +35,7 @@ def test_lossless_on_every_shipped_prompt(default_export):
     from dflash2.prompts import default_prompts
     from dflash2.runtime.bench import bench
 
-    r = bench(default_export, default_prompts(), max_new_tokens=64)
+    r = bench(default_export, default_prompts(), max_new_tokens=64).to_dict()
     print("\n" + json.dumps({k: r[k] for k in ("acceptance_length", "speedup", "lossless")}))
     assert r["lossless"] and r["prompts"] == len(default_prompts())
     assert all(v["ok"] for v in json.loads((default_export / "manifest.json").read_text())["validation"].values())

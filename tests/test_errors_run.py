@@ -243,7 +243,7 @@ def test_make_tiny_never_writes_over_a_folder(tmp_path, capsys):
     (["--repeats", "0"], "--repeats: expected >= 1, found 0"),
     (["--threads", "-3"], "--threads: expected >= 1, found -3"),
     (["--json", "{export}/manifest.json"], "--json {export}/manifest.json lies inside the FOLDER 1 folder"),
-    (["--prompts", "{tmp}/empty.json"], "expected at least one prompt, found none"),
+    (["--prompts", "{tmp}/empty.json"], "expected at least one prompt, found an empty list"),
 ])
 def test_bench_quant_never_writes_over_an_input(tmp_path, exports, capsys, args, message):
     """Its --json once replaced an export's manifest (exit 0); now checked before the run like dflash2-bench's."""
@@ -261,3 +261,59 @@ def test_bench_quant_never_writes_over_an_input(tmp_path, exports, capsys, args,
 def test_draft_len_is_checked_even_without_speculation(capsys, exports):
     assert "draft length expected 1..7 (the drafter's block size - 1), found 99" in _run(capsys, exports[("llama", 1)], "--prompt-ids", "1,2",
                                                           "--draft-len", "99", "--no-spec")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt-ids", "1,2", "--draft-len", "2", "--no-spec"], "--draft-len 2: no effect with --no-spec"),
+    (["--prompt-ids", "1,2", "--temperature", "0", "--top-k", "5", "--seed", "3"],
+     "--top-k, --seed: no effect at temperature 0 (greedy decoding); add --temperature T > 0"),
+    (["--prompt-ids", "1,2", "--top-p", "0.9"], "--top-p: no effect at temperature 0 (greedy decoding, the model "
+                                                "default)"),
+])
+def test_run_flags_without_effect_are_errors(capsys, exports, args, message):
+    assert message in _run(capsys, exports[("llama", 1)], *args)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("{tmp}", "expected a prompt file (a JSON list or one prompt per line), found a folder"),
+    ("{tmp}/empty.json", "empty.json: expected at least one prompt, found an empty list"),
+    ("sharegpt:eval:0", "--prompts sharegpt:eval:0: expected a count N >= 1 (or none for all), found 0"),
+])
+@pytest.mark.parametrize("cli", ["bench", "bench_quant"])
+def test_bench_prompt_specs_are_checked(tmp_path, exports, capsys, spec, message, cli):
+    import importlib
+
+    (tmp_path / "empty.json").write_text("[]")
+    main = importlib.import_module(f"dflash2.cli.{cli}").main
+    before = snapshot(exports[("llama", 1)], tmp_path)
+    assert main([str(exports[("llama", 1)]), "--prompts", spec.format(tmp=tmp_path), "--max-new-tokens", "2"]) == 2
+    prog = "dflash2-bench" if cli == "bench" else "dflash2-bench-quant"
+    assert message in one_line_error(capsys.readouterr().err, prog)
+    assert snapshot(exports[("llama", 1)], tmp_path) == before
+
+
+def test_stdout_closed_early_is_one_line_not_a_traceback(exports):
+    """`dflash2-run ... | head -c 5`: the pipe closes while the run still prints; one line on stderr, the shell's
+    SIGPIPE status (141), no BrokenPipeError traceback."""
+    import subprocess
+
+    code = (f"import sys; from dflash2.cli import run; sys.exit(run.main([{str(exports[('llama', 1)])!r}, "
+            "'--prompt-ids', '1,2,3', '--max-new-tokens', '24']))")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # closed before the run writes a byte, as `head -c 5` is after its 5 (deterministic here)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "standard output was closed (broken pipe)" in err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--quant-block-size", "64"], "--quant-block-size: no effect without --quantize"),
+    (["--quant-target-only", "--quant-keep-head"], "--quant-keep-head, --quant-target-only: no effect without "
+                                                    "--quantize"),
+    (["--quantize", "int4", "--quant-block-size", "1048576"], "expected a power of two in 16..256"),
+    (["--quantize", "int4", "--quant-block-size", "0"], "expected a power of two in 16..256"),
+])
+def test_quantization_flags_are_checked_before_loading(tmp_path, capsys, nan_pair, extra, message):
+    before = snapshot(tmp_path)
+    assert message in _export(capsys, nan_pair, tmp_path / "o", *extra)  # not the NaN: refused before loading
+    assert snapshot(tmp_path) == before

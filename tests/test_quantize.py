@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -162,8 +163,9 @@ def test_cli_prints_quantization(tmp_path, pairs):
 def test_quant_bench_interleaved(quantized):
     fp32, int4 = quantized["fp32"], quantized["int4"]
     lines: list[str] = []
-    r = bench_quant([fp32, int4, fp32], PROMPTS[:2], max_new_tokens=24, draft_len="auto",  # each export's schedule
-                    log=lines.append)
+    typed = bench_quant([fp32, int4, fp32], PROMPTS[:2], max_new_tokens=24, draft_len="auto",  # each one's schedule
+                        log=lines.append)
+    r = typed.to_dict()
     assert len(lines) == 2 and lines[-1].startswith("[prompt 2/2]") and "int4 gqa speculative" in lines[-1]
     assert list(r["exports"]) == ["fp32", "int4 gqa", "fp32-2"]  # the label says the graph
     assert all(r["lossless"].values())
@@ -172,7 +174,8 @@ def test_quant_bench_interleaved(quantized):
     assert set(r["tokens_per_second"]) == {f"{lab} {m}" for lab in r["exports"]
                                            for m in ("autoregressive", "speculative")}
     assert all(v > 0 for v in r["tokens_per_second"].values())
-    assert r["draft_len"] == "auto" and "K=auto" in table(r) and "int4 gqa speculative" in table(r)
+    assert r["draft_len"] == "auto" and "K=auto" in table(typed) and "int4 gqa speculative" in table(typed)
+    assert "vs_genai_int4" not in r["best"] and typed.exports["int4 gqa"].quantization["bits"] == 4
     with pytest.raises(Dflash2Error, match="expected 'auto' or an integer"):
         bench_quant([fp32], PROMPTS[:1], max_new_tokens=4, draft_len="two")
 
@@ -204,8 +207,50 @@ def test_quant_bench_against_onnxruntime_genai(quantized, pairs, tmp_path):
                         str(tmp_path / "genai"), "-p", "int4", "-e", "cpu", "-c", str(tmp_path / "cache")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    res = bench_quant([quantized["fp32"], quantized["int4"]], PROMPTS[:2], genai=tmp_path / "genai",
-                      max_new_tokens=16, draft_len=2, threads=1)
+    typed = bench_quant([quantized["fp32"], quantized["int4"]], PROMPTS[:2], genai=tmp_path / "genai",
+                        max_new_tokens=16, draft_len=2, threads=1)
+    res = typed.to_dict()
     assert res["tokens_per_second"]["onnxruntime-genai int4"] > 0 and res["genai"]["version"] == "0.18.0"
     assert 0.0 <= res["genai_prefix_agreement_vs_first"] <= 1.0 and "vs_genai_int4" in res["best"]
-    assert all(res["lossless"].values()) and "onnxruntime-genai int4" in table(res)
+    assert all(res["lossless"].values()) and "onnxruntime-genai int4" in table(typed)
+
+
+def _swap_in(src: Path, dst: Path, names: list[str]) -> None:
+    """dst's files `names` replaced by src's, the manifest's file entries updated and resealed: a forgery the seal
+    cannot catch (tests.exports.edit_manifest)."""
+    import hashlib
+    import shutil
+
+    from tests.exports import edit_manifest
+
+    for n in names:
+        (dst / n).unlink()
+        shutil.copyfile(src / n, dst / n)
+
+    def edit(d):
+        for n in names:
+            d["files"][n] = {"sha256": hashlib.sha256((dst / n).read_bytes()).hexdigest(), "bytes": (dst / n).stat().st_size}
+    edit_manifest(dst, edit)
+
+
+@pytest.mark.parametrize("into,source,want", [
+    ("int4-plain", "fp32", "the manifest says quantized int4, the graph has no MatMulNBits nodes"),
+    ("fp32", "int4-plain", "the manifest says not quantized, the graph has MatMulNBits nodes"),
+    ("int4-plain", "int4", "inputs: the manifest lists"),  # the gqa graph into a plain-graph export
+])
+def test_a_resealed_graph_swap_is_refused_when_its_session_opens(quantized, tmp_path, into, source, want):
+    """The probe's forgeries that ran: a graph file of another export swapped in and the manifest resealed. Each graph
+    is checked against the manifest on the file ONNX Runtime opened (io and weight format): one error naming the
+    file, both sides and the fix; the folders given are not changed."""
+    import shutil
+
+    from dflash2.runtime.graphcheck import GraphMismatchError
+
+    forged = tmp_path / "forged"
+    shutil.copytree(quantized[into], forged)
+    names = [n for n in ("target.onnx", "target.onnx.data") if (quantized[source] / n).is_file()]
+    _swap_in(quantized[source], forged, names)
+    with pytest.raises(GraphMismatchError) as e:
+        Runtime(forged).generate(PROMPTS[0], 4)
+    msg = str(e.value)
+    assert want in msg and "target.onnx" in msg and "re-export with dflash2-export" in msg

@@ -253,6 +253,42 @@ def test_bench_reports(tmp_path, exports):
     assert r["calibration"]["calibrated"] and len(r["calibration"]["verify_ms"]) == 8
     assert len(r["per_prompt"]) == r["prompts"] and sum(r["per_prompt"][0]["k_histogram"].values()) > 0
     assert r["modes"]["7"]["k_histogram"] == {"skip": 0, "7": r["modes"]["7"]["rounds"]}
+    from dflash2.runtime.bench_result import BenchResult
+
+    typed = BenchResult.from_dict(r, out)  # the JSON is the typed result's fields, read back whole
+    assert typed.to_dict() == r and typed.main_mode.speedup == r["speedup"]
+    assert isinstance(typed.draft_len_sweep[0].round_ms, float) and typed.per_prompt[0].prompt_tokens > 0
+
+
+def test_bench_json_read_back_names_the_file_and_field(tmp_path, exports, capsys):
+    """--combine reads bench JSONs as typed results: a cut-short run, a missing or mistyped field, or a file that is
+    not JSON is refused in one line naming the file and the field (rc 2), and nothing is written."""
+    from dflash2.cli import bench as bench_cli
+
+    good, prompts = tmp_path / "good.json", tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([" ".join(map(str, PROMPT))]))
+    assert bench_cli.main([str(exports[("llama", 2)]), "--prompts", str(prompts), "--raw", "--max-new-tokens", "4",
+                           "--policies", "none", "--json", str(good)]) == 0
+    capsys.readouterr()
+    base = json.loads(good.read_text())
+    cases = {"partial": ({**{k: base[k] for k in ("prompts", "repeats", "lossless", "modes", "per_prompt")},
+                          "complete": False}, "field complete expected true, found false"),
+             "missing": ({k: v for k, v in base.items() if k != "calibration"}, "field calibration expected, found none"),
+             "mistyped": ({**base, "prompts": "three"}, "field prompts expected int, found 'three'"),
+             "mode": ({**base, "modes": {**base["modes"], "ar": {**base["modes"]["ar"], "rounds": True}}},
+                      "field modes.ar.rounds expected int, found True"),
+             "list": ([1, 2], "expected a JSON object, found list")}
+    for name, (data, want) in cases.items():
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps(data))
+        out = tmp_path / f"{name}-combined.json"
+        assert bench_cli.main(["--combine", str(good), str(f), "--json", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert str(f) in err and want in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+    (tmp_path / "bad.json").write_bytes(b"{not json")
+    assert bench_cli.main(["--combine", str(good), str(tmp_path / "bad.json")]) == 2
+    assert "bad.json: expected JSON, found a syntax error" in capsys.readouterr().err
 
 
 def test_bench_split_runs_combine(tmp_path, exports, capsys):

@@ -120,7 +120,7 @@ def test_gpu_train_script_at_toy_size_on_the_cpu(tmp_path, tiny_corpus):
     out = tmp_path / "result"
     env = {**_env(), "PYTHON": sys.executable, "DEVICE": "cpu", "TARGET": str(target), "PROMPTS": "templated:10",
            "MAX_NEW": "16", "GEN_BATCH": "4", "SHARD": "4", "STEPS": "4", "SEQS": "2", "LAYERS": "1", "BLOCK": "6",
-           "TOPK": "4", "RANK": "8", "TAPS": "1,2", "MASK": "3", "INIT": "", "DRAFT_VOCAB": "64", "THREADS": "1",
+           "TOPK": "4", "SEL_RANK": "8", "TAPS": "1,2", "MASK": "3", "INIT": "", "DRAFT_VOCAB": "64", "THREADS": "1",
            "SHARD_MB": "0.05", "WORK": str(tmp_path / "work"), "OUT": str(out)}
     r = subprocess.run(["bash", "scripts/gpu_train.sh"], capture_output=True, text=True, env=env, timeout=900,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

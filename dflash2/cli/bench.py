@@ -41,15 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.combine:
         from dflash2.runtime import bench as b
 
+        from dflash2.runtime.bench_result import BenchResult
+
         try:
-            c = b.combine([json.loads(f.read_text()) for f in a.combine])
-        except (OSError, ValueError, KeyError) as e:
+            c = b.combine([BenchResult.from_dict(_read_json(f), f) for f in a.combine])
+        except (OSError, ValueError) as e:
             print(f"dflash2-bench: error: --combine: expected bench JSON files, {e}", file=sys.stderr)
             return 2
         print(b.combined_table(c))
         if a.json:
-            write_atomic(a.json, json.dumps(c, indent=2))
-        return 0 if c["lossless"] else 1
+            write_atomic(a.json, json.dumps(c.to_dict(), indent=2))
+        return 0 if c.lossless else 1
     if a.folder is None:
         p.error("the folder is required (unless --combine)")
     from dflash2.prompts import parse_spec
@@ -69,20 +71,29 @@ def main(argv: list[str] | None = None) -> int:
         r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=a.policies, repeats=a.repeats,
                     draft_len=a.draft_len, sweep=a.sweep_draft_len,
                     log=lambda line: print(line, file=sys.stderr, flush=True),
-                    partial=(lambda r: write_atomic(a.json, json.dumps(r, indent=2))) if a.json else None,
+                    partial=(lambda r: write_atomic(a.json, json.dumps(r.to_dict(), indent=2))) if a.json else None,
                     sampling=sampling_options(a, temps[0]))
     except (Dflash2Error, ValueError) as e:
         print(f"dflash2-bench: error: {e}", file=sys.stderr)
         return 2
     print(b.table(r))
     if a.json:
-        write_atomic(a.json, json.dumps(r, indent=2))
+        write_atomic(a.json, json.dumps(r.to_dict(), indent=2))
     if a.plot:
         b.plot(r, a.plot)
-    print(json.dumps({"speedups": {m: round(w["speedup"], 3) for m, w in r["modes"].items()},
-                      "auto_vs_best": round(r["auto_vs_best"], 3),
-                      **{k: r[k] for k in ("acceptance_length", "lossless", "host_overhead_share")}}))
-    return 0 if r["lossless"] is not False else 1
+    print(json.dumps({"speedups": {m: round(w.speedup, 3) for m, w in r.modes.items()},
+                      "auto_vs_best": round(r.auto_vs_best, 3), "acceptance_length": r.acceptance_length,
+                      "lossless": r.lossless, "host_overhead_share": r.host_overhead_share}))
+    return 0 if r.lossless is not False else 1
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: expected UTF-8 JSON, found undecodable bytes ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: expected JSON, found a syntax error ({e})") from None
 
 
 def _temperature_sweep(a, b, prompts, temps: list[float]) -> int:
@@ -93,10 +104,9 @@ def _temperature_sweep(a, b, prompts, temps: list[float]) -> int:
         r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=("none",), repeats=a.repeats,
                     draft_len=a.draft_len, log=lambda line: print(line, file=sys.stderr, flush=True),
                     sampling=sampling_options(a, t))
-        rows.append({"temperature": t, "sampling": r["sampling"], "acceptance_length":
-                     r["modes"][r["draft_len"]]["acceptance_length"], "speedup": r["speedup"],
-                     "autoregressive_tokens_per_second": r["autoregressive_tokens_per_second"],
-                     "speculative_tokens_per_second": r["speculative_tokens_per_second"], "lossless": r["lossless"]})
+        rows.append({"temperature": t, "sampling": r.sampling, "acceptance_length": r.main_mode.acceptance_length,
+                     "speedup": r.speedup, "autoregressive_tokens_per_second": r.autoregressive_tokens_per_second,
+                     "speculative_tokens_per_second": r.speculative_tokens_per_second, "lossless": r.lossless})
     print("temperature   tau   AR tok/s  spec tok/s  speedup  lossless")
     for w in rows:
         print(f"{w['temperature']:>11g} {w['acceptance_length']:>5.2f} {w['autoregressive_tokens_per_second']:>10.1f} "

@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(qb.table(r))
     if a.json:
-        write_atomic(a.json, json.dumps(r, indent=2))  # a new file renamed over the old: never written in place
-    print(json.dumps({"tokens_per_second": r["tokens_per_second"], "lossless": r["lossless"], "best": r["best"]}))
-    return 0 if all(r["lossless"].values()) else 1
+        write_atomic(a.json, json.dumps(r.to_dict(), indent=2))  # a new file renamed over the old: never in place
+    d = r.to_dict()
+    print(json.dumps({k: d[k] for k in ("tokens_per_second", "lossless", "best")}))
+    return 0 if all(r.lossless.values()) else 1
 
 
 if __name__ == "__main__":

@@ -62,6 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         quant = None
+        if a.quantize is None:  # flags without effect are errors, not silently ignored
+            unused = [f for f, on in (("--quant-block-size", a.quant_block_size is not None),
+                                      ("--quant-keep-head", a.quant_keep_head),
+                                      ("--quant-target-only", a.quant_target_only),
+                                      ("--quant-no-fuse", a.quant_no_fuse)) if on]
+            if unused:
+                raise Dflash2Error(f"{', '.join(unused)}: no effect without --quantize (the export is not quantized)")
+        if a.quant_block_size is not None and not 16 <= a.quant_block_size <= 256:
+            raise Dflash2Error(f"--quant-block-size: expected a power of two in 16..256 (what ONNX Runtime's "
+                               f"MatMulNBits and ModelOpt's block quantizers take), found {a.quant_block_size}")
         if a.quant_from_gguf is not None and a.quantize not in ("int4", "int8"):
             raise Dflash2Error(f"--quant-from-gguf: expected with --quantize int4 or int8, found "
                                f"{'no --quantize' if a.quantize is None else '--quantize ' + a.quantize}")

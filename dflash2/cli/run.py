@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding (baseline)")
-    p.add_argument("--draft-len", type=draft_len_arg, default="auto", metavar="auto|K", help=DRAFT_LEN_HELP)
+    p.add_argument("--draft-len", type=draft_len_arg, metavar="auto|K", help=DRAFT_LEN_HELP)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], help="override the automatic choice")
     p.add_argument("--json", action="store_true", help="print ids and stats as one JSON object")
@@ -101,9 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         prompt = None if a.prompt is None else read_prompt(a.prompt)
         log = None if a.json else (lambda line: print(f"dflash2-run: {line}", file=sys.stderr))
         rt = Runtime(a.folder, backend=a.backend, log=log, verify="full" if a.verify_files else True)
+        if a.draft_len is not None and a.no_spec:
+            rt.schedule(a.draft_len)  # a value out of range is named first
+            raise Dflash2Error(f"--draft-len {a.draft_len}: no effect with --no-spec (target-only decoding drafts "
+                               "nothing); drop one of them")
+        a.draft_len = "auto" if a.draft_len is None else a.draft_len
         ids = rt.prompt_ids(text=prompt, ids=a.prompt_ids, chat=a.chat, system=a.system)
         stream = None if a.json or a.prompt is None else (lambda t: print(t, end="", flush=True))
         sampling = sampling_of(rt, a)
+        unused = [f for f, v in (("--top-k", a.top_k), ("--top-p", a.top_p), ("--seed", a.seed)) if v is not None]
+        if sampling.greedy and unused:
+            raise Dflash2Error(f"{', '.join(unused)}: no effect at temperature 0 (greedy decoding"
+                               f"{', the model default' if a.temperature is None else ''}); add --temperature T > 0")
         gen = rt.generate(ids, a.max_new_tokens, speculative=not a.no_spec, stop=a.stop, on_text=stream,
                           draft_len=a.draft_len, sampling=sampling)
     except (Dflash2Error, ValueError) as e:

@@ -42,6 +42,68 @@ def _repair(a, corpora: list[Path]) -> None:
                         device=a.device)  # its prompts were kept once already
 
 
+def _taps_arg(v: str) -> tuple[int, ...]:
+    try:
+        taps = tuple(int(x) for x in v.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected layer ids separated by commas (e.g. 1,14,27)") from None
+    if any(t < 0 for t in taps):
+        raise argparse.ArgumentTypeError(f"{v!r}: expected layer ids >= 0")
+    return taps
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Every range, before anything is read or written (a refused run leaves no config.json behind)."""
+    import math
+
+    at_least = {"--steps": (a.steps, 1), "--seqs-per-step": (a.seqs_per_step, 1), "--anchors": (a.anchors, 1),
+                "--grad-accum": (a.grad_accum, 1), "--layers": (a.layers, 1), "--block-size": (a.block_size, 2),
+                "--top-k": (a.top_k, 1), "--rank": (a.rank, 1), "--max-new-tokens": (a.max_new_tokens, 1),
+                "--max-prompt-tokens": (a.max_prompt_tokens, 1), "--gen-batch": (a.gen_batch, 1),
+                "--shard-size": (a.shard_size, 1), "--eval-every": (a.eval_every, 1), "--save-every": (a.save_every, 1),
+                "--vocab-words": (a.vocab_words, 0), "--mask-token-id": (a.mask_token_id, 0),
+                "--threads": (a.threads, 1), "--draft-vocab": (a.draft_vocab, 1),
+                "--train-records": (a.train_records, 1)}
+    for flag, (v, low) in at_least.items():
+        if v is not None and v < low:
+            raise Dflash2Error(f"{flag}: expected >= {low}, found {v}")
+    if not (math.isfinite(a.lr) and a.lr > 0):
+        raise Dflash2Error(f"--lr: expected a finite number > 0, found {a.lr}")
+    if not (math.isfinite(a.kd_weight) and a.kd_weight >= 0):
+        raise Dflash2Error(f"--kd-weight: expected a finite number >= 0, found {a.kd_weight}")
+    if not 0 < a.holdout < 1:
+        raise Dflash2Error(f"--holdout: expected a share in (0, 1), found {a.holdout}")
+    if a.max_shard_mb is not None and not (math.isfinite(a.max_shard_mb) and a.max_shard_mb > 0):
+        raise Dflash2Error(f"--max-shard-mb: expected a size in MB > 0, found {a.max_shard_mb}")
+    if a.device != "cpu" and not (a.device == "cuda" or a.device.startswith("cuda:") and a.device[5:].isdigit()):
+        raise Dflash2Error(f"--device: expected cpu, cuda or cuda:N, found {a.device!r}")
+    if a.init_weights is not None and not (a.init_weights / "config.json").is_file():
+        raise Dflash2Error(f"--init-weights {a.init_weights}: expected a drafter folder with config.json, found "
+                           f"{'a folder without one' if a.init_weights.is_dir() else 'nothing there'}")
+    _check_torchrun_env(os.environ)
+
+
+def _check_torchrun_env(env) -> None:
+    """WORLD_SIZE / RANK as torchrun sets them: integers, RANK < WORLD_SIZE, and the rendezvous address given (a
+    missing one would make torch wait for the other ranks without a word)."""
+    vals = {}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        if name in env:
+            try:
+                vals[name] = int(env[name])
+            except ValueError:
+                raise Dflash2Error(f"environment {name}: expected an integer, found {env[name]!r}") from None
+    world = vals.get("WORLD_SIZE", 1)
+    if world < 1:
+        raise Dflash2Error(f"environment WORLD_SIZE: expected >= 1, found {world}")
+    if not 0 <= vals.get("RANK", 0) < world:
+        raise Dflash2Error(f"environment RANK: expected 0..{world - 1} (WORLD_SIZE {world}), found {vals['RANK']}")
+    missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if world > 1 and not env.get(n)]
+    if missing:
+        raise Dflash2Error(f"environment {', '.join(missing)}: expected with WORLD_SIZE {world} (start the ranks with "
+                           "torchrun --nproc-per-node N -m dflash2.cli.train ...), found none")
+
+
 @interruptible("dflash2-train", "rerun the same command to resume from the last saved step")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-train", "train", 'torch', 'transformers')
@@ -73,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="train on the shards a still-unfinished corpus has so far (its generation is not resumed)")
     p.add_argument("--taps-cache", type=Path, metavar="DIR",
                    help="where the taps of an id corpus (dflash2-corpus) are rebuilt (default ~/.cache/dflash2/taps)")
-    p.add_argument("--taps", type=lambda s: tuple(int(x) for x in s.split(",")),
+    p.add_argument("--taps", type=_taps_arg,
                    help="target layer ids to tap (default: 3 evenly spaced, z-lab's rule)")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--block-size", type=int, default=8)
@@ -110,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    try:
+        check_args(a)
+    except Dflash2Error as e:
+        print(f"dflash2-train: error: {e}", file=sys.stderr)
+        return 2
     import torch
 
     from dflash2 import draft_vocab
@@ -121,8 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
+        if a.device.startswith("cuda") and not torch.cuda.is_available():
+            raise Dflash2Error(f"--device {a.device}: expected a CUDA device, found none (torch "
+                               f"{torch.__version__}{', a CPU build' if torch.version.cuda is None else ''})")
         check_train_folders(a.target, a.out, a.corpus or [a.out.parent / "corpus"])  # before anything is read
         tc = load_target_config(a.target)
+        for flag, v in (("--mask-token-id", a.mask_token_id), ("--draft-vocab", a.draft_vocab)):
+            if v is not None and v >= tc.vocab_size + (flag == "--draft-vocab"):
+                raise Dflash2Error(f"{flag}: expected {'<' if flag == '--mask-token-id' else '<='} the target's "
+                                   f"vocab_size {tc.vocab_size} ({a.target / 'config.json'}), found {v}")
+        if a.taps and max(a.taps) >= tc.num_layers:
+            raise Dflash2Error(f"--taps: expected layer ids < the target's {tc.num_layers} layers, found {max(a.taps)}")
         taps = a.taps or default_target_layer_ids(tc.num_layers, 3)
         corpora = a.corpus or [a.out.parent / "corpus"]
         from dflash2.train.taps import build_taps, is_id_corpus

@@ -60,7 +60,8 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
         folder = Path(manifest.export_dir)
         manifest = mf.load(folder, mf.ExportManifest, check_files=False)  # weights not rehashed at every start
     graphs = {name: g.flavours.portable for name, g in manifest.graphs.items()}
-    return OrtBackend(folder, graphs, {name: manifest.signature(name) for name in graphs}, provider, threads)
+    return OrtBackend(folder, graphs, {name: manifest.signature(name) for name in graphs}, provider, threads,
+                      manifest=manifest)
 
 
 class Runtime:

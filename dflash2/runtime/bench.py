@@ -1,5 +1,5 @@
 """Autoregressive, fixed draft lengths and `auto` in ONE process, interleaved per prompt, plus the
-acceptance of alternative draft paths. Prints a table, returns a JSON-able dict."""
+acceptance of alternative draft paths. Returns a BenchResult (bench_result.py); prints its table."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from typing import Callable
 
 from dflash2 import dtypes
 from dflash2.manifest import ExportManifest
+from dflash2.native.bench import random_inputs
 from dflash2.onnxrt import open_session
 from dflash2.prompts import default_prompts, load_prompts  # noqa: F401 (re-exported for callers)
 from dflash2.quantization import describe, label
 from dflash2.runtime.api import Runtime
+from dflash2.runtime.bench_result import (BenchProgress, BenchResult, BenchResultError, CombinedMode,
+                                          CombinedResult, ModeResult, PromptResult, SweepPoint)
 from dflash2.runtime.policies import POLICIES, PolicySession
 from dflash2.speculative import FixedSchedule, Stats, gap_closed, generate, parse_draft_len
 
@@ -44,12 +47,9 @@ def selector_ms(rt: Runtime, repeats: int = 200) -> float | None:
         return None
     m = rt.manifest
     S, K, R, V = m.num_drafts, m.selector.top_k, m.selector.rank, m.vocab_size
-    rng = np.random.default_rng(0)
-    feeds = {"cand_logits": np.sort(rng.standard_normal((1, S, K), dtype=np.float32))[..., ::-1].copy(),
-             "cand_ids": rng.integers(0, V, (1, S, K)).astype(np.int32),
-             "gate": rng.standard_normal((1, S, R)).astype(dtypes.numpy_dtype(m.dtype)),
-             "anchor": np.array([1], np.int32)}
-    feeds |= {"uniforms": rng.random((1, S), dtype=np.float32), "temperature": np.array([0.0], np.float32)}
+    op = random_inputs(1, S, K, R, V, codebook_dtype=str(dtypes.numpy_dtype(m.dtype)), temperature=0.0)
+    op["cand_logits"] = -np.sort(-op["cand_logits"], axis=-1)  # descending, as TopK gives them
+    feeds = {name: op[name] for name in graph.signature.inputs.values()}  # the graph's own inputs, by its signature
     session = open_session(Path(rt.folder) / graph.flavours.portable)
     times = []
     for _ in range(repeats):
@@ -79,7 +79,7 @@ def _tps(stats: list[Stats]) -> float:
 def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, chat: bool = True,
           policies: tuple[str, ...] | None = None, repeats: int = 1, draft_len: int | str | None = "auto",
           sweep: tuple[int, ...] = (), log: Callable[[str], None] | None = None,
-          partial: Callable[[dict], None] | None = None, sampling: dict | None = None) -> dict:
+          partial: Callable[[BenchProgress], None] | None = None, sampling: dict | None = None) -> BenchResult:
     """Times, interleaved per prompt in ONE process: autoregressive, every fixed K of `sweep` (and
     draft_len when it is an int), and auto; the order of the modes rotates from prompt to prompt (this
     machine's speed drifts between runs, not within one). policies: draft paths whose acceptance is
@@ -117,7 +117,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     for i, prompt in enumerate(prompts):
         ids = rt.prompt_ids(text=prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         main.check_capacity(len(ids), max_new_tokens)
-        row = {"prompt_tokens": len(ids), "tokens_per_second": {}}
+        row = PromptResult(len(ids), {})
         for _ in range(repeats):
             ids_of = {}
             for m in modes[i % len(modes):] + modes[:i % len(modes)]:  # rotated order
@@ -128,9 +128,9 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
                 engine_s[m] += main.target.seconds + main.drafter.seconds - e0
                 runs[m].append(g.stats)
                 ids_of[m] = g.ids
-                row["tokens_per_second"][m] = g.stats.tokens_per_second
+                row.tokens_per_second[m] = g.stats.tokens_per_second
                 if m == "auto":
-                    row["k_histogram"], row["acceptance_length"] = g.stats.k_histogram(), g.stats.acceptance_length
+                    row.k_histogram, row.acceptance_length = g.stats.k_histogram(), g.stats.acceptance_length
             if sampling.greedy:
                 lossless &= all(v == ids_of["ar"] for v in ids_of.values())
             for p, s in sessions.items():  # acceptance of the draft paths, all S drafts verified
@@ -143,66 +143,58 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
                 per_policy[p].append(g.stats)
         per_prompt.append(row)
         if log is not None:
-            now = "  ".join(f"{m} {row['tokens_per_second'][m]:.1f}" for m in modes)
+            now = "  ".join(f"{m} {row.tokens_per_second[m]:.1f}" for m in modes)
             run = "  ".join(f"{m} {_tps(runs[m]):.1f}" for m in modes)
             log(f"[prompt {i + 1}/{len(prompts)}] {len(ids)} tokens, tok/s: {now}  | running: {run}")
         if partial is not None:  # what a run cut short still leaves: the prompts done so far
             ar_now = _merge(runs["ar"]).tokens_per_second
-            partial({"complete": False, "prompts": i + 1, "repeats": repeats, "lossless": lossless,
-                     "modes": {m: _mode_row(m, _merge(runs[m]), ar_now, engine_s[m]) for m in modes},
-                     "calibration": auto.to_dict()["costs"], "per_prompt": per_prompt})
+            partial(BenchProgress(i + 1, repeats, lossless,
+                                  {m: _mode_row(m, _merge(runs[m]), ar_now, engine_s[m]) for m in modes},
+                                  auto.to_dict()["costs"], per_prompt))
     merged = {m: _merge(v) for m, v in runs.items()}
     calibration = auto.to_dict()["costs"]
     ar_tps = merged["ar"].tokens_per_second
     mode_rows = {m: _mode_row(m, merged[m], ar_tps, engine_s[m]) for m in modes}
-    best = max(["ar", *map(str, fixed)], key=lambda m: mode_rows[m]["tokens_per_second"])
+    best = max(["ar", *map(str, fixed)], key=lambda m: mode_rows[m].tokens_per_second)
     A, M = merged["ar"], merged[main_mode]
     acc = {p: _merge(v).acceptance_length for p, v in per_policy.items()}
     if not sampling.greedy:  # the acceptance of what the runtime drafted, at the sampling options
         acc = {"sampled": M.acceptance_length}
-    result = {
-        "complete": True, "folder": str(folder), "backend": rt.backend_name, "prompts": len(prompts), "repeats": repeats,
-        "max_new_tokens": max_new_tokens,
-        "block_size": B, "dtype": man.dtype, "lossless": lossless if sampling.greedy else None,
-        "sampling": sampling.describe(), "draft_len": main_mode,
-        "weights": label(man), "quantization": describe(man),
-        "draft_vocab_size": man.draft_vocab.size if man.draft_vocab else man.vocab_size,
-        "autoregressive_tokens_per_second": ar_tps, "speculative_tokens_per_second": M.tokens_per_second,
-        "speedup": mode_rows[main_mode]["speedup"], "modes": mode_rows,
-        "best_of_ar_and_fixed": best, "auto_vs_best": (mode_rows["auto"]["tokens_per_second"]
-                                                       / max(mode_rows[best]["tokens_per_second"], 1e-9)),
-        "calibration": calibration, "schedule_after": auto.to_dict(), "per_prompt": per_prompt,
+    acc_total = merged["auto"].times["total"] / max(merged["auto"].new_tokens, 1) * 128
+    return BenchResult(
+        folder=str(folder), backend=rt.backend_name, prompts=len(prompts), repeats=repeats,
+        max_new_tokens=max_new_tokens, block_size=B, dtype=man.dtype,
+        lossless=lossless if sampling.greedy else None, sampling=sampling.describe(), draft_len=main_mode,
+        weights=label(man), quantization=describe(man),
+        draft_vocab_size=man.draft_vocab.size if man.draft_vocab else man.vocab_size,
+        autoregressive_tokens_per_second=ar_tps, speculative_tokens_per_second=M.tokens_per_second,
+        speedup=mode_rows[main_mode].speedup, modes=mode_rows, best_of_ar_and_fixed=best,
+        auto_vs_best=mode_rows["auto"].tokens_per_second / max(mode_rows[best].tokens_per_second, 1e-9),
+        calibration=calibration, schedule_after=auto.to_dict(), per_prompt=per_prompt,
         # calibration wall time over one auto generation scaled to 128 new tokens
-        "calibration_share_128": (calibration["calibration_seconds"]
-                                  / (merged["auto"].times["total"] / max(merged["auto"].new_tokens, 1) * 128)),
-        "acceptance_length": acc, "position_acceptance": ({p: _merge(v).position_acceptance()
-                                                           for p, v in per_policy.items()} if sampling.greedy
-                                                          else {"sampled": M.position_acceptance()}),
-        "speculative_seconds": M.to_dict()["seconds"], "autoregressive_seconds": A.to_dict()["seconds"],
-        "host_overhead_share": mode_rows[main_mode]["host_overhead_share"],
-        "spec_step_ms": _round_ms(M), "ar_step_ms": 1e3 * A.times["decode"] / max(A.new_tokens - len(runs["ar"]), 1),
-    }
-    result["select_ms_standalone"] = selector_ms(rt)
-    if {"top1", "oracle", "selector"} <= set(acc):
-        result["selector_gap_closed"] = gap_closed(acc["selector"], acc["top1"], acc["oracle"])
-    if fixed:
-        result["draft_len_sweep"] = [_sweep_row(k, merged[str(k)], ar_tps) for k in sorted(fixed)]
-    return result
+        calibration_share_128=calibration["calibration_seconds"] / acc_total,
+        acceptance_length=acc,
+        position_acceptance=({p: _merge(v).position_acceptance() for p, v in per_policy.items()}
+                             if sampling.greedy else {"sampled": M.position_acceptance()}),
+        speculative_seconds=M.to_dict()["seconds"], autoregressive_seconds=A.to_dict()["seconds"],
+        host_overhead_share=mode_rows[main_mode].host_overhead_share,
+        spec_step_ms=_round_ms(M), ar_step_ms=1e3 * A.times["decode"] / max(A.new_tokens - len(runs["ar"]), 1),
+        select_ms_standalone=selector_ms(rt),
+        selector_gap_closed=(gap_closed(acc["selector"], acc["top1"], acc["oracle"])
+                             if {"top1", "oracle", "selector"} <= set(acc) else None),
+        draft_len_sweep=[_sweep_row(k, merged[str(k)], ar_tps) for k in sorted(fixed)])
 
 
-def _mode_row(mode: str, s: Stats, ar_tps: float, engine_seconds: float) -> dict:
+def _mode_row(mode: str, s: Stats, ar_tps: float, engine_seconds: float) -> ModeResult:
     total = s.times["total"]
-    return {"tokens_per_second": s.tokens_per_second, "speedup": s.tokens_per_second / ar_tps if ar_tps else 0.0,
-            "acceptance_length": s.acceptance_length, "rounds": s.rounds, "k_histogram": s.k_histogram(),
-            "round_ms": _round_ms(s) if s.rounds else None, "new_tokens": s.new_tokens,
-            "decode_seconds": s.decode_seconds,  # tok/s = (new_tokens - generations) / decode_seconds
-            "host_overhead_share": max(total - engine_seconds, 0.0) / total if total else 0.0}
+    return ModeResult(s.tokens_per_second, s.tokens_per_second / ar_tps if ar_tps else 0.0, s.acceptance_length,
+                      s.rounds, s.k_histogram(), _round_ms(s) if s.rounds else None, s.new_tokens, s.decode_seconds,
+                      max(total - engine_seconds, 0.0) / total if total else 0.0)
 
 
-def _sweep_row(k: int, s: Stats, ar_tps: float) -> dict:
-    return {"draft_len": k, "acceptance_length": s.acceptance_length, "tokens_per_second": s.tokens_per_second,
-            "speedup": s.tokens_per_second / ar_tps if ar_tps else 0.0,
-            "round_ms": _round_ms(s)}
+def _sweep_row(k: int, s: Stats, ar_tps: float) -> SweepPoint:
+    return SweepPoint(k, s.acceptance_length, s.tokens_per_second, s.tokens_per_second / ar_tps if ar_tps else 0.0,
+                      _round_ms(s))
 
 
 def _round_ms(s: Stats) -> float:
@@ -210,94 +202,94 @@ def _round_ms(s: Stats) -> float:
     return 1e3 * (s.times["draft"] + s.times["verify"]) / max(s.rounds, 1)
 
 
-def combine(results: list[dict]) -> dict:
+def combine(results: list[BenchResult]) -> CombinedResult:
     """Several bench results of one folder (e.g. prompt sets split across processes) as one: per mode,
     tok/s = sum(new tokens after the first of each generation) / sum(decode seconds); tau and the K
     histogram summed over rounds. Each part had its own session (own calibration and learning)."""
-    names = list(results[0]["modes"])
+    names = list(results[0].modes)
+    for r in results[1:]:
+        if list(r.modes) != names:
+            raise BenchResultError(f"--combine: expected runs of the same modes {names}, found {list(r.modes)} "
+                                   f"in the run of {r.folder}")
     modes = {}
     for mode in names:
-        rows = [r["modes"][mode] for r in results]
-        gens = [r["prompts"] * r.get("repeats", 1) for r in results]
-        tokens = sum(w["new_tokens"] - g for w, g in zip(rows, gens))
-        secs = sum(w["decode_seconds"] for w in rows)
-        rounds = sum(w["rounds"] for w in rows)
+        rows = [r.modes[mode] for r in results]
+        gens = [r.prompts * r.repeats for r in results]
+        tokens = sum(w.new_tokens - g for w, g in zip(rows, gens))
+        secs = sum(w.decode_seconds for w in rows)
+        rounds = sum(w.rounds for w in rows)
         hist: dict[str, int] = {}
         for w in rows:
-            for k, v in w["k_histogram"].items():
+            for k, v in w.k_histogram.items():
                 hist[k] = hist.get(k, 0) + v
-        modes[mode] = {"tokens_per_second": tokens / secs if secs else 0.0, "rounds": rounds, "k_histogram": hist,
-                       "acceptance_length": sum(w["acceptance_length"] * w["rounds"] for w in rows) / rounds
-                       if rounds else 0.0}
-    ar = modes["ar"]["tokens_per_second"]
+        tau = sum(w.acceptance_length * w.rounds for w in rows) / rounds if rounds else 0.0
+        modes[mode] = CombinedMode(tokens / secs if secs else 0.0, rounds, hist, tau)
+    ar = modes["ar"].tokens_per_second
     for w in modes.values():
-        w["speedup"] = w["tokens_per_second"] / ar if ar else 0.0
-    best = max((m for m in names if m != "auto"), key=lambda m: modes[m]["tokens_per_second"])
-    return {"parts": len(results), "prompts": sum(r["prompts"] for r in results),
-            "lossless": all(r["lossless"] for r in results), "modes": modes, "best_of_ar_and_fixed": best,
-            "auto_vs_best": modes["auto"]["tokens_per_second"] / max(modes[best]["tokens_per_second"], 1e-9),
-            "per_prompt": [p for r in results for p in r["per_prompt"]]}
+        w.speedup = w.tokens_per_second / ar if ar else 0.0
+    best = max((m for m in names if m != "auto"), key=lambda m: modes[m].tokens_per_second)
+    return CombinedResult(len(results), sum(r.prompts for r in results), all(r.lossless for r in results), modes,
+                          best, modes["auto"].tokens_per_second / max(modes[best].tokens_per_second, 1e-9),
+                          [p for r in results for p in r.per_prompt])
 
 
-def combined_table(c: dict) -> str:
-    out = (f"{c['prompts']} prompts in {c['parts']} interleaved runs, lossless {c['lossless']}, "
-           f"auto / best of AR and fixed K {c['auto_vs_best']:.3f} (best: {c['best_of_ar_and_fixed']})\n"
+def combined_table(c: CombinedResult) -> str:
+    out = (f"{c.prompts} prompts in {c.parts} interleaved runs, lossless {c.lossless}, "
+           f"auto / best of AR and fixed K {c.auto_vs_best:.3f} (best: {c.best_of_ar_and_fixed})\n"
            "  mode    tau    tok/s  speedup  K per round\n")
-    return out + "\n".join(f"  {m:<5} {w['acceptance_length']:>5.2f} {w['tokens_per_second']:>8.1f} "
-                            f"{w['speedup']:>7.2f}x  " + " ".join(f"{k}:{v}" for k, v in w["k_histogram"].items() if v)
-                            for m, w in c["modes"].items())
+    return out + "\n".join(f"  {m:<5} {w.acceptance_length:>5.2f} {w.tokens_per_second:>8.1f} "
+                            f"{w.speedup:>7.2f}x  " + " ".join(f"{k}:{v}" for k, v in w.k_histogram.items() if v)
+                            for m, w in c.modes.items())
 
 
-def table(r: dict) -> str:
-    rows = [("backend / dtype", f"{r['backend']} / {r['dtype']}"), ("weights", r.get("weights", r["dtype"])),
-            ("prompts", r["prompts"]),
-            ("draft vocabulary (ids)", r.get("draft_vocab_size", "-")),
-            ("drafts verified per round", r.get("draft_len", "-")),
-            ("sampling", r.get("sampling", "greedy")),
-            ("lossless (spec == AR ids)", "by distribution" if r["lossless"] is None else r["lossless"]),
-            ("autoregressive tok/s", f"{r['autoregressive_tokens_per_second']:.1f}"),
-            ("speculative tok/s", f"{r['speculative_tokens_per_second']:.1f}"),
-            ("speedup", f"{r['speedup']:.2f}x"),
-            ("auto / best of AR and fixed K", f"{r['auto_vs_best']:.3f} (best: {r['best_of_ar_and_fixed']})"),
-            ("AR step ms / spec round ms", f"{r['ar_step_ms']:.2f} / {r['spec_step_ms']:.2f}"),
-            ("host overhead (spec)", f"{100 * r['host_overhead_share']:.1f}%"),
-            ("calibration added s (its rounds)", f"{r['calibration']['calibration_seconds']:.3f} "
-                                           f"({r['calibration']['measured_seconds']:.3f})"),
-            ("calibration / 128-token generation", f"{100 * r['calibration_share_128']:.1f}%")]
-    if r.get("select_ms_standalone") is not None:
-        rows.append(("select ms (standalone graph)", f"{r['select_ms_standalone']:.3f}"))
-    rows += [(f"acceptance length K=S: {p}" if p != "sampled" else f"acceptance length ({r['draft_len']}, sampled)",
-              f"{v:.2f}") for p, v in r["acceptance_length"].items()]
-    if r.get("selector_gap_closed") is not None:
-        rows.append(("top1->oracle gap closed", f"{100 * r['selector_gap_closed']:.0f}%"))
-    s = r["speculative_seconds"]
+def table(r: BenchResult) -> str:
+    rows = [("backend / dtype", f"{r.backend} / {r.dtype}"), ("weights", r.weights), ("prompts", r.prompts),
+            ("draft vocabulary (ids)", r.draft_vocab_size), ("drafts verified per round", r.draft_len),
+            ("sampling", r.sampling),
+            ("lossless (spec == AR ids)", "by distribution" if r.lossless is None else r.lossless),
+            ("autoregressive tok/s", f"{r.autoregressive_tokens_per_second:.1f}"),
+            ("speculative tok/s", f"{r.speculative_tokens_per_second:.1f}"),
+            ("speedup", f"{r.speedup:.2f}x"),
+            ("auto / best of AR and fixed K", f"{r.auto_vs_best:.3f} (best: {r.best_of_ar_and_fixed})"),
+            ("AR step ms / spec round ms", f"{r.ar_step_ms:.2f} / {r.spec_step_ms:.2f}"),
+            ("host overhead (spec)", f"{100 * r.host_overhead_share:.1f}%"),
+            ("calibration added s (its rounds)", f"{r.calibration['calibration_seconds']:.3f} "
+                                           f"({r.calibration['measured_seconds']:.3f})"),
+            ("calibration / 128-token generation", f"{100 * r.calibration_share_128:.1f}%")]
+    if r.select_ms_standalone is not None:
+        rows.append(("select ms (standalone graph)", f"{r.select_ms_standalone:.3f}"))
+    rows += [(f"acceptance length K=S: {p}" if p != "sampled" else f"acceptance length ({r.draft_len}, sampled)",
+              f"{v:.2f}") for p, v in r.acceptance_length.items()]
+    if r.selector_gap_closed is not None:
+        rows.append(("top1->oracle gap closed", f"{100 * r.selector_gap_closed:.0f}%"))
+    s = r.speculative_seconds
     rows.append(("spec seconds: draft/verify/host", f"{s['draft']:.2f} / {s['verify']:.2f} / {s['host']:.2f}"))
     out = "\n".join(f"{k:<34}{v!s:>18}" for k, v in rows)
-    pos = "\n".join(f"  {p:<9}" + " ".join(f"{x:.2f}" for x in v) for p, v in r["position_acceptance"].items())
+    pos = "\n".join(f"  {p:<9}" + " ".join(f"{x:.2f}" for x in v) for p, v in r.position_acceptance.items())
     out += "\nacceptance per draft position (K=S):\n" + pos
     out += "\nmodes (same run, interleaved):\n  mode    tau    tok/s  speedup   host  K per round\n"
-    out += "\n".join(f"  {m:<5} {w['acceptance_length']:>5.2f} {w['tokens_per_second']:>8.1f} {w['speedup']:>7.2f}x "
-                      f"{100 * w['host_overhead_share']:>5.1f}%  "
-                      + " ".join(f"{k}:{v}" for k, v in w["k_histogram"].items() if v)
-                      for m, w in r["modes"].items())
-    if r.get("quantization"):
-        out += "\n" + r["quantization"]
+    out += "\n".join(f"  {m:<5} {w.acceptance_length:>5.2f} {w.tokens_per_second:>8.1f} {w.speedup:>7.2f}x "
+                      f"{100 * w.host_overhead_share:>5.1f}%  "
+                      + " ".join(f"{k}:{v}" for k, v in w.k_histogram.items() if v)
+                      for m, w in r.modes.items())
+    if r.quantization:
+        out += "\n" + r.quantization
     return out
 
 
-def plot(r: dict, path: str | Path) -> None:
+def plot(r: BenchResult, path: str | Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for p, v in r["position_acceptance"].items():
-        ax.plot(range(1, len(v) + 1), v, marker="o", label=f"{p} (tau {r['acceptance_length'][p]:.2f})")
+    for p, v in r.position_acceptance.items():
+        ax.plot(range(1, len(v) + 1), v, marker="o", label=f"{p} (tau {r.acceptance_length[p]:.2f})")
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{Path(r['folder']).name}: acceptance per position")
+    ax.set_title(f"{Path(r.folder).name}: acceptance per position")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

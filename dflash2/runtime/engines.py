@@ -101,14 +101,14 @@ class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, folder: Path, graphs: dict[str, str], signatures: dict[str, Signature],
-                 provider: str | None = None, threads: int | None = None):
+                 provider: str | None = None, threads: int | None = None, manifest=None):
         import onnxruntime as ort
 
         available = ort.get_available_providers()
         if provider and provider not in available:
             raise Dflash2Error(f"ONNX Runtime provider {provider!r} is not available; found {available}")
         self.providers = [provider] if provider else ["CPUExecutionProvider"]
-        self.folder, self.graphs, self.signatures = folder, graphs, signatures
+        self.folder, self.graphs, self.signatures, self.manifest = folder, graphs, signatures, manifest
         self.threads = threads or int(os.environ.get("DFLASH2_THREADS", "0")) or None
         self._sessions: dict[str, object] = {}
 
@@ -117,8 +117,12 @@ class OrtBackend:
             # Target and drafter alternate every round. Threads spin-waiting after the drafter steal the cores
             # from the verify that follows; the target's spinning speeds up back-to-back steps. SmolLM2, 2 cores,
             # ms per round (verify + draft): both spin 37.6 + 8.6, none 26.0 + 6.4, target only 21.7 + 7.2.
-            self._sessions[graph] = open_session(self.folder / self.graphs[graph], self.providers, self.threads,
-                                                 graph == "target")
+            session = open_session(self.folder / self.graphs[graph], self.providers, self.threads, graph == "target")
+            if self.manifest is not None:  # the manifest must describe the file that runs, not a swapped one
+                from dflash2.runtime.graphcheck import check_graph
+
+                check_graph(self.manifest, graph, self.folder / self.graphs[graph], session)
+            self._sessions[graph] = session
         return self._sessions[graph]
 
     def engine(self, graph: str) -> OrtEngine:

@@ -22,7 +22,8 @@ from pathlib import Path
 from dflash2.errors import Dflash2Error
 from dflash2.quantization import describe, label
 from dflash2.runtime.api import Runtime
-from dflash2.speculative import generate
+from dflash2.runtime.bench_result import BestConfig, QuantBenchResult, QuantExport
+from dflash2.speculative import FixedSchedule, generate
 
 
 class GenaiRunner:
@@ -87,7 +88,7 @@ def _labels(runtimes: list[Runtime]) -> list[str]:
 
 def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path | None = None,
                 max_new_tokens: int = 128, chat: bool = True, draft_len: int | str | None = 2, repeats: int = 1,
-                threads: int | None = None, log=None) -> dict:
+                threads: int | None = None, log=None) -> QuantBenchResult:
     """folders: export folders of the same target; the first is the reference (normally fp32).
     draft_len: K drafts verified per round, or "auto" (each export's own runtime schedule, learning
     across the prompts as in dflash2-run).
@@ -104,7 +105,7 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
                                f"{folders[0]}: the exports must share one target")
     S = ref.manifest.block_size - 1
     schedules = [rt.schedule(S if draft_len is None else draft_len) for rt in runtimes]  # checks the value
-    K = getattr(schedules[0], "k", "auto")  # a FixedSchedule's K, else the runtime's auto schedule
+    K = schedules[0].k if isinstance(schedules[0], FixedSchedule) else "auto"
     warm_k = S if K == "auto" else K  # the warm-up allocates every shape the runs use
     runner = GenaiRunner(Path(genai), threads) if genai is not None else None
     names = [f"{lab} {mode}" for lab in labels for mode in ("autoregressive", "speculative")]
@@ -152,49 +153,45 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
             log(f"[prompt {i + 1}/{len(prompts)}] {len(ids)} tokens, running tok/s: {run}")
     tps = {n: tokens[n] / seconds[n] if seconds[n] else 0.0 for n in names}
     tau = {lab: a / r if r else 0.0 for lab, (a, r) in acc.items()}
-    result = {
-        "prompts": len(prompts), "max_new_tokens": max_new_tokens, "draft_len": K, "repeats": repeats,
-        "threads": threads,
-        "exports": {lab: {"folder": str(f), "describe": describe(rt.manifest),
-                          "quantization": None if rt.manifest.quantization is None else
-                          {"method": rt.manifest.quantization.method, "bits": rt.manifest.quantization.bits,
-                           "block_size": rt.manifest.quantization.block_size,
-                           "accuracy_level": rt.manifest.quantization.accuracy_level,
-                           "graphs": sorted(rt.manifest.quantization.graphs)}}
-                    for lab, f, rt in zip(labels, folders, runtimes)},
-        "genai": {"folder": str(genai), "version": runner.version} if runner else None,
-        "tokens_per_second": tps, "lossless": lossless,
-        "acceptance_length": tau,
-        "acceptance_change": {lab: tau[lab] - tau[labels[0]] for lab in labels[1:]},
-        "top1_agreement_vs_first": {lab: a / n if n else 0.0 for lab, (a, n) in agree.items()},
-        "genai_prefix_agreement_vs_first": genai_vs_ref[0] / genai_vs_ref[1] if genai_vs_ref[1] else None,
-    }
     best = max((n for n in names if not n.startswith("onnxruntime-genai")), key=lambda n: tps[n])
-    result["best"] = {"config": best, "tokens_per_second": tps[best]}
-    if runner and tps["onnxruntime-genai int4"]:
-        result["best"]["vs_genai_int4"] = tps[best] / tps["onnxruntime-genai int4"]
-    return result
+    genai_tps = tps.get("onnxruntime-genai int4")
+    return QuantBenchResult(
+        prompts=len(prompts), max_new_tokens=max_new_tokens, draft_len=K, repeats=repeats, threads=threads,
+        exports={lab: QuantExport(str(f), describe(rt.manifest), _quantization(rt.manifest))
+                 for lab, f, rt in zip(labels, folders, runtimes)},
+        genai={"folder": str(genai), "version": runner.version} if runner else None,
+        tokens_per_second=tps, lossless=lossless, acceptance_length=tau,
+        acceptance_change={lab: tau[lab] - tau[labels[0]] for lab in labels[1:]},
+        top1_agreement_vs_first={lab: a / n if n else 0.0 for lab, (a, n) in agree.items()},
+        genai_prefix_agreement_vs_first=genai_vs_ref[0] / genai_vs_ref[1] if genai_vs_ref[1] else None,
+        best=BestConfig(best, tps[best], tps[best] / genai_tps if genai_tps else None))
 
 
-def table(r: dict) -> str:
-    g = r["tokens_per_second"].get("onnxruntime-genai int4")
+def _quantization(m) -> dict | None:
+    q = m.quantization
+    return None if q is None else {"method": q.method, "bits": q.bits, "block_size": q.block_size,
+                                   "accuracy_level": q.accuracy_level, "graphs": sorted(q.graphs)}
+
+
+def table(r: QuantBenchResult) -> str:
+    g = r.tokens_per_second.get("onnxruntime-genai int4")
     head = f"{'configuration':<34}{'tok/s':>9}{'vs genai':>10}{'tau':>7}  lossless"
-    lines = [f"{r['prompts']} prompts, {r['max_new_tokens']} new tokens, greedy, speculative with K={r['draft_len']} "
-             f"drafts verified per round, intra-op threads {r.get('threads') or 'ONNX Runtime default'}",
+    lines = [f"{r.prompts} prompts, {r.max_new_tokens} new tokens, greedy, speculative with K={r.draft_len} "
+             f"drafts verified per round, intra-op threads {r.threads or 'ONNX Runtime default'}",
              head, "-" * len(head)]
-    for name, v in r["tokens_per_second"].items():
+    for name, v in r.tokens_per_second.items():
         lab, _, mode = name.rpartition(" ")
-        tau = f"{r['acceptance_length'][lab]:.2f}" if mode == "speculative" else "-"
-        ok = str(r["lossless"][lab]) if mode == "speculative" else "-"
+        tau = f"{r.acceptance_length[lab]:.2f}" if mode == "speculative" else "-"
+        ok = str(r.lossless[lab]) if mode == "speculative" else "-"
         lines.append(f"{name:<34}{v:>9.1f}{(f'{v / g:.2f}x' if g else '-'):>10}{tau:>7}  {ok}")
-    for lab, a in r["top1_agreement_vs_first"].items():
-        lines.append(f"top-1 agreement {lab} vs {next(iter(r['exports']))}: {100 * a:.1f}%  "
-                     f"(acceptance length change {r['acceptance_change'][lab]:+.2f})")
-    if r.get("genai_prefix_agreement_vs_first") is not None:
-        lines.append(f"onnxruntime-genai int4 ids equal to {next(iter(r['exports']))} greedy ids at "
-                     f"{100 * r['genai_prefix_agreement_vs_first']:.1f}% of positions")
-    b = r["best"]
-    lines.append(f"best dflash2: {b['config']} {b['tokens_per_second']:.1f} tok/s"
-                 + (f" = {b['vs_genai_int4']:.2f}x onnxruntime-genai int4" if "vs_genai_int4" in b else ""))
-    lines += [f"{lab}: {e['describe']}" for lab, e in r["exports"].items()]
+    for lab, a in r.top1_agreement_vs_first.items():
+        lines.append(f"top-1 agreement {lab} vs {r.reference}: {100 * a:.1f}%  "
+                     f"(acceptance length change {r.acceptance_change[lab]:+.2f})")
+    if r.genai_prefix_agreement_vs_first is not None:
+        lines.append(f"onnxruntime-genai int4 ids equal to {r.reference} greedy ids at "
+                     f"{100 * r.genai_prefix_agreement_vs_first:.1f}% of positions")
+    b = r.best
+    lines.append(f"best dflash2: {b.config} {b.tokens_per_second:.1f} tok/s"
+                 + (f" = {b.vs_genai_int4:.2f}x onnxruntime-genai int4" if b.vs_genai_int4 is not None else ""))
+    lines += [f"{lab}: {e.describe}" for lab, e in r.exports.items()]
     return "\n".join(lines)
