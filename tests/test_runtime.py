@@ -5,6 +5,7 @@ import resource
 import subprocess
 import sys
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,6 +259,18 @@ def test_bench_reports(tmp_path, exports):
     typed = BenchResult.from_dict(r, out)  # the JSON is the typed result's fields, read back whole
     assert typed.to_dict() == r and typed.main_mode.speedup == r["speedup"]
     assert isinstance(typed.draft_len_sweep[0].round_ms, float) and typed.per_prompt[0].prompt_tokens > 0
+
+
+def test_bench_results_committed_before_the_types_still_combine(capsys):
+    """Result files of earlier sessions (without the later sampling field) read back and combine."""
+    from dflash2.cli import bench as bench_cli
+    from dflash2.runtime.bench_result import BenchResult
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "results"
+    old = [docs / n for n in ("bench_sharegpt24_new_drafter.json", "bench_sharegpt24_old_drafter.json")]
+    assert BenchResult.from_dict(json.loads(old[0].read_text()), old[0]).sampling == "greedy"
+    assert bench_cli.main(["--combine", *map(str, old)]) in (0, 1)  # 1 only if a part was not lossless
+    assert "prompts in 2 interleaved runs" in capsys.readouterr().out
 
 
 def test_bench_json_read_back_names_the_file_and_field(tmp_path, exports, capsys):

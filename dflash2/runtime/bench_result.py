@@ -70,15 +70,11 @@ class BenchResult:
     folder: str
     backend: str
     prompts: int
-    repeats: int
     max_new_tokens: int
     block_size: int
     dtype: str
     lossless: bool | None  # None at T > 0: lossless by distribution (tests/test_sampling.py), not by ids
-    sampling: str
     draft_len: str  # the headline mode: "auto" or a K
-    weights: str
-    quantization: str | None
     draft_vocab_size: int
     autoregressive_tokens_per_second: float
     speculative_tokens_per_second: float
@@ -100,6 +96,11 @@ class BenchResult:
     select_ms_standalone: float | None = None
     selector_gap_closed: float | None = None  # with top1, oracle and selector measured
     draft_len_sweep: list[SweepPoint] = field(default_factory=list)
+    # fields later benches added; files written before them were greedy runs of one repeat
+    repeats: int = 1
+    sampling: str = "greedy"
+    weights: str = ""
+    quantization: str | None = None
     complete: bool = True
 
     @property

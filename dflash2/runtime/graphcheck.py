@@ -52,7 +52,7 @@ def check_graph(manifest, graph: str, path: Path, session) -> None:
     problems += io_problems(entry.outputs, session.get_outputs(), "output")
     q = getattr(manifest, "quantization", None)
     if q is None or q.backend == "onnxruntime":
-        quantized = q is not None and graph in q.graphs
+        quantized = q is not None and graph in q.graphs and (q.graphs[graph].quantized or 0) > 0
         has = _has_nbits(path)
         if has is not None and has != quantized:
             problems.append(f"weights: the manifest says {'quantized ' + q.method if quantized else 'not quantized'}, "
