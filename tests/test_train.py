@@ -91,7 +91,8 @@ def test_train_writes_a_dflash2_checkpoint_and_learns(trained, corpus):
     out, r, logs = trained
     ces = [float(line.split("draft CE ")[1].split()[0]) for line in logs if "draft CE" in line]
     assert ces[-1] < ces[0]  # the draft cross-entropy goes down
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", STATE, "training.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "progress.json", STATE,
+                                                     "training.json"]  # progress.json: the compact state
     cfg = load_drafter_config(out)
     assert cfg.version == 2 and cfg.block_size == 6 and cfg.selector_top_k == 4 and cfg.target_layer_ids == (1, 2)
     target, d = load_pair(out, target_dir)  # the exact DFlash2 format: loads and validates

@@ -73,6 +73,18 @@ def check_args(a: argparse.Namespace) -> None:
         raise Dflash2Error(f"--kd-weight: expected a finite number >= 0, found {a.kd_weight}")
     if not 0 < a.holdout < 1:
         raise Dflash2Error(f"--holdout: expected a share in (0, 1), found {a.holdout}")
+    if a.minutes is not None and not (math.isfinite(a.minutes) and a.minutes > 0):
+        raise Dflash2Error(f"--minutes: expected a finite number of minutes > 0, found {a.minutes}")
+    if a.live_taps:
+        clash = [f for f, on in (("--train-records", a.train_records), ("--partial-corpus", a.partial_corpus),
+                                 ("--repair-corpus", a.repair_corpus), ("--corpus-only", a.corpus_only),
+                                 ("--taps-cache", a.taps_cache), ("--kd-weight", a.kd_weight)) if on]
+        if clash:
+            raise Dflash2Error(f"--live-taps: expected without {', '.join(clash)} (it trains on an id corpus as it "
+                               "stands, its taps made in the loop), found them")
+        if not a.corpus or len(a.corpus) != 1:
+            raise Dflash2Error(f"--live-taps: expected one --corpus (an id corpus), found "
+                               f"{len(a.corpus or [])}")
     if a.max_shard_mb is not None and not (math.isfinite(a.max_shard_mb) and a.max_shard_mb > 0):
         raise Dflash2Error(f"--max-shard-mb: expected a size in MB > 0, found {a.max_shard_mb}")
     if a.device != "cpu" and not (a.device == "cuda" or a.device.startswith("cuda:") and a.device[5:].isdigit()):
@@ -135,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="train on the shards a still-unfinished corpus has so far (its generation is not resumed)")
     p.add_argument("--taps-cache", type=Path, metavar="DIR",
                    help="where the taps of an id corpus (dflash2-corpus) are rebuilt (default ~/.cache/dflash2/taps)")
+    p.add_argument("--live-taps", choices=("bf16", "fp32"), metavar="DTYPE",
+                   help="with an id corpus: compute the taps of the sequences drawn in the training loop (the target's "
+                        "layers up to the last tap, bf16 or fp32) instead of caching the whole corpus's first; the "
+                        "corpus is read in order and the position is saved, so a resumed run sees new data; held out: "
+                        "every conversation = 49 mod 50")
+    p.add_argument("--minutes", type=float, metavar="M",
+                   help="stop after the step that passes M minutes of training, saved: the same command continues")
     p.add_argument("--taps", type=_taps_arg,
                    help="target layer ids to tap (default: 3 evenly spaced, z-lab's rule)")
     p.add_argument("--layers", type=int, default=1)
@@ -203,6 +222,15 @@ def main(argv: list[str] | None = None) -> int:
         corpora = a.corpus or [a.out.parent / "corpus"]
         from dflash2.train.taps import build_taps, is_id_corpus
 
+        cfg = TrainConfig(layers=a.layers, block_size=a.block_size, top_k=a.top_k, rank=a.rank, steps=a.steps,
+                          lr=a.lr, seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors,
+                          mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed,
+                          init_from=a.init_from or TrainConfig.init_from,
+                          learn_multiplier=not a.fixed_multiplier, kd_weight=a.kd_weight,
+                          eval_every=a.eval_every, save_every=a.save_every)
+        if a.live_taps:
+            return _train_live(a, corpora[0], cfg, tc, taps)
+
         if any(is_id_corpus(c) for c in corpora):  # ids from the repository: their taps from the local cache
             from dflash2.train.idcorpus import IdCorpus
             from dflash2.train.taps import taps_ready
@@ -241,19 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             random.Random(a.seed).shuffle(recs)
         n_eval = max(1, int(len(loaded[-1]) * a.holdout))
         records = [r for recs in loaded for r in recs]  # the held-out records are the last n_eval
-        cfg = TrainConfig(layers=a.layers, block_size=a.block_size, top_k=a.top_k, rank=a.rank, steps=a.steps,
-                          lr=a.lr, seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors,
-                          mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed,
-                          init_from=a.init_from or TrainConfig.init_from,
-                          learn_multiplier=not a.fixed_multiplier, kd_weight=a.kd_weight,
-                          eval_every=a.eval_every, save_every=a.save_every)
         train_records = records[:-n_eval]
         if a.train_records:  # one shuffle across corpora, then a prefix: smaller subsets nest in larger ones
             random.Random(a.seed).shuffle(train_records)
             train_records = train_records[: a.train_records]
         print(f"training on {len(train_records)} records, {n_eval} held out", flush=True)
         r = train(a.target, a.out, train_records, cfg, eval_records=records[-n_eval:], device=a.device,
-                  dtype=a.dtype, grad_accum=a.grad_accum, init_weights=a.init_weights, max_shard_mb=a.max_shard_mb)
+                  dtype=a.dtype, grad_accum=a.grad_accum, init_weights=a.init_weights, max_shard_mb=a.max_shard_mb,
+                  minutes=a.minutes)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0  # under torchrun rank 0 alone writes and reports
         if a.draft_vocab:
@@ -264,9 +287,42 @@ def main(argv: list[str] | None = None) -> int:
     except Dflash2Error as e:
         print(f"dflash2-train: error: {e}", file=sys.stderr)
         return 2
+    _summary(a, r)
+    return 0
+
+
+def _summary(a, r: dict) -> None:
     last = r["history"][-1] if r["history"] else {}
     print(f"wrote {a.out}; held-out tau: " + ", ".join(f"{k} {last[k]:.2f}" for k in ("selector", "top1", "oracle")
                                                        if k in last))
+
+
+def _train_live(a, corpus: Path, cfg, tc, taps) -> int:
+    """--live-taps: the id corpus as a stream, its taps computed by the target in the loop."""
+    from dflash2 import draft_vocab
+    from dflash2.train.idcorpus import IdCorpus
+    from dflash2.train.live import IdStream, TapsModel
+    from dflash2.train.taps import check_answering_target, is_id_corpus
+    from dflash2.train.trainer import train
+
+    if not is_id_corpus(corpus):
+        raise Dflash2Error(f"--live-taps: --corpus {corpus}: expected an id corpus (dflash2-corpus grow; corpus.json "
+                           "kind dflash2-id-corpus), found none there")
+    ic = IdCorpus(corpus)
+    check_answering_target(ic, a.target)
+    stream = IdStream(ic, TapsModel(a.target, list(taps), a.live_taps), seed=a.seed)
+    if not stream.eval_rows:
+        print(f"note: {corpus} holds no held-out conversation yet (index = {stream.holdout_mod - 1} mod "
+              f"{stream.holdout_mod}): training.json gets no held-out curve", file=sys.stderr)
+    r = train(a.target, a.out, stream, cfg, device=a.device, dtype=a.dtype, grad_accum=a.grad_accum,
+              init_weights=a.init_weights, max_shard_mb=a.max_shard_mb, minutes=a.minutes)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if a.draft_vocab:
+        ids = draft_vocab.from_sequences(stream.answers(), a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
+        print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, f'dflash2-train id corpus {corpus}')} "
+              f"({len(ids)} ids)")
+    _summary(a, r)
     return 0
 
 

@@ -4,6 +4,11 @@ It holds the fp32 master weights, AdamW's moments, the step, the config, the eva
 both random generators (Python's for sequences / anchors, torch's for the negative shortlist), so a
 run killed at any point resumes from its last save and continues exactly as if never stopped.
 One file replaced by `os.replace` means a kill mid-write leaves the previous state intact.
+
+That file (~6x the fp16 drafter: fp32 weights and two moments) stays on the machine. What travels in the
+repository is the compact state beside the drafter: its fp16 `model.safetensors` and `progress.json` (the
+step, the config, the history, the corpus stream's position, counters and the sha256 of the weights it goes
+with). A fresh machine resumes from those with AdamW's moments rebuilt during a short warm-up.
 """
 
 from __future__ import annotations
@@ -26,8 +31,12 @@ def path(folder: Path) -> Path:
     return Path(folder) / STATE / FILE
 
 
+PROGRESS = "progress.json"  # the compact state, beside the fp16 drafter (committed; train_state/ is not)
+PROGRESS_KIND = "dflash2-train-progress"
+
+
 def save(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, config: dict,
-         history: list, py_rng_state) -> None:
+         history: list, py_rng_state, extra: dict | None = None) -> None:
     tensors = {f"param/{k}": v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()
                if v is not None and v.is_floating_point() and not k.endswith(("embed_weight", "untied_head"))}
     names = {id(p): n for n, p in model.named_parameters()}
@@ -39,7 +48,7 @@ def save(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step:
                     tensors[f"{key}/{names[id(p)]}"] = st[key].detach().cpu().contiguous()
     tensors["rng/torch"] = torch.get_rng_state()
     meta = {"step": step, "config": config, "log": history,
-            "py_rng": [py_rng_state[0], list(py_rng_state[1]), py_rng_state[2]]}
+            "py_rng": [py_rng_state[0], list(py_rng_state[1]), py_rng_state[2]], "extra": extra or {}}
     out = path(folder)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{FILE}.tmp-{os.getpid()}")
@@ -56,8 +65,8 @@ def step_of(folder: Path) -> int | None:
         return json.loads(f.metadata()["resume"])["step"]
 
 
-def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list, tuple]:
-    """Restores weights, moments and the torch generator; returns (step, history, python rng state)."""
+def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list, tuple, dict]:
+    """Restores weights, moments and the torch generator; returns (step, history, python rng state, extra)."""
     p = path(folder)
     try:
         with safe_open(str(p), framework="pt") as f:
@@ -81,4 +90,55 @@ def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tu
                               "exp_avg_sq": t[f"exp_avg_sq/{n}"].to(dev)}
     torch.set_rng_state(t["rng/torch"])
     v, internal, gauss = meta["py_rng"]
-    return meta["step"], meta["log"], (v, tuple(internal), gauss)
+    return meta["step"], meta["log"], (v, tuple(internal), gauss), meta.get("extra") or {}
+
+
+def save_progress(folder: Path, step: int, config: dict, history: list, extra: dict, weights: Path) -> None:
+    """The compact state, written after the fp16 weights it names (by sha256), atomically."""
+    import hashlib
+
+    h = hashlib.sha256(weights.read_bytes()).hexdigest()
+    body = {"kind": PROGRESS_KIND, "step": step, "config": config, "history": history, "extra": extra,
+            "weights": {"file": weights.name, "sha256": h}}
+    out = Path(folder) / PROGRESS
+    tmp = out.with_name(f"{PROGRESS}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(body, indent=1) + "\n")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def progress_step(folder: Path) -> int | None:
+    """The step of a folder's compact state (None: it has none or it is unreadable: load_progress says why)."""
+    try:
+        return load_progress(folder)["step"]
+    except Dflash2Error:
+        return None
+
+
+def load_progress(folder: Path) -> dict:
+    """progress.json, checked field by field and against the weights file it names."""
+    import hashlib
+
+    p = Path(folder) / PROGRESS
+    try:
+        body = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise Dflash2Error(f"{p}: no compact training state there") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Dflash2Error(f"{p}: not a readable training progress file ({e}); move it away to start over") from None
+    if not isinstance(body, dict) or body.get("kind") != PROGRESS_KIND:
+        raise Dflash2Error(f"{p}: field kind expected {PROGRESS_KIND!r}, found "
+                           f"{body.get('kind') if isinstance(body, dict) else type(body).__name__!r}")
+    for key, typ in (("step", int), ("config", dict), ("history", list), ("extra", dict), ("weights", dict)):
+        if not isinstance(body.get(key), typ) or isinstance(body.get(key), bool):
+            raise Dflash2Error(f"{p}: field {key} expected {typ.__name__}, found {body.get(key)!r:.80}")
+    w = Path(folder) / str(body["weights"].get("file"))
+    if not w.is_file():
+        raise Dflash2Error(f"{p}: weights.file expected {w} beside it, found nothing there")
+    found = hashlib.sha256(w.read_bytes()).hexdigest()
+    if found != body["weights"].get("sha256"):
+        raise Dflash2Error(f"{w}: sha256 expected {body['weights'].get('sha256')} ({p}), found {found}: the weights "
+                           "are not the ones this progress was saved with (restore both from git)")
+    return body

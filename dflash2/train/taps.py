@@ -67,21 +67,27 @@ def taps_ready(corpus: IdCorpus, tap_ids: list[int], dtype: str = "fp32", cache_
         for i, e in enumerate(corpus.shards))
 
 
+def check_answering_target(corpus: IdCorpus, target_dir: Path) -> None:
+    """Taps must come from the target whose answers the corpus holds (its weights' sha256 is recorded)."""
+    from dflash2.train.grow import target_identity
+
+    want = corpus.meta["target"]["weights_sha256"]
+    found = target_identity(Path(target_dir))["weights_sha256"]
+    if found != want:
+        raise Dflash2Error(f"{target_dir}: weights sha256 expected {want} (the target that answered "
+                           f"{corpus.folder}), found {found}: taps must come from the target that made the answers")
+
+
 def build_taps(corpus: IdCorpus, target_dir: Path, tap_ids: list[int], cache_root: Path | None = None,
                max_shards: int | None = None, dtype: str = "fp32", threads: int | None = None, log=print) -> Path:
     """The cache folder holding the taps of the corpus's first `max_shards` shards (all by default)."""
     import torch
 
     from dflash2.train.generate import as_generation_dtype, load_hf_target
-    from dflash2.train.grow import target_identity
 
     if threads:
         torch.set_num_threads(threads)
-    want = corpus.meta["target"]["weights_sha256"]
-    found = target_identity(Path(target_dir))["weights_sha256"]
-    if found != want:
-        raise Dflash2Error(f"{target_dir}: weights sha256 expected {want} (the target that answered "
-                           f"{corpus.folder}), found {found}: taps must come from the target that made the answers")
+    check_answering_target(corpus, target_dir)
     out = cache_folder(corpus, tap_ids, dtype, cache_root)
     out.mkdir(parents=True, exist_ok=True)
     meta = read_meta(out) or {}

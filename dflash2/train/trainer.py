@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +27,7 @@ from dflash2.config import load_drafter_config, load_target_config
 from dflash2.errors import Dflash2Error
 from dflash2.train import distributed, state
 from dflash2.train.state import STATE  # noqa: F401 (the checkpoint folder's state subfolder)
+from dflash2.train.pool import RecordPool, sample_anchors
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.layers import rope_cos_sin
 from dflash2.reference.load import load_target
@@ -122,15 +124,6 @@ class Teacher:
             h, _ = layer(h, empty, empty, cos, sin, visible)
         head = self.head if vocab is None else self.head[vocab]
         return self.norm(h)[positions.clamp(max=h.shape[0] - 1)] @ head.T
-
-
-def sample_anchors(rec: dict, n: int, rng: random.Random) -> list[int]:
-    """Anchor positions inside the answer (as at inference, slot 0 holds a target-generated token);
-    the block sees context rows < a and its labels are the following generated tokens."""
-    lo, hi = rec["prompt_len"], len(rec["ids"]) - 2  # at least one label after the anchor
-    if hi < lo:
-        return []
-    return sorted(rng.sample(range(lo, hi + 1), min(n, hi - lo + 1)))
 
 
 def block_forward(d: Drafter, rec: dict, anchors: list[int]):
@@ -246,8 +239,14 @@ def save_drafter(d: Drafter, folder: Path, dtype=torch.float16, max_shard_mb: fl
               if not k.startswith("train_")}
     limit = None if max_shard_mb is None else int(max_shard_mb * 2**20)
     total = sum(v.numel() * v.element_size() for v in state_.values())
-    if limit is None or total <= limit:
-        save_file(state_, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if limit is None or total <= limit:  # replaced atomically: a kill mid-write keeps the last save
+        tmp = folder / f"model.safetensors.tmp-{os.getpid()}"
+        try:
+            save_file(state_, str(tmp), metadata={"format": "pt"})
+            os.chmod(tmp, 0o644)  # safetensors writes 0600: a drafter is meant to be shared
+            os.replace(tmp, folder / "model.safetensors")
+        finally:
+            tmp.unlink(missing_ok=True)
         return
     shards, cur, size = [], {}, 0
     for k, v in state_.items():
@@ -307,27 +306,24 @@ class _StepLoss(torch.nn.Module):
         return total, dl_sum, sl_sum, tokens
 
 
-def _draw(records, c: TrainConfig, rng: random.Random) -> list[tuple[dict, list[int]]]:
-    """The global batch: the same sequences and anchors on every rank (same generator, same calls)."""
-    out = []
-    for rec in rng.sample(records, min(c.seqs_per_step, len(records))):
-        anchors = sample_anchors(rec, c.anchors_per_seq, rng)
-        if anchors:
-            out.append((rec, anchors))
-    return out
-
-
 def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
           eval_records: list | None = None, log_fn=print, device: str = "cpu", dtype: str = "fp32",
-          grad_accum: int = 1, init_weights: str | Path | None = None, max_shard_mb: float | None = None) -> dict:
+          grad_accum: int = 1, init_weights: str | Path | None = None, max_shard_mb: float | None = None,
+          minutes: float | None = None) -> dict:
     """Train (or resume) a drafter into `out_dir`. Under torchrun every rank calls this with the same
-    arguments; rank 0 alone writes. `records`: a sequence of corpus records (lazy taps are fine)."""
+    arguments; rank 0 alone writes. `records`: a sequence of corpus records (lazy taps are fine) or an
+    `IdStream` (train/live.py). `minutes`: stop (saved, resumable) after the step that passes this budget.
+
+    Resumes from OUT/train_state/ (exactly) or, on a machine without it, from the compact state in OUT
+    (progress.json + the fp16 drafter: AdamW's moments rebuilt during a fresh warm-up), whichever is further."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     world = distributed.join(device)
     dev = world.device
     log = log_fn if world.main else (lambda m: None)
     out = Path(out_dir)
+    pool = records if hasattr(records, "draw") else RecordPool(records)
+    compact = state.load_progress(out) if (out / state.PROGRESS).is_file() else None  # checked before any write
     if world.main:
         out.mkdir(parents=True, exist_ok=True)
     distributed.barrier(world)
@@ -349,22 +345,50 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
     d.to(dev)
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    step, history = 0, []
-    if state.path(out).is_file():
-        step, history, py_state = state.load(out, d, opt)
+    step, history, warm_from, seen = 0, [], 0, {"answer_tokens": 0, "blocks": 0, "records": 0}
+    full = state.step_of(out) if state.path(out).is_file() else None
+    if full is not None and (compact is None or full >= compact["step"]):
+        step, history, py_state, extra = state.load(out, d, opt)
         rng.setstate(py_state)
+        pool.restore(extra.get("stream"), str(state.path(out)))
+        seen |= extra.get("seen", {})
         log(f"resumed at step {step}")
+    elif compact is not None:
+        step, history, warm_from = compact["step"], compact["history"], compact["step"]
+        _load_compact(d, out, compact, c, log_mult)
+        pool.restore(compact["extra"].get("stream"), str(out / state.PROGRESS))
+        seen |= compact["extra"].get("seen", {})
+        rng.seed(f"{c.seed}/{step}")
+        torch.manual_seed(c.seed + step)
+        log(f"resumed at step {step} from the compact state ({out / state.PROGRESS} + {compact['weights']['file']}, "
+            f"fp16; AdamW's moments rebuilt during a {c.warmup}-step warm-up)")
     if teacher is not None:
         for layer in teacher.layers:
             layer.to(dev)
+    if eval_records is None and hasattr(pool, "held_out"):
+        eval_records = pool.held_out(c.eval_seqs)
     module = _StepLoss(d, c, teacher)
     ddp = DDP(module, broadcast_buffers=False) if world.size > 1 else module
-    t0, step0, tok_total = time.perf_counter(), step, 0
-    corpus_vocab = torch.unique(torch.cat([r["ids"] for r in records]))  # every token the target produced
+    t0, step0, tok_total, blocks_run = time.perf_counter(), step, 0, 0
+    corpus_vocab = pool.vocab()
     V = d.config.vocab_size
     autocast = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dtype == "bf16")
-    while step < c.steps:
-        lr = c.lr * min(1.0, (step + 1) / c.warmup) * 0.5 * (1 + math.cos(math.pi * step / c.steps))
+    budget_hit = False
+
+    def evaluate() -> None:
+        d.eval()
+        _set_multiplier(d, out, float(log_mult.detach().exp()))
+        with torch.device(dev):
+            acc = offline_acceptance(d, [_on(r, dev) for r in eval_records[: c.eval_seqs]])
+        history.append({"step": step, **acc, "seen": dict(seen)})
+        log(f"eval @ {step}: tau selector {acc['selector']:.3f}  top1 {acc['top1']:.3f}  "
+            f"oracle {acc['oracle']:.3f}  ({acc['blocks']} held-out blocks; {seen['answer_tokens']:,} answer "
+            "tokens seen)")
+
+    if world.main and eval_records and step == 0 and not history:
+        evaluate()  # the curve starts where the warm start (or the init) stands
+    while step < c.steps and not budget_hit:
+        lr = c.lr * min(1.0, (step - warm_from + 1) / c.warmup) * 0.5 * (1 + math.cos(math.pi * step / c.steps))
         for g in opt.param_groups:
             g["lr"] = lr
         d.train()
@@ -373,7 +397,12 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
         if c.shortlist:
             negatives = torch.randint(0, V, (c.negatives,))  # torch's generator: identical on every rank
             vocab = torch.unique(torch.cat([corpus_vocab, negatives, torch.tensor([c.mask_token_id])])).to(dev)
-        mine = distributed.share(_draw(records, c, rng), world)
+        batch = pool.draw(c, rng)
+        seen["records"] += len(batch)
+        blocks_run += sum(len(anchors) for _, anchors in batch)
+        seen["blocks"] += sum(len(anchors) for _, anchors in batch)
+        seen["answer_tokens"] += sum(len(r["ids"]) - r["prompt_len"] for r, _ in batch)
+        mine = distributed.share(batch, world)
         micro = [mine[i::grad_accum] for i in range(grad_accum)]
         dl_sum = sl_sum = tokens = 0.0
         for i, items in enumerate(micro):
@@ -391,32 +420,64 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
         step += 1
         dl_sum, sl_sum, tokens = distributed.sum_across([dl_sum, sl_sum, tokens], world)
         tok_total += tokens
-        if step % 10 == 0 or step == c.steps:
-            el = time.perf_counter() - t0
+        el = time.perf_counter() - t0
+        budget_hit = minutes is not None and el > minutes * 60
+        if step % 10 == 0 or step == c.steps or budget_hit:
             rate = el / max(step - step0, 1)
             bar = "#" * int(20 * step / c.steps)
             log(f"step {step}/{c.steps} [{bar:<20}] draft CE {dl_sum / c.seqs_per_step:.3f}  selector CE "
-                f"{sl_sum / c.seqs_per_step:.3f}  {tok_total / el:,.0f} label tok/s  lr {lr:.2e}  "
-                f"{rate:.2f} s/step  ETA {(c.steps - step) * rate / 60:.1f} min")
-        if world.main and eval_records and (step % c.eval_every == 0 or step == c.steps):
-            d.eval()
-            _set_multiplier(d, out, float(log_mult.detach().exp()))
-            with torch.device(dev):
-                acc = offline_acceptance(d, [_on(r, dev) for r in eval_records[: c.eval_seqs]])
-            history.append({"step": step, **acc})
-            log(f"eval @ {step}: tau selector {acc['selector']:.3f}  top1 {acc['top1']:.3f}  "
-                f"oracle {acc['oracle']:.3f}  ({acc['blocks']} held-out blocks)")
-        if world.main and (step % c.save_every == 0 or step == c.steps):
-            state.save(out, d, opt, step, asdict(c), history, rng.getstate())
+                f"{sl_sum / c.seqs_per_step:.3f}  {tok_total / el:,.0f} label tok/s  "
+                f"{blocks_run / el:.1f} blocks/s  "
+                f"lr {lr:.2e}  {rate:.2f} s/step{pool.timing()}  ETA {(c.steps - step) * rate / 60:.1f} min")
+        if world.main and eval_records and (step % c.eval_every == 0 or step == c.steps or budget_hit):
+            evaluate()
+        if world.main and (step % c.save_every == 0 or step == c.steps or budget_hit):
+            extra = {"stream": pool.state(), "seen": dict(seen)}
+            state.save(out, d, opt, step, asdict(c), history, rng.getstate(), extra)
+            if max_shard_mb is None:  # a sharded drafter travels back whole (gpu_train.sh); no compact state
+                _save_compact(d, out, step, c, history, extra, float(log_mult.detach().exp()))
         distributed.barrier(world)
     if world.main:
         d.eval()
         _set_multiplier(d, out, float(log_mult.detach().exp()))
         save_drafter(d, out, max_shard_mb=max_shard_mb)
         (out / "training.json").write_text(json.dumps({"config": asdict(c), "history": history}, indent=1))
+        if budget_hit and step < c.steps:
+            log(f"stopped at step {step}/{c.steps}: the {minutes:g}-minute budget is spent; the same command "
+                "continues from here (on another machine: from the committed progress.json + model.safetensors)")
     distributed.barrier(world)
     distributed.leave(world)
-    return {"history": history}
+    return {"history": history, "step": step, "seen": seen}
+
+
+def _save_compact(d: Drafter, out: Path, step: int, c: TrainConfig, history: list, extra: dict, mult: float) -> None:
+    """What a fresh machine continues from: the fp16 drafter, its config (learned multiplier), training.json
+    and, last, progress.json naming the weights' sha256 (a kill between the writes is detected on resume)."""
+    _set_multiplier(d, out, mult)
+    save_drafter(d, out, max_shard_mb=None)  # one file: progress.json names it
+    (out / "training.json").write_text(json.dumps({"config": asdict(c), "history": history}, indent=1))
+    state.save_progress(out, step, asdict(c), history, extra | {"output_multiplier": mult},
+                        out / "model.safetensors")
+
+
+def _load_compact(d: Drafter, out: Path, compact: dict, c: TrainConfig, log_mult: torch.nn.Parameter) -> None:
+    from safetensors.torch import load_file
+
+    where = out / state.PROGRESS
+    for key in ("layers", "block_size", "top_k", "rank", "tap_ids", "mask_token_id"):
+        saved, now = compact["config"].get(key), getattr(c, key)
+        if (list(saved) if isinstance(saved, (list, tuple)) else saved) != (list(now) if isinstance(now, tuple) else now):
+            raise Dflash2Error(f"{where}: config.{key} expected {now!r} (this run), found {saved!r}; train into "
+                               "another --out or match its settings")
+    weights = load_file(str(out / compact["weights"]["file"]))  # its sha256 was checked with progress.json
+    own = d.state_dict()
+    bad = sorted(k for k in own if not k.startswith("train_") and (k not in weights or weights[k].shape != own[k].shape))
+    if bad:
+        raise Dflash2Error(f"{out / compact['weights']['file']}: expected this run's drafter shapes, differing "
+                           f"tensors {bad[:6]}")
+    d.load_state_dict({k: weights[k].float() for k in own if not k.startswith("train_")}, strict=False)
+    with torch.no_grad():
+        log_mult.fill_(math.log(float(compact["extra"].get("output_multiplier", 1.0))))
 
 
 def _on(rec, dev: str) -> dict:
