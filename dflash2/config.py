@@ -310,8 +310,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     start, end = 1, num_target_layers - 3
+    if end - start + 1 < num_draft_layers:  # too few layers for distinct taps (tiny targets): widen, then dedupe
+        end = max(start, num_target_layers - 2)
     span = end - start
-    return tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+    return tuple(dict.fromkeys(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)))
 
 
 def _attention_modes(path: Path, raw: dict, num_layers: int) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:

@@ -34,6 +34,9 @@ def _run(capsys, *args) -> str:
     (["--prompt", "hi", "--system", "be brief"], "--system: only used with --chat"),
     (["--prompt-ids", "1,2", "--chat"], "--chat: applies to a text --prompt"),
     (["--prompt", "caf\udce9"], "--prompt: expected UTF-8 text, found undecodable bytes at character 3"),
+    (["--prompt", "hi", "--chat", "--system", "\udcfe\udcff"],
+     "--system: expected UTF-8 text, found undecodable bytes at character 0"),
+    (["--prompt", "hi", "--stop", "a\udcff"], "--stop: expected UTF-8 text, found undecodable bytes at character 1"),
 ])
 def test_run_flag_errors(capsys, exports, args, message):
     assert message in _run(capsys, exports[("llama", 1)], *args)
@@ -222,7 +225,50 @@ def test_compare_negative_tolerance(exports, capsys):
     from dflash2.cli import compare as compare_cli
 
     assert compare_cli.main([str(exports[("llama", 1)]), "--atol", "-1"]) == 2
-    assert "--atol: expected a tolerance >= 0, found -1.0" in one_line_error(capsys.readouterr().err, "dflash2-compare")
+    assert "--atol: expected a finite tolerance >= 0, found -1.0" in one_line_error(capsys.readouterr().err,
+                                                                                    "dflash2-compare")
+    assert compare_cli.main([str(exports[("llama", 1)]), "--rtol", "inf"]) == 2  # inf would pass anything
+    assert "--rtol: expected a finite tolerance >= 0, found inf" in one_line_error(capsys.readouterr().err,
+                                                                                   "dflash2-compare")
+
+
+def test_bench_policies_on_a_v1_drafter_are_refused(exports, capsys):
+    from dflash2.cli import bench as bench_cli
+
+    export = exports[("llama", 1)]
+    before = snapshot(export)
+    assert bench_cli.main([str(export), "--max-new-tokens", "2", "--policies", "selector"]) == 2
+    assert "drafter is DFlash v1 (no candidate selector, no lattice): only its own drafts are measured" in \
+        one_line_error(capsys.readouterr().err, "dflash2-bench")
+    assert snapshot(export) == before
+
+
+def test_make_tiny_seed_range_and_no_half_pair(tmp_path, capsys, monkeypatch):
+    from dflash2.cli import make_tiny
+
+    assert make_tiny.main(["--out", str(tmp_path / "a"), "--seed", str(2**70)]) == 2
+    assert f"--seed: expected 0..{2**63 - 2}, found {2**70}" in one_line_error(capsys.readouterr().err,
+                                                                               "dflash2-make-tiny")
+    assert make_tiny.main(["--out", str(tmp_path / "a"), "--seed", "-1"]) == 2
+    capsys.readouterr()
+
+    def interrupted(*args, **kw):  # Ctrl-C after the target is written, while the drafter is
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny, "make_drafter", interrupted)
+    assert make_tiny.main(["--out", str(tmp_path / "a")]) == 130
+    assert "interrupted; nothing was written" in capsys.readouterr().err
+    assert list(tmp_path.rglob("*")) in ([], [tmp_path / "a"]), list(tmp_path.rglob("*"))  # no target, no temp
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
+def test_default_taps_are_distinct_on_tiny_targets():
+    from dflash2.config import default_target_layer_ids
+
+    assert default_target_layer_ids(30, 3) == (1, 14, 27)  # z-lab's rule where it has room: unchanged
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layer_ids(4, 3) == (1, 2)  # was (1, 1, 1): one layer tapped three times
+    assert default_target_layer_ids(5, 3) == (1, 2, 3)
 
 
 def test_make_tiny_never_writes_over_a_folder(tmp_path, capsys):

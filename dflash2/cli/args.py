@@ -31,11 +31,17 @@ def read_prompt(prompt: str) -> str:
         except UnicodeDecodeError as e:
             raise Dflash2Error(f"stdin: expected UTF-8 text, found byte 0x{data[e.start]:02x} at offset {e.start}") \
                 from None
+    return utf8_arg(prompt, "--prompt")
+
+
+def utf8_arg(value: str, flag: str) -> str:
+    """A text flag as given: argv bytes that were not UTF-8 arrive as lone surrogates, which the tokenizer
+    and stop-string matching cannot take; named here instead."""
     try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:  # argv bytes that were not UTF-8 arrive as lone surrogates
-        raise Dflash2Error(f"--prompt: expected UTF-8 text, found undecodable bytes at character {e.start}") from None
-    return prompt
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Dflash2Error(f"{flag}: expected UTF-8 text, found undecodable bytes at character {e.start}") from None
+    return value
 
 
 def negative_ids_joined(argv: list[str]) -> list[str]:

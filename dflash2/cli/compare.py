@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         for flag, tol in (("--atol", a.atol), ("--rtol", a.rtol)):
-            if tol is not None and not tol >= 0:
-                raise Dflash2Error(f"{flag}: expected a tolerance >= 0, found {tol}")
+            if tol is not None and not 0 <= tol < float("inf"):  # inf would pass every output: no check at all
+                raise Dflash2Error(f"{flag}: expected a finite tolerance >= 0, found {tol}")
         report = compare(a.folder, a.engines, a.atol, a.rtol, a.graph)
     except Dflash2Error as e:
         print(f"dflash2-compare: error: {e}", file=sys.stderr)

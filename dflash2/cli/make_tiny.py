@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error, require_extra
-from dflash2.folders import OutputError, check_output
+from dflash2.folders import OutputError, check_output, replace_folder, temp_folder
 from dflash2.interrupts import interruptible
 
 
-@interruptible("dflash2-make-tiny", "OUT may hold a partial pair; rerun the command to rewrite it")
+MAX_SEED = 2**63 - 2
+
+
+@interruptible("dflash2-make-tiny", "nothing was written (the pair is put in place only when complete)")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-make-tiny", "export", 'torch', 'safetensors')
     from dflash2 import tiny
@@ -27,13 +31,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.block_size < 2 or a.layers < 1:
             raise Dflash2Error(f"--block-size / --layers: expected >= 2 / >= 1, found {a.block_size} / {a.layers}")
-        for sub in (a.out / "target", a.out / "drafter"):  # it writes into them: never over a real checkpoint
-            if sub.exists():
+        if not 0 <= a.seed <= MAX_SEED:  # torch's generator takes a signed 64-bit seed; the drafter uses seed + 1
+            raise Dflash2Error(f"--seed: expected 0..{MAX_SEED}, found {a.seed}")
+        target, drafter = a.out / "target", a.out / "drafter"
+        for sub in (target, drafter):  # it writes into them: never over a real checkpoint
+            if sub.exists() or sub.is_symlink():
                 raise OutputError(f"{sub}: exists; dflash2-make-tiny writes only new folders (choose another --out)")
             check_output(sub, force=False)
-        target = tiny.make_target(a.out / "target", family=a.family, seed=a.seed)
-        drafter = tiny.make_drafter(a.out / "drafter", target, version=int(a.drafter[1]), num_layers=a.layers,
-                                    block_size=a.block_size, seed=a.seed + 1)
+        # both filled in temporary siblings and renamed at the end: a failure or Ctrl-C leaves no half pair
+        with temp_folder(target) as tt, temp_folder(drafter) as td:
+            tiny.make_target(tt, family=a.family, seed=a.seed)
+            tiny.make_drafter(td, tt, version=int(a.drafter[1]), num_layers=a.layers, block_size=a.block_size,
+                              seed=a.seed + 1)
+            replace_folder(tt, target, what="the tiny target")
+            try:
+                replace_folder(td, drafter, what="the tiny drafter")
+            except BaseException:
+                shutil.rmtree(target, ignore_errors=True)  # ours, renamed a moment ago: no half pair
+                raise
+    except OSError as e:  # a full or read-only disk: one line; the temporary folders are gone
+        print(f"dflash2-make-tiny: error: {a.out}: could not write the pair ({e.strerror}); nothing was written",
+              file=sys.stderr)
+        return 1
     except Dflash2Error as e:
         print(f"dflash2-make-tiny: error: {e}", file=sys.stderr)
         return 2

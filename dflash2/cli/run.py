@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflash2.cli.args import add_sampling_args, negative_ids_joined, parse_ids, read_prompt, sampling_of
+from dflash2.cli.args import add_sampling_args, negative_ids_joined, parse_ids, read_prompt, sampling_of, utf8_arg
 from dflash2.errors import Dflash2Error
 from dflash2.interrupts import interruptible
 
@@ -19,6 +19,10 @@ def check_flags(a: argparse.Namespace) -> None:
         raise Dflash2Error("--system: only used with --chat (it is the chat template's system message); add --chat")
     if a.chat and a.prompt_ids is not None:
         raise Dflash2Error("--chat: applies to a text --prompt; --prompt-ids are used as given")
+    if a.system is not None:
+        utf8_arg(a.system, "--system")
+    for s in a.stop:
+        utf8_arg(s, "--stop")
     if any(s == "" for s in a.stop):
         raise Dflash2Error("--stop: expected a non-empty string, found '' (it would stop before the first token)")
     if a.max_new_tokens < 1:

@@ -9,6 +9,7 @@ from typing import Callable
 
 from dflash2 import dtypes
 from dflash2.manifest import ExportManifest
+from dflash2.errors import Dflash2Error
 from dflash2.native.bench import random_inputs
 from dflash2.onnxrt import open_session
 from dflash2.prompts import default_prompts, load_prompts  # noqa: F401 (re-exported for callers)
@@ -98,6 +99,9 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     fixed = tuple(dict.fromkeys(parse_draft_len(k, B) for k in (*sweep, *([int(main_mode)] if main_mode != "auto"
                                                                           else []))))
     v2 = man.drafter_version == 2
+    if not v2 and policies and policies != ("none",):  # v1 drafts the head's top-1: no path to choose between
+        raise Dflash2Error(f"--policies {','.join(policies)}: {folder}'s drafter is DFlash v1 (no candidate selector, "
+                           f"no lattice): only its own drafts are measured; omit --policies (or give none)")
     policies = policies or (POLICIES if v2 else ("selector",))
     if policies == ("none",):  # no acceptance-by-path runs: the timed modes only
         policies = ()
