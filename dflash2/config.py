@@ -379,6 +379,11 @@ def load_drafter_config(folder: str | Path) -> DrafterConfig:
     cap = 0.0 if cap is None else d.float("final_logit_softcapping")
     if cap < 0:
         raise CheckpointError(path, "dflash_config.final_logit_softcapping", ">= 0 or null", cap)
+    if "mask_token_id" not in merged:  # say why: most often the whole dflash_config is null or absent
+        dcv = raw.get("dflash_config", "absent")
+        raise CheckpointError(path, "dflash_config", "an object with mask_token_id (DFlash drafters keep the mask "
+                              "id, taps and block settings there)",
+                              "null" if dcv is None else "absent" if dcv == "absent" else "an object without it")
     mask = d.int("mask_token_id", minimum=0)
     if mask >= shape["vocab_size"]:
         raise CheckpointError(path, "dflash_config.mask_token_id", f"< vocab_size={shape['vocab_size']}", mask)

@@ -387,6 +387,20 @@ class ModelFacts:
         elif self.drafter_version is not None and (self.selector is None) == (self.drafter_version == 2):
             problems.append(f"selector: expected {'a record' if self.drafter_version == 2 else 'null'} for "
                             f"drafter_version {self.drafter_version}, found {self.selector!r}")
+        if self.block_size is not None and self.block_size < 2:
+            problems.append(f"block_size: expected >= 2, found {self.block_size}")
+        if None not in (self.max_seq_len, self.block_size) and self.max_seq_len < self.block_size:
+            # the runtime sizes its buffers from it: -1 surfaced as numpy's "negative dimensions"
+            problems.append(f"max_seq_len: expected >= block_size = {self.block_size}, found {self.max_seq_len}")
+        V = self.vocab_size
+        if V is not None and V < 1:
+            problems.append(f"vocab_size: expected >= 1, found {V}")
+        elif V is not None:  # ids the graphs are fed / compared against: outside [0, V) they never match or crash
+            if self.mask_token_id is not None and not 0 <= self.mask_token_id < V:
+                problems.append(f"mask_token_id: expected an id in [0, {V}) (vocab_size), found {self.mask_token_id}")
+            bad = [e for e in self.eos_token_ids or [] if e is not None and not 0 <= e < V]
+            if bad:
+                problems.append(f"eos_token_ids: expected ids in [0, {V}) (vocab_size), found {bad}")
         if None not in (self.num_drafts, self.block_size) and self.num_drafts != self.block_size - 1:
             problems.append(f"num_drafts: expected block_size - 1 = {self.block_size - 1}, found {self.num_drafts}")
         return problems
@@ -560,6 +574,13 @@ def _convert(tp, value, where: str, problems: list[str]):
         return tp(**kw)
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
+        # an object / list for an optional record or list: its own problems ("bits: expected an integer"),
+        # not "expected an object or null, found an object"
+        shaped = [a for a in typing.get_args(tp) if isinstance(value, dict) and
+                  (dataclasses.is_dataclass(a) or typing.get_origin(a) is dict) or
+                  isinstance(value, list) and typing.get_origin(a) is list]
+        if len(shaped) == 1:
+            return _convert(shaped[0], value, where, problems)
         for arm in typing.get_args(tp):
             trial: list[str] = []
             out = _convert(arm, value, where, trial)
@@ -647,7 +668,9 @@ def load(folder: str | Path, kinds: type | tuple[type, ...] = (ExportManifest, E
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     formats = [k.__dataclass_fields__["format"].default for k in kinds]
     if not folder.is_dir():
-        raise ManifestError(folder, ["expected an export or engine folder, found no such directory"])
+        found = ("a file (give the folder that holds manifest.json)" if folder.is_file() else
+                 "something that is not a folder" if folder.exists() else "no such directory")
+        raise ManifestError(folder, [f"expected an export or engine folder, found {found}"])
     if not path.is_file():
         raise ManifestError(folder, [f"expected {NAME} (a folder written by dflash2-export or dflash2-build), "
                                      f"found none"])

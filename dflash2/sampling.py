@@ -82,6 +82,10 @@ def defaults_from(model_dir: str | Path | None) -> dict:
             if isinstance(cfg[key], bool) or not isinstance(cfg[key], kind):
                 raise SamplingError(f"{path}: field {key} expected a number, found {cfg[key]!r}")
             out[key] = cfg[key]
+    try:  # ranges too, here, where the file can be named (a flag given instead is checked as the flag)
+        Sampling(**out)
+    except SamplingError as e:
+        raise SamplingError(f"{path}: field {e}") from None
     return out
 
 

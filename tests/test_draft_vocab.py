@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash2 import draft_vocab as dv
+from dflash2 import tiny
 from dflash2.config import load_target_config
 from dflash2.errors import CheckpointError, Dflash2Error
 from dflash2.export.api import export
@@ -128,3 +129,41 @@ def _torch_backend(drafter_dir, target_dir):
     from dflash2.reference.backend import TorchBackend
 
     return TorchBackend(*load_pair(drafter_dir, target_dir), 512)
+
+
+def test_cli_refuses_a_target_of_another_vocabulary(tmp_path, capsys):
+    from dflash2.cli import draft_vocab as cli
+    from tests.errorcheck import one_line_error, snapshot
+
+    target = tiny.make_target(tmp_path / "target")
+    drafter = tiny.make_drafter(tmp_path / "drafter", target)  # 384 ids
+    other = tiny.make_target(tmp_path / "other", vocab_size=512)
+    before = snapshot(tmp_path)
+    assert cli.main(["--drafter", str(drafter), "--target", str(other), "--corpus", str(tmp_path / "c"),
+                     "--size", "64"]) == 2
+    msg = one_line_error(capsys.readouterr().err, "dflash2-draft-vocab")
+    assert "expected the drafter's target (config.json vocab_size 384" in msg and "found vocab_size 512" in msg
+    assert snapshot(tmp_path) == before
+
+
+def test_cli_read_only_drafter_is_one_line_and_nothing_changed(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from dflash2.cli import draft_vocab as cli
+    from dflash2.train import data
+    from tests.errorcheck import one_line_error, snapshot
+
+    target = tiny.make_target(tmp_path / "target")
+    drafter = tiny.make_drafter(tmp_path / "drafter", target)
+    monkeypatch.setattr(data, "corpus_answers", lambda c: [list(range(5, 80))])
+
+    def read_only(path, data):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(dv, "write_atomic", read_only)
+    before = snapshot(tmp_path)
+    assert cli.main(["--drafter", str(drafter), "--target", str(target), "--corpus", str(tmp_path / "c"),
+                     "--size", "64"]) == 1
+    msg = one_line_error(capsys.readouterr().err, "dflash2-draft-vocab")
+    assert "could not write draft_vocab.json (Read-only file system); nothing was changed" in msg
+    assert snapshot(tmp_path) == before

@@ -105,6 +105,12 @@ CASES = {
                            "layer_types: expected 1 entries"),
     "dflash_config_list": (lambda d, t: edit_json(d / "config.json", set_key("dflash_config", [])), CFG_D,
                            "dflash_config: expected an object {...} or absent, found a JSON list"),
+    "generation_top_p": (lambda d, t: (t / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 7})), "target/generation_config.json",
+        "generation_config.json: field top_p expected a number in (0, 1], found 7"),
+    "dflash_config_null": (lambda d, t: edit_json(d / "config.json", set_key("dflash_config", None)), CFG_D,
+                           "dflash_config: expected an object with mask_token_id (DFlash drafters keep the mask id, "
+                           "taps and block settings there), found null"),  # was: "mask_token_id ... missing"
     "block_size_missing": (lambda d, t: edit_json(d / "config.json", drop("block_size")), CFG_D,
                            "block_size: expected an integer >= 2 (top level or in dflash_config), "
                            "found the field missing"),

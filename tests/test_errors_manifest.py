@@ -51,6 +51,14 @@ CASES = {
                           "manifest_sha256: expected"),
     "edited_and_mistyped": (_edit_unsealed(lambda m: m.update(block_size="8")), "manifest_sha256: expected"),
     "other_format": (_sealed(lambda m: m.update(format="someone-else")), "format: expected one of"),
+    "negative_max_seq_len": (_sealed(lambda m: m.update(max_seq_len=-1)),
+                             "max_seq_len: expected >= block_size = 8, found -1"),  # was numpy's "negative dimensions"
+    "mask_id_outside": (_sealed(lambda m: m.update(mask_token_id=99999)),
+                        "mask_token_id: expected an id in [0, 384) (vocab_size), found 99999"),
+    "eos_id_outside": (_sealed(lambda m: m.update(eos_token_ids=[99999])),
+                       "eos_token_ids: expected ids in [0, 384) (vocab_size), found [99999]"),
+    "quantization_field_mistyped": (_sealed(lambda m: m.update(quantization={"bits": "four"})),
+                                    'quantization.bits: expected an integer, found a string "four"'),  # not "an object"
 }
 
 

@@ -363,3 +363,10 @@ def test_quantization_flags_are_checked_before_loading(tmp_path, capsys, nan_pai
     before = snapshot(tmp_path)
     assert message in _export(capsys, nan_pair, tmp_path / "o", *extra)  # not the NaN: refused before loading
     assert snapshot(tmp_path) == before
+
+
+def test_a_file_given_as_the_export_folder_is_named_a_file(tmp_path, capsys):
+    f = tmp_path / "manifest.json"
+    f.write_text("{}")
+    assert "expected an export or engine folder, found a file (give the folder that holds manifest.json)" in \
+        _run(capsys, f, "--prompt", "hi")

@@ -75,6 +75,10 @@ def test_generation_config_defaults(tmp_path):
     f.write_text(json.dumps({"do_sample": True, "temperature": "hot"}))
     with pytest.raises(sm.SamplingError, match="temperature"):
         sm.defaults_from(tmp_path)
+    f.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 7}))  # in range too, naming the file
+    with pytest.raises(sm.SamplingError, match=r"generation_config.json: field top_p expected a number in \(0, 1\], "
+                                               r"found 7"):
+        sm.defaults_from(tmp_path)
     f.write_text("[1, 2]")
     with pytest.raises(sm.SamplingError, match="JSON object"):
         sm.defaults_from(tmp_path)

@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         tc, dc = load_target_config(a.target), load_drafter_config(a.drafter)
+        if dc.vocab_size != tc.vocab_size:  # a 49,152-id vocabulary once went into a 384-row drafter this way
+            raise Dflash2Error(f"--target {a.target}: expected the drafter's target (config.json vocab_size "
+                               f"{dc.vocab_size}, as in {a.drafter / 'config.json'}), found vocab_size "
+                               f"{tc.vocab_size}: this drafter was not made for this target")
         answers = [ans for c in a.corpus for ans in corpus_answers(c)]
         ids = draft_vocab.from_sequences(answers, a.size, tc.vocab_size, tc.eos_token_ids)
         draft_vocab.check_ids(ids, dc.vocab_size, draft_vocab.min_size(dc), str(a.drafter))
@@ -38,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     except Dflash2Error as e:
         print(f"dflash2-draft-vocab: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a read-only or full disk: the old file (if any) is untouched (written atomically)
+        print(f"dflash2-draft-vocab: error: {a.drafter}: could not write draft_vocab.json ({e.strerror}); "
+              f"nothing was changed", file=sys.stderr)
+        return 1
     kept = set(ids)
     covered = sum(t in kept for ans in answers for t in ans) / max(1, sum(map(len, answers)))
     print(f"wrote {path}: {len(ids)} ids covering {covered:.1%} of {sum(map(len, answers))} answer tokens")

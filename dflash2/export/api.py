@@ -143,6 +143,9 @@ def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dty
     check_pair(dc, tc, drafter_dir, target_dir)
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     check_tokenizer_files(target_dir)
+    from dflash2.sampling import defaults_from
+
+    defaults_from(target_dir)  # the sampling defaults the export copies: a bad top_p refused here, naming the file
     if (Path(target_dir) / "tokenizer.json").is_file():
         path = Path(target_dir) / "tokenizer.json"
         check_tokenizer_vocab(path, tokenizer_id_count(path), tc.vocab_size)
