@@ -102,3 +102,18 @@ def test_repair_refuses_another_target_and_torchrun(tmp_path, made, capsys, monk
     assert _train(target, corpus, tmp_path / "drafter", "--repair-corpus") == 2
     assert "without torchrun" in one_line_error(capsys.readouterr().err, "dflash2-train")
     assert snapshot(corpus) == before
+
+
+def test_taps_mismatch_blames_the_default_not_a_flag_never_given(tmp_path, made, capsys):
+    target, corpus = made
+    other = tmp_path / "corpus"
+    shutil.copytree(corpus, other)
+    meta = json.loads((other / META).read_text())
+    (other / META).write_text(json.dumps(meta | {"tap_ids": [0, 3]}))  # as if made with other taps
+    before = snapshot(tmp_path)
+    code = train_cli.main(["--target", str(target), "--corpus", str(other), "--out", str(tmp_path / "d"),
+                           "--steps", "1", "--layers", "1", "--threads", "1"])
+    msg = one_line_error(capsys.readouterr().err, "dflash2-train")
+    assert code == 2 and "tap_ids expected [1, 2] (the default taps of the target's 4 layers; --taps chooses), " \
+                         "found [0, 3]" in msg, msg
+    assert snapshot(tmp_path) == before

@@ -370,3 +370,18 @@ def test_a_file_given_as_the_export_folder_is_named_a_file(tmp_path, capsys):
     f.write_text("{}")
     assert "expected an export or engine folder, found a file (give the folder that holds manifest.json)" in \
         _run(capsys, f, "--prompt", "hi")
+
+
+def test_demo_never_replaces_a_folder_it_did_not_write(tmp_path):
+    from dflash2.cli.demo import ensure_export
+    from dflash2.folders import OutputError
+
+    drafter, target = tiny.make_pair(tmp_path / "pair")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    before = snapshot(tmp_path)
+    with pytest.raises(OutputError, match="dflash2-demo writes its export here and replaces only a folder dflash2 "
+                                          "wrote") as e:  # it was "--force replaces only ...": demo has no --force
+        ensure_export(drafter, target, tmp_path / "mine", True)
+    assert "--force" not in str(e.value)
+    assert snapshot(tmp_path) == before

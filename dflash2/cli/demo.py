@@ -41,6 +41,13 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize:
     from dflash2.export.api import export
     from dflash2.export.quantize import OrtQuant
 
+    from dflash2.folders import OutputError, written_by_dflash2
+
+    # the demo re-exports over its own folder without asking; anything else at --out is the user's
+    if out.is_symlink() or out.exists() and (not out.is_dir() or any(out.iterdir()) and not written_by_dflash2(out)):
+        raise OutputError(f"{out}: dflash2-demo writes its export here and replaces only a folder dflash2 wrote (one "
+                          f"with manifest.json); this is something else, so it was left as it is; choose another "
+                          f"--out")
     print(f"exporting {drafter.name} + {target.name} -> {out}", file=sys.stderr)
     export(drafter, target, out, force=True, quiet=quiet,
            quantize=None if quantize == "none" else OrtQuant(quantize))

@@ -262,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         # shards are ordered by prompt length: shuffle; hold out from the LAST corpus only, so a run
         # warm-started on earlier corpora is evaluated on records it never saw
-        loaded = [list(load_corpus(corpus, list(taps), partial=a.partial_corpus)) for corpus in corpora]
+        taps_from = "--taps" if a.taps else f"the default taps of the target's {tc.num_layers} layers; --taps chooses"
+        loaded = [list(load_corpus(corpus, list(taps), partial=a.partial_corpus, taps_from=taps_from))
+                  for corpus in corpora]
         if a.partial_corpus:
             print(f"partial corpus: {[len(x) for x in loaded]} records so far in {[str(c) for c in corpora]}")
         for recs in loaded:

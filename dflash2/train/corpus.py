@@ -278,13 +278,14 @@ def corpus_complete(folder: str | Path) -> bool:
     return bool(meta and meta.get("complete"))
 
 
-def load_corpus(folder: str | Path, tap_ids: list[int] | None = None, partial: bool = False) -> Corpus:
+def load_corpus(folder: str | Path, tap_ids: list[int] | None = None, partial: bool = False,
+                taps_from: str = "--taps") -> Corpus:
     """A complete corpus (lazy; `partial`: the shards written so far); with `tap_ids`, checks they are
-    the taps it was made with."""
+    the taps it was made with. taps_from: where those taps came from, for the message."""
     c = Corpus(folder, partial)
     if tap_ids is not None and list(c.meta["tap_ids"]) != list(tap_ids):
-        raise Dflash2Error(f"{Path(folder) / META}: tap_ids expected {list(tap_ids)} (--taps), "
-                           f"found {c.meta['tap_ids']}")
+        raise Dflash2Error(f"{Path(folder) / META}: tap_ids expected {list(tap_ids)} ({taps_from}), "
+                           f"found {c.meta['tap_ids']} (a corpus made with other taps, or of another target)")
     return c
 
 
