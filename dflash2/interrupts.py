@@ -8,7 +8,9 @@ with one line and the shell's exit status (130 for SIGINT, 143 for SIGTERM).
 
 from __future__ import annotations
 
+import errno
 import functools
+import re
 import signal
 import sys
 import threading
@@ -17,34 +19,74 @@ from contextlib import contextmanager
 
 
 class Terminated(KeyboardInterrupt):
-    """Raised in the main thread by SIGTERM while `sigterm_raises()` is active."""
+    """Raised in the main thread by SIGTERM (or SIGHUP: the terminal closed) while `sigterm_raises()` is active."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
 
 
 def _raise_terminated(signum, frame):
-    raise Terminated(f"signal {signum}")
+    raise Terminated(signum)
+
+
+# signals whose default action ends the process at once (no `finally`): turned into Terminated
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """While active, SIGTERM raises Terminated. A handler someone else installed is left alone, and
-    outside the main thread (where Python cannot install handlers) this does nothing."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, _raise_terminated):
+    """While active, SIGTERM and SIGHUP raise Terminated. A handler someone else installed is left alone,
+    and outside the main thread (where Python cannot install handlers) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    mine = [s for s in ENDING_SIGNALS if signal.getsignal(s) in (signal.SIG_DFL, _raise_terminated)]
+    previous = {s: signal.signal(s, _raise_terminated) for s in mine}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def exit_status(e: KeyboardInterrupt) -> int:
     """128 + the signal number, as a shell reports a process ended by that signal."""
-    return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+    return 128 + (e.signum if isinstance(e, Terminated) else signal.SIGINT)
+
+
+def interrupt_in(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C / SIGTERM inside an exception that a library wrapped it in (torch.export turns a
+    KeyboardInterrupt during tracing into a TorchExportError), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 Main = Callable[[list[str] | None], int]
+
+# what the machine refused, not what the user typed: the disk is full, read-only, or not ours
+ENVIRONMENT_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                      errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                      errno.EPERM: "operation not permitted (an immutable file or folder?)",
+                      errno.EFBIG: "file too large for the file system", errno.EIO: "input/output error"}
+
+
+def environment_error(e: BaseException) -> str | None:
+    """'PATH: no space left on the device' for an OSError of the machine (or safetensors' wrapper of one,
+    which names the OS code only in its text); None for anything else (a bug: its traceback is kept)."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and type(e).__name__ == "SafetensorError":
+        m = re.search(r"Os \{ code: (\d+)", str(e))
+        code = int(m[1]) if m else None
+    if code not in ENVIRONMENT_ERRNOS:
+        return None
+    path = getattr(e, "filename", None)
+    return f"{path + ': ' if path else ''}{ENVIRONMENT_ERRNOS[code]}"
 
 
 def _silence_stdout() -> None:
@@ -59,6 +101,17 @@ def _silence_stdout() -> None:
         pass
 
 
+def _interrupted(prog: str, e: KeyboardInterrupt, after: str) -> int:
+    from dflash2 import folders  # (it imports this module)
+
+    word = {signal.SIGHUP: "hung up (SIGHUP)"}.get(getattr(e, "signum", None), "terminated") \
+        if isinstance(e, Terminated) else "interrupted"
+    if folders.PLACED:  # the output was complete and in place when the signal came: say so, not "nothing"
+        after = f"{', '.join(map(str, folders.PLACED))}: complete and in place (the signal came after it was written)"
+    print(f"\n{prog}: {word}; {after}", file=sys.stderr)
+    return exit_status(e)
+
+
 def interruptible(prog: str, after: str = "nothing was written") -> Callable[[Main], Main]:
     """For a CLI's main(): Ctrl-C (SIGINT) or `kill` (SIGTERM) -> one line `PROG: interrupted; AFTER`
     on stderr and the shell's status, 130 / 143, instead of a KeyboardInterrupt traceback. No cleanup
@@ -67,18 +120,27 @@ def interruptible(prog: str, after: str = "nothing was written") -> Callable[[Ma
     def wrap(main: Main) -> Main:
         @functools.wraps(main)
         def run(argv: list[str] | None = None) -> int:
+            from dflash2 import folders
+
+            folders.PLACED.clear()  # this run's outputs only (tests call several mains in one process)
             try:
                 with sigterm_raises():
                     code = main(argv)
                     sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at the exit's flush
                     return code
             except KeyboardInterrupt as e:
-                word = "terminated" if isinstance(e, Terminated) else "interrupted"
-                print(f"\n{prog}: {word}; {after}", file=sys.stderr)
-                return exit_status(e)
+                return _interrupted(prog, e, after)
             except BrokenPipeError:  # stdout closed early (`... | head -c 5`): one line, the shell's SIGPIPE status
                 _silence_stdout()
                 print(f"{prog}: stopped: standard output was closed (broken pipe); {after}", file=sys.stderr)
                 return 128 + signal.SIGPIPE
+            except Exception as e:  # a full / read-only disk, a permission: one line (the temp folders are gone)
+                if interrupt_in(e) is not None:  # Ctrl-C inside a library that wrapped it
+                    return _interrupted(prog, interrupt_in(e), after)
+                what = environment_error(e)
+                if what is None:
+                    raise
+                print(f"{prog}: error: {what}; {after}", file=sys.stderr)
+                return 1
         return run
     return wrap

@@ -50,7 +50,8 @@ def _wait_for_graph_file(proc: subprocess.Popen, out: Path, timeout: float = 240
     pytest.fail("the export never wrote a graph")
 
 
-@pytest.mark.parametrize("sig,status,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+@pytest.mark.parametrize("sig,status,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGHUP, 129, "hung up (SIGHUP)")])  # SIGHUP: the terminal closed
 def test_export_killed_midway_leaves_nothing(tmp_path, pair, sig, status, word):
     drafter, target = pair
     before = snapshot(drafter, target)
@@ -149,3 +150,111 @@ def test_sigterm_handler_is_restored(tmp_path):
             assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("name", CLIS)
+@pytest.mark.parametrize("code,words", [(28, "no space left on the device"), (30, "read-only file system"),
+                                        (1, "operation not permitted")])
+def test_every_cli_answers_a_full_or_read_only_disk_with_one_line(name, code, words, monkeypatch, capsys):
+    """ENOSPC / EROFS / EPERM anywhere (here: raised while the arguments are parsed) -> one line naming the file
+    and the cause, status 1, no traceback."""
+    mod = importlib.import_module(f"dflash2.cli.{name}")
+
+    def parse_args(self, *a, **k):
+        raise OSError(code, os.strerror(code), "/some/where/file.bin")
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    assert mod.main([]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash2-{name.replace('_', '-')}: error: /some/where/file.bin: "
+                                               f"{words}"), err
+
+
+def test_safetensors_disk_errors_are_recognised_and_bugs_keep_their_traceback():
+    from dflash2.interrupts import environment_error
+
+    class SafetensorError(Exception):  # safetensors' type names the OS code only in its text
+        pass
+
+    assert environment_error(SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                             "message: \"No space left on device\" })")) == "no space left on the device"
+    assert environment_error(SafetensorError("Error while deserializing header: HeaderTooLarge")) is None
+    assert environment_error(OSError(2, "No such file or directory", "x")) is None  # the caller's to name
+    assert environment_error(ValueError("a bug")) is None
+
+
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, pair, capsys, monkeypatch):
+    import errno
+
+    import onnx
+
+    from dflash2.cli import export as export_cli
+
+    drafter, target = pair
+
+    def full(*a, **k):  # the first graph write hits a full disk (onnx's writer names no file)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnx, "save_model", full)
+    before = snapshot(tmp_path, drafter.parent)
+    assert export_cli.main(["--model", str(drafter), "--target", str(target), "--out", str(tmp_path / "out"),
+                            "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash2-export: error: {tmp_path / 'out'}: no space left on the "
+                                               f"device while writing the export") and \
+        err[0].endswith("nothing was written"), err
+    assert snapshot(tmp_path, drafter.parent) == before
+
+
+@pytest.mark.parametrize("name", ["export", "train", "make_tiny"])
+def test_ctrl_c_wrapped_by_a_library_is_still_an_interrupt(name, monkeypatch, capsys):
+    """torch.export turns a KeyboardInterrupt during tracing into its own TorchExportError: still one line and 130."""
+    mod = importlib.import_module(f"dflash2.cli.{name}")
+
+    class TorchExportError(RuntimeError):
+        pass
+
+    def parse_args(self, *a, **k):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise TorchExportError("Failed to export the model with torch.export") from e
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    assert mod.main([]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash2-{name.replace('_', '-')}: interrupted; "), err
+
+
+def test_ctrl_c_during_the_final_swap_waits_for_it_and_says_the_output_is_complete(tmp_path, monkeypatch, capsys):
+    """A real SIGINT sent while the replaced folder is being removed: the removal runs to the end (no half old
+    folder beside the new one), the interrupt arrives right after, and the CLI line says OUT is complete."""
+    from dflash2.interrupts import interruptible
+
+    out, tmp = tmp_path / "export", tmp_path / ".export.tmp-1"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"format": "dflash2-export"}')
+    for i in range(24):
+        (out / f"old-{i}.bin").write_bytes(b"x")
+    tmp.mkdir()
+    (tmp / "manifest.json").write_text('{"format": "dflash2-export", "new": true}')
+    real_rmtree = folders.shutil.rmtree
+
+    def rmtree(path, *a, **k):  # Ctrl-C as the old folder starts to go
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # it would have been delivered by now, were it not held
+        return real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(folders.shutil, "rmtree", rmtree)
+
+    @interruptible("dflash2-export")
+    def main(argv):
+        folders.replace_folder(tmp, out, force=True)
+        time.sleep(1)  # (not reached: the held SIGINT arrives as the swap ends)
+        return 0
+
+    assert main([]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dflash2-export: interrupted; {out}: complete and in place (the signal came after it was written)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no .old- half folder, no temp
+    assert '"new": true' in (out / "manifest.json").read_text() and not list(out.glob("old-*"))

@@ -211,3 +211,33 @@ def test_live_taps_need_one_id_corpus(live, tmp_path, capsys):
     assert train_cli.main(["--target", str(other), "--out", str(tmp_path / "d"), "--corpus", str(folder),
                            "--live-taps", "fp32", "--steps", "2", "--taps", "1,2"]) == 2
     assert "sha256" in capsys.readouterr().err
+
+
+def test_a_full_disk_mid_training_keeps_the_last_save_whole(live, tmp_path, capsys, monkeypatch):
+    """ENOSPC while step 6's state is written: one line, status 1, the step-3 files whole and consistent (the same
+    command then resumes from them), no temporary file left beside them."""
+    import errno
+
+    from dflash2.train import trainer
+
+    out = tmp_path / "d"
+    assert _train(live, out, "--steps", "3") == 0
+    capsys.readouterr()
+    before = {n: (out / n).read_bytes() for n in COMMITTED}
+    real = trainer.save_file
+
+    def full_disk(tensors, filename, metadata=None):  # the drafter's weights: half a file, then the disk is full
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(trainer, "save_file", full_disk)
+    assert _train(live, out, "--steps", "6") == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "Loading weights" not in ln]
+    assert len(err) == 1 and err[0].startswith("dflash2-train: error: ") and "no space left on the device" in err[0] \
+        and "Traceback" not in err[0], err
+    assert {n: (out / n).read_bytes() for n in COMMITTED} == before  # progress.json still names these weights
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    monkeypatch.setattr(trainer, "save_file", real)
+    assert _train(live, out, "--steps", "6") == 0  # from the full state of step 6 (written whole before the failure)
+    assert "resumed at step 6" in capsys.readouterr().out
+    assert state.progress_step(out) == 6

@@ -10,7 +10,7 @@ from pathlib import Path
 from dflash2.cli import print_files
 from dflash2.dtypes import GRAPH_DTYPES
 from dflash2.errors import Dflash2Error, require_extra
-from dflash2.interrupts import interruptible
+from dflash2.interrupts import environment_error, interruptible
 
 
 @interruptible("dflash2-export")
@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     except Dflash2Error as e:
         print(f"dflash2-export: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # onnx's writer does not name its file: the output's disk it was
+        if environment_error(e) is None or e.filename:
+            raise
+        print(f"dflash2-export: error: {a.out}: {environment_error(e)} while writing the export (into a temporary "
+              f"sibling {a.out.parent / ('.' + a.out.name + '.tmp-*')}, now removed); nothing was written", file=sys.stderr)
+        return 1
     vocab = f", draft vocabulary {m.draft_vocab.size} ids" if m.draft_vocab else ""
     print(f"exported {a.out} in {time.perf_counter() - t0:.1f} s (dtype {m.dtype}, block size {m.block_size}{vocab}; "
           f"dflash2-run allocates {buffer_bytes(m, m.max_seq_len) / 2**20:.1f} MiB of buffers for max_seq_len "

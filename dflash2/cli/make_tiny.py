@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error, require_extra
-from dflash2.folders import OutputError, check_output, replace_folder, temp_folder
+from dflash2.folders import PLACED, OutputError, check_output, replace_folder, signals_held, temp_folder
 from dflash2.interrupts import interruptible
 
 
@@ -43,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
             tiny.make_target(tt, family=a.family, seed=a.seed)
             tiny.make_drafter(td, tt, version=int(a.drafter[1]), num_layers=a.layers, block_size=a.block_size,
                               seed=a.seed + 1)
-            replace_folder(tt, target, what="the tiny target")
-            try:
-                replace_folder(td, drafter, what="the tiny drafter")
-            except BaseException:
-                shutil.rmtree(target, ignore_errors=True)  # ours, renamed a moment ago: no half pair
-                raise
+            with signals_held():  # both or neither: a Ctrl-C between the renames counts after the second
+                replace_folder(tt, target, what="the tiny target")
+                try:
+                    replace_folder(td, drafter, what="the tiny drafter")
+                except BaseException:
+                    shutil.rmtree(target, ignore_errors=True)  # ours, renamed a moment ago: no half pair
+                    PLACED.remove(target)
+                    raise
     except OSError as e:  # a full or read-only disk: one line; the temporary folders are gone
         print(f"dflash2-make-tiny: error: {a.out}: could not write the pair ({e.strerror}); nothing was written",
               file=sys.stderr)

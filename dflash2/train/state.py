@@ -52,8 +52,11 @@ def save(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step:
     out = path(folder)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{FILE}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"resume": json.dumps(meta)})
-    os.replace(tmp, out)
+    try:
+        save_file(tensors, str(tmp), metadata={"resume": json.dumps(meta)})
+        os.replace(tmp, out)
+    finally:  # a full disk or a kill mid-write: the previous state stays, no half file beside it
+        tmp.unlink(missing_ok=True)
 
 
 def step_of(folder: Path) -> int | None:

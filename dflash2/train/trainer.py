@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from dflash2.config import load_drafter_config, load_target_config
 from dflash2.errors import Dflash2Error
+from dflash2.folders import write_atomic
 from dflash2.train import distributed, state
 from dflash2.train.state import STATE  # noqa: F401 (the checkpoint folder's state subfolder)
 from dflash2.train.pool import RecordPool, sample_anchors
@@ -78,7 +79,7 @@ def drafter_config_dict(target_dir: str | Path, c: TrainConfig) -> dict:
 def init_drafter(target, cfg_dict: dict, folder: Path, init_from: str = "last") -> Drafter:
     """Fresh drafter: attention/MLP copied from the target's first (or last) layers, identity convs,
     small codebooks. The block's input is a token embedding, which the first layers expect."""
-    (folder / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    write_atomic(folder / "config.json", json.dumps(cfg_dict, indent=2))
     dc = load_drafter_config(folder)
     d = Drafter(dc, target.embed_tokens.weight.detach(), target.head_weight.detach(), target.config.hidden_size)
     src = target.layers[:dc.num_layers] if init_from == "first" else target.layers[-dc.num_layers:]
@@ -229,7 +230,7 @@ def _set_multiplier(d: Drafter, folder: Path, value: float) -> None:
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     cfg["dflash_config"]["output_multiplier"] = value
-    path.write_text(json.dumps(cfg, indent=2))
+    write_atomic(path, json.dumps(cfg, indent=2))  # a full disk keeps the previous file whole
 
 
 def save_drafter(d: Drafter, folder: Path, dtype=torch.float16, max_shard_mb: float | None = None) -> None:
@@ -263,8 +264,8 @@ def save_drafter(d: Drafter, folder: Path, dtype=torch.float16, max_shard_mb: fl
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(sh, str(folder / name), metadata={"format": "pt"})
         weight_map |= {k: name for k in sh}
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    write_atomic(folder / "model.safetensors.index.json", json.dumps(index, indent=1))
 
 
 def _warm_start(d: Drafter, folder: Path, log_mult: torch.nn.Parameter) -> None:
@@ -439,9 +440,13 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
         distributed.barrier(world)
     if world.main:
         d.eval()
-        _set_multiplier(d, out, float(log_mult.detach().exp()))
-        save_drafter(d, out, max_shard_mb=max_shard_mb)
-        (out / "training.json").write_text(json.dumps({"config": asdict(c), "history": history}, indent=1))
+        if max_shard_mb is None:  # progress.json always names the weights beside it (also when no step ran)
+            _save_compact(d, out, step, c, history, {"stream": pool.state(), "seen": dict(seen)},
+                          float(log_mult.detach().exp()))
+        else:
+            _set_multiplier(d, out, float(log_mult.detach().exp()))
+            save_drafter(d, out, max_shard_mb=max_shard_mb)
+            write_atomic(out / "training.json", json.dumps({"config": asdict(c), "history": history}, indent=1))
         if budget_hit and step < c.steps:
             log(f"stopped at step {step}/{c.steps}: the {minutes:g}-minute budget is spent; the same command "
                 "continues from here (on another machine: from the committed progress.json + model.safetensors)")
@@ -455,7 +460,7 @@ def _save_compact(d: Drafter, out: Path, step: int, c: TrainConfig, history: lis
     and, last, progress.json naming the weights' sha256 (a kill between the writes is detected on resume)."""
     _set_multiplier(d, out, mult)
     save_drafter(d, out, max_shard_mb=None)  # one file: progress.json names it
-    (out / "training.json").write_text(json.dumps({"config": asdict(c), "history": history}, indent=1))
+    write_atomic(out / "training.json", json.dumps({"config": asdict(c), "history": history}, indent=1))
     state.save_progress(out, step, asdict(c), history, extra | {"output_multiplier": mult},
                         out / "model.safetensors")
 
@@ -489,5 +494,5 @@ def _scratch(out: Path, world) -> Path:
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix=f"dflash2-rank{world.rank}-"))
-    (folder / "config.json").write_text((out / "config.json").read_text())
+    write_atomic(folder / "config.json", (out / "config.json").read_text())
     return folder
