@@ -306,14 +306,25 @@ def load_target_config(folder: str | Path) -> TargetConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """z-lab's rule: one layer -> the middle; else evenly rounded points in [1, L-3]."""
+    """z-lab's rule: one layer -> the middle; else evenly rounded points in [1, L-3].
+
+    Kept exactly (repeats included, e.g. (1, 1) on a 4-layer target): a checkpoint without
+    target_layer_ids was trained with these taps, and its fc weight has one block per entry."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     start, end = 1, num_target_layers - 3
-    if end - start + 1 < num_draft_layers:  # too few layers for distinct taps (tiny targets): widen, then dedupe
-        end = max(start, num_target_layers - 2)
     span = end - start
-    return tuple(dict.fromkeys(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)))
+    return tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def distinct_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """Taps for a drafter we train ourselves: z-lab's rule, widened then deduplicated where the target
+    has too few layers for `count` distinct ones (tiny targets), so no layer is tapped twice."""
+    taps = default_target_layer_ids(num_target_layers, count)
+    if count > 1 and len(set(taps)) < count:
+        start, end = 1, max(1, num_target_layers - 2)
+        taps = tuple(int(round(start + i * (end - start) / (count - 1))) for i in range(count))
+    return tuple(dict.fromkeys(taps))
 
 
 def _attention_modes(path: Path, raw: dict, num_layers: int) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:

@@ -262,13 +262,14 @@ def test_make_tiny_seed_range_and_no_half_pair(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
 
 
-def test_default_taps_are_distinct_on_tiny_targets():
-    from dflash2.config import default_target_layer_ids
+def test_trained_taps_are_distinct_on_tiny_targets():
+    from dflash2.config import default_target_layer_ids, distinct_target_layer_ids
 
-    assert default_target_layer_ids(30, 3) == (1, 14, 27)  # z-lab's rule where it has room: unchanged
-    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
-    assert default_target_layer_ids(4, 3) == (1, 2)  # was (1, 1, 1): one layer tapped three times
-    assert default_target_layer_ids(5, 3) == (1, 2, 3)
+    assert distinct_target_layer_ids(30, 3) == (1, 14, 27)  # z-lab's rule where it has room: unchanged
+    assert distinct_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert distinct_target_layer_ids(4, 3) == (1, 2)  # z-lab: (1, 1, 1), one layer tapped three times
+    assert distinct_target_layer_ids(5, 3) == (1, 2, 3)
+    assert default_target_layer_ids(4, 3) == (1, 1, 1)  # a checkpoint's missing taps still read z-lab's way
 
 
 def test_make_tiny_never_writes_over_a_folder(tmp_path, capsys):
@@ -281,7 +282,12 @@ def test_make_tiny_never_writes_over_a_folder(tmp_path, capsys):
     assert "target: exists; dflash2-make-tiny writes only new folders" in one_line_error(
         capsys.readouterr().err, "dflash2-make-tiny")
     assert make_tiny.main(["--out", str(tmp_path / "new"), "--block-size", "1"]) == 2
-    assert "--block-size / --layers: expected >= 2 / >= 1, found 1 / 1" in capsys.readouterr().err
+    assert "--block-size / --layers: expected 2..256 / 1..64, found 1 / 1" in capsys.readouterr().err
+    assert make_tiny.main(["--out", str(tmp_path / "new"), "--layers", "100000"]) == 2  # was OverflowError
+    assert "found 8 / 100000" in capsys.readouterr().err
+    assert make_tiny.main(["--out", str(tmp_path / "target")]) == 2  # a checkpoint: no subfolders written in it
+    assert "holds a checkpoint or an export (config.json)" in one_line_error(
+        capsys.readouterr().err, "dflash2-make-tiny")
     assert snapshot(tmp_path) == before
 
 

@@ -29,11 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     try:
-        if a.block_size < 2 or a.layers < 1:
-            raise Dflash2Error(f"--block-size / --layers: expected >= 2 / >= 1, found {a.block_size} / {a.layers}")
+        if not (2 <= a.block_size <= 256 and 1 <= a.layers <= 64):  # a tiny pair: small, whatever is asked
+            raise Dflash2Error(f"--block-size / --layers: expected 2..256 / 1..64, found {a.block_size} / {a.layers}")
         if not 0 <= a.seed <= MAX_SEED:  # torch's generator takes a signed 64-bit seed; the drafter uses seed + 1
             raise Dflash2Error(f"--seed: expected 0..{MAX_SEED}, found {a.seed}")
         target, drafter = a.out / "target", a.out / "drafter"
+        held = [n for n in ("config.json", "manifest.json") if (a.out / n).is_file()] + \
+            sorted(p.name for p in a.out.glob("*.safetensors"))[:1] if a.out.is_dir() else []
+        if held:  # new subfolders inside a checkpoint or an export would change that input
+            raise OutputError(f"{a.out}: holds a checkpoint or an export ({held[0]}); dflash2-make-tiny writes its "
+                              f"pair into a folder of its own (choose another --out)")
         for sub in (target, drafter):  # it writes into them: never over a real checkpoint
             if sub.exists() or sub.is_symlink():
                 raise OutputError(f"{sub}: exists; dflash2-make-tiny writes only new folders (choose another --out)")

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dflash2 import draft_vocab
-    from dflash2.config import default_target_layer_ids, load_target_config
+    from dflash2.config import distinct_target_layer_ids, load_target_config
     from dflash2.folders import check_train_folders
     from dflash2.train.data import corpus_complete, corpus_prompts, generate_corpus, load_corpus
     from dflash2.train.trainer import TrainConfig, train
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                                    f"vocab_size {tc.vocab_size} ({a.target / 'config.json'}), found {v}")
         if a.taps and max(a.taps) >= tc.num_layers:
             raise Dflash2Error(f"--taps: expected layer ids < the target's {tc.num_layers} layers, found {max(a.taps)}")
-        taps = a.taps or default_target_layer_ids(tc.num_layers, 3)
+        taps = a.taps or distinct_target_layer_ids(tc.num_layers, 3)
         corpora = a.corpus or [a.out.parent / "corpus"]
         from dflash2.train.taps import build_taps, is_id_corpus
 
