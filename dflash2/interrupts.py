@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import re
 import signal
 import sys
@@ -112,6 +113,27 @@ def _interrupted(prog: str, e: KeyboardInterrupt, after: str) -> int:
     return exit_status(e)
 
 
+def _while_exiting(prog: str, code: int) -> None:
+    """After main() returned, a signal during the interpreter's teardown (freeing sessions, joining threads)
+    would end the process silently (-15) or with 'Exception ignored' noise: one line saying the run had
+    finished, and the signal's status. Only for the process entry point (argv None), never in a test's process."""
+    from dflash2 import folders
+
+    done = f"{', '.join(map(str, folders.PLACED))}: complete and in place" if folders.PLACED else "nothing more to do"
+
+    def late(signum, frame):
+        word = {signal.SIGHUP: "hung up (SIGHUP)", signal.SIGINT: "interrupted"}.get(signum, "terminated")
+        try:
+            os.write(2, f"\n{prog}: {word} while exiting; it had finished with status {code} ({done})\n".encode())
+        finally:
+            os._exit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (*ENDING_SIGNALS, signal.SIGINT):
+            if signal.getsignal(s) in (signal.SIG_DFL, signal.default_int_handler, _raise_terminated):
+                signal.signal(s, late)
+
+
 def interruptible(prog: str, after: str = "nothing was written") -> Callable[[Main], Main]:
     """For a CLI's main(): Ctrl-C (SIGINT) or `kill` (SIGTERM) -> one line `PROG: interrupted; AFTER`
     on stderr and the shell's status, 130 / 143, instead of a KeyboardInterrupt traceback. No cleanup
@@ -127,7 +149,9 @@ def interruptible(prog: str, after: str = "nothing was written") -> Callable[[Ma
                 with sigterm_raises():
                     code = main(argv)
                     sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at the exit's flush
-                    return code
+                if argv is None:  # the process's own entry point: the exit itself can take a while
+                    _while_exiting(prog, code)
+                return code
             except KeyboardInterrupt as e:
                 return _interrupted(prog, e, after)
             except BrokenPipeError:  # stdout closed early (`... | head -c 5`): one line, the shell's SIGPIPE status

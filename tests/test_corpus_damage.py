@@ -117,3 +117,27 @@ def test_taps_mismatch_blames_the_default_not_a_flag_never_given(tmp_path, made,
     assert code == 2 and "tap_ids expected [1, 2] (the default taps of the target's 4 layers; --taps chooses), " \
                          "found [0, 3]" in msg, msg
     assert snapshot(tmp_path) == before
+
+
+def test_generation_flags_over_a_complete_corpus(tmp_path, made, capsys):
+    """Rerunning the command that made a corpus resumes training (its generation flags equal the corpus's);
+    asking for another answer length or shard size over a complete corpus would be ignored: refused, by name."""
+    target, corpus = made
+    before = snapshot(corpus)
+    assert _train(target, corpus, tmp_path / "d", "--max-new-tokens", "16", "--shard-size", "4") == 2
+    assert "a complete corpus, so --max-new-tokens 16 (it was made with 8) would have no effect" in one_line_error(
+        capsys.readouterr().err, "dflash2-train")
+    assert not (tmp_path / "d").exists()
+    assert _train(target, corpus, tmp_path / "d", "--max-new-tokens", "8", "--shard-size", "4",
+                  "--gen-batch", "2") == 0  # the command that made it: training runs
+    assert snapshot(corpus) == before
+
+
+def test_generation_flags_with_live_taps_are_refused(tmp_path, made, capsys):
+    target, corpus = made
+    code = train_cli.main(["--target", str(target), "--corpus", str(corpus), "--out", str(tmp_path / "d"),
+                           "--live-taps", "fp32", "--gen-batch", "8", "--max-new-tokens=4"])
+    assert code == 2
+    assert "--gen-batch, --max-new-tokens: expected only when a corpus is generated; --live-taps trains on an id " \
+        "corpus as it stands" in one_line_error(capsys.readouterr().err, "dflash2-train")
+    assert not (tmp_path / "d").exists()

@@ -258,3 +258,18 @@ def test_ctrl_c_during_the_final_swap_waits_for_it_and_says_the_output_is_comple
     assert err == [f"dflash2-export: interrupted; {out}: complete and in place (the signal came after it was written)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no .old- half folder, no temp
     assert '"new": true' in (out / "manifest.json").read_text() and not list(out.glob("old-*"))
+
+
+@pytest.mark.parametrize("sig,status,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up"),
+                                             (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_while_exiting_says_the_run_had_finished(sig, status, word):
+    """After main() returned, the interpreter's teardown can take seconds (sessions, threads): a signal there
+    ended the process silently (-15). Now one line and the shell's status, saying the work was done."""
+    code = ("import os, sys, time\nfrom dflash2.interrupts import interruptible\n"
+            "@interruptible('dflash2-x')\ndef main(argv=None):\n    print('done')\n    return 0\n"
+            f"main()\nos.kill(os.getpid(), {int(sig)})\ntime.sleep(30)\nprint('not reached')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == status, (r.returncode, r.stderr)
+    assert r.stdout == "done\n"
+    assert r.stderr.strip() == f"dflash2-x: {word}{' (SIGHUP)' if sig == signal.SIGHUP else ''} while exiting; " \
+        "it had finished with status 0 (nothing more to do)"

@@ -52,6 +52,33 @@ def _taps_arg(v: str) -> tuple[int, ...]:
     return taps
 
 
+# flags that only shape a corpus being generated: given where none is, they would be ignored in silence
+GENERATION_FLAGS = ("--prompts", "--vocab-words", "--max-new-tokens", "--max-prompt-tokens", "--gen-batch",
+                    "--shard-size", "--gen-dtype")
+
+
+def _generation_flags_unused(a: argparse.Namespace, why: str) -> None:
+    if getattr(a, "given", None):
+        raise Dflash2Error(f"{', '.join(sorted(a.given))}: expected only when a corpus is generated; {why}, "
+                           "so they would have no effect (drop them)")
+
+
+def _generation_flags_match(a: argparse.Namespace, corpus: Path) -> None:
+    """Over a complete corpus the same command may be rerun (it resumes training): generation flags are
+    accepted where they equal what the corpus was made with, refused where they ask for something else.
+    (--gen-batch only sets how fast missing shards are made; --prompts & co. are checked by generation.)"""
+    from dflash2.train.corpus import read_meta
+
+    meta = read_meta(corpus) or {}
+    asked = {"--max-new-tokens": ("max_new_tokens", a.max_new_tokens), "--shard-size": ("shard_size", a.shard_size),
+             "--gen-dtype": ("dtype", a.gen_dtype)}
+    wrong = [f"{flag} {v} (it was made with {meta[key]})" for flag, (key, v) in asked.items()
+             if flag in getattr(a, "given", ()) and key in meta and meta[key] != v]
+    if wrong:
+        raise Dflash2Error(f"{corpus}: a complete corpus, so {'; '.join(wrong)} would have no effect (drop the "
+                           "flag, or generate into another --corpus folder)")
+
+
 def check_args(a: argparse.Namespace) -> None:
     """Every range, before anything is read or written (a refused run leaves no config.json behind)."""
     import math
@@ -85,6 +112,8 @@ def check_args(a: argparse.Namespace) -> None:
         if not a.corpus or len(a.corpus) != 1:
             raise Dflash2Error(f"--live-taps: expected one --corpus (an id corpus), found "
                                f"{len(a.corpus or [])}")
+        _generation_flags_unused(a, "--live-taps trains on an id corpus as it stands (dflash2-corpus grow makes "
+                                    "its answers)")
     if a.max_shard_mb is not None and not (math.isfinite(a.max_shard_mb) and a.max_shard_mb > 0):
         raise Dflash2Error(f"--max-shard-mb: expected a size in MB > 0, found {a.max_shard_mb}")
     if a.device != "cpu" and not (a.device == "cuda" or a.device.startswith("cuda:") and a.device[5:].isdigit()):
@@ -114,6 +143,10 @@ def _check_torchrun_env(env) -> None:
     if missing:
         raise Dflash2Error(f"environment {', '.join(missing)}: expected with WORLD_SIZE {world} (start the ranks with "
                            "torchrun --nproc-per-node N -m dflash2.cli.train ...), found none")
+    if world > 1:
+        from dflash2.train.distributed import rendezvous_timeout
+
+        rendezvous_timeout()  # a bad DFLASH2_RENDEZVOUS_TIMEOUT named before anything runs
 
 
 @interruptible("dflash2-train", "rerun the same command to resume from the last saved step")
@@ -191,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    a.given = {w.split("=", 1)[0] for w in words if w.startswith("--") and w.split("=", 1)[0] in GENERATION_FLAGS}
     try:
         check_args(a)
     except Dflash2Error as e:
@@ -249,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         if not corpus_complete(corpora[0]) and not a.partial_corpus and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise Dflash2Error(f"{corpora[0]}: expected a complete corpus under torchrun; generate it first in one "
                                "process (the same command with --corpus-only, without torchrun)")
+        if corpus_complete(corpora[0]):
+            _generation_flags_match(a, corpora[0])
         if not corpus_complete(corpora[0]) and not a.partial_corpus:
             from dflash2.train.data import vocab_words
 
@@ -275,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.train_records:  # one shuffle across corpora, then a prefix: smaller subsets nest in larger ones
             random.Random(a.seed).shuffle(train_records)
             train_records = train_records[: a.train_records]
+        if not train_records:  # before train() writes anything into OUT
+            raise Dflash2Error(f"{corpora[-1]}: {len(records)} record(s), all held out for evaluation (--holdout "
+                               f"{a.holdout}); expected at least 2 (generate more: a larger --prompts N)")
         print(f"training on {len(train_records)} records, {n_eval} held out", flush=True)
         r = train(a.target, a.out, train_records, cfg, eval_records=records[-n_eval:], device=a.device,
                   dtype=a.dtype, grad_accum=a.grad_accum, init_weights=a.init_weights, max_shard_mb=a.max_shard_mb,

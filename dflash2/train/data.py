@@ -110,8 +110,8 @@ def corpus_prompts(spec: str, seed: int = 0, words: list[str] | None = None) -> 
     bench = set(default_prompts())
     if spec.split(":")[0] == "templated":
         n = spec.split(":", 1)[1] if ":" in spec else "1200"
-        if not n.isdigit():
-            raise Dflash2Error(f"--prompts {spec!r}: expected 'templated[:N]' with an integer N, found {n!r}")
+        if not n.isdigit() or int(n) < 1:
+            raise Dflash2Error(f"--prompts {spec!r}: expected 'templated[:N]' with an integer N >= 1, found {n!r}")
         return make_prompts(int(n), seed, exclude=bench, words=words)
     if spec.isdigit():  # the old meaning of --prompts (a count of templated prompts): say what it is now
         raise Dflash2Error(f"--prompts {spec!r}: expected 'sharegpt[:N]', 'templated[:N]' or a prompt file, "

@@ -11,7 +11,9 @@ own share, so N processes compute the same update as one (up to fp32 summation o
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,8 +38,39 @@ def join(device: str = "cpu") -> World:
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     if size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        _rendezvous("nccl" if device.startswith("cuda") else "gloo", size)
     return World(int(os.environ.get("RANK", "0")), size, device)
+
+
+def rendezvous_timeout() -> float:
+    """Seconds a rank waits for the others (DFLASH2_RENDEZVOUS_TIMEOUT, default 300): torch's own 30 min
+    wait in silence reads as a hang when one rank was never started."""
+    raw = os.environ.get("DFLASH2_RENDEZVOUS_TIMEOUT", "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e7:
+        from dflash2.errors import Dflash2Error
+
+        raise Dflash2Error(f"environment DFLASH2_RENDEZVOUS_TIMEOUT: expected seconds > 0, found {raw!r}")
+    return value
+
+
+def _rendezvous(backend: str, size: int) -> None:
+    from dflash2.errors import Dflash2Error
+
+    wait = rendezvous_timeout()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    rank = os.environ.get("RANK", "0")
+    print(f"rank {rank}: waiting up to {wait:g} s for {size} ranks at {where}", file=sys.stderr, flush=True)
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=wait))
+    except (RuntimeError, TimeoutError, OSError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Dflash2Error(f"rank {rank}: the {size} ranks did not meet at {where} within {wait:g} s ({first}); "
+                           "start every rank (torchrun --nproc-per-node N -m dflash2.cli.train ...) or set "
+                           "DFLASH2_RENDEZVOUS_TIMEOUT") from None
 
 
 def leave(world: World) -> None:
