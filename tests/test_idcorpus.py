@@ -169,3 +169,34 @@ def test_a_malformed_manifest_or_out_is_named_not_a_traceback(setup, tmp_path, c
     with pytest.raises(Dflash2Error, match="expected a corpus folder, found a file"):
         grow(target, afile, minutes=1, conversations=(0, 3), log=lambda m: None, sharegpt_file=sharegpt)
     assert afile.read_text() == "mine"
+
+
+def test_grow_writes_nothing_before_its_checks_and_never_into_another_folder(setup, tmp_path, capsys):
+    """A bad --conversations range wrote corpus.json first (the next run then blamed 'made differently'); an
+    export folder given as --out was grown into; taps of a layer the target lacks gave an IndexError."""
+    from tests.errorcheck import snapshot
+
+    target, sharegpt, folder = setup
+    with pytest.raises(Dflash2Error, match=r"expected a range inside \[0, 15000\), found \[5, 2\)"):
+        grow(target, tmp_path / "new", minutes=1, conversations=(5, 2), log=lambda m: None, sharegpt_file=sharegpt)
+    assert not (tmp_path / "new").exists()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "manifest.json").write_text("{}")
+    before = snapshot(theirs, target)
+    with pytest.raises(Dflash2Error, match="expected a corpus folder .*found a folder holding other files "
+                                           r"\(e.g. manifest.json\), left as it is"):
+        grow(target, theirs, minutes=1, conversations=(0, 3), log=lambda m: None, sharegpt_file=sharegpt)
+    assert snapshot(theirs, target) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()  # a new, empty folder is a fine place for a corpus
+    grow(target, empty, minutes=10, shard_items=2, batch_size=2, max_new_tokens=4, context_tokens=400,
+         dtype="fp32", conversations=(0, 3), max_shards=1, log=lambda m: None, sharegpt_file=sharegpt)
+    assert (empty / "corpus.json").is_file()
+    cache = tmp_path / "cache"
+    capsys.readouterr()  # (the grow's loading bar)
+    assert corpus_cli.main(["taps", str(folder), "--target", str(target), "--taps", "1,99", "--cache",
+                            str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert "--taps 1,99: expected layer ids in 0..3 (the target's 4 layers" in err and err.count("\n") == 1, err
+    assert not cache.exists()

@@ -78,7 +78,12 @@ def grow(target_dir: Path, folder: Path, minutes: float, shard_items: int = 256,
                 "greedy": True, "chat_template": True, "batch": batch_size}
     if folder.exists() and not folder.is_dir():
         raise Dflash2Error(f"--out {folder}: expected a corpus folder, found a file (left as it is)")
+    if folder.is_dir() and not (folder / "corpus.json").exists() and any(folder.iterdir()):
+        raise Dflash2Error(f"--out {folder}: expected a corpus folder (with corpus.json), a new or an empty one; found "
+                           f"a folder holding other files (e.g. {sorted(p.name for p in folder.iterdir())[0]}), left "
+                           "as it is")
     target = target_identity(target_dir)
+    items = sharegpt_items(conversations, sharegpt_file)  # a bad range is refused before anything is written
     folder.mkdir(parents=True, exist_ok=True)
     meta = read_meta(folder)
     if meta is None:
@@ -89,7 +94,6 @@ def grow(target_dir: Path, folder: Path, minutes: float, shard_items: int = 256,
         corpus = IdCorpus(folder)  # every listed shard checked against its hash before anything is added
         for i in range(len(corpus.shards)):
             corpus.shard(i)
-    items = sharegpt_items(conversations, sharegpt_file)
     keys = hashlib.sha256("".join(f"{it.conversation}:{it.turn}\n" for it in items).encode()).hexdigest()
     if meta["source"].setdefault("items_sha256", keys) != keys:  # shard s must answer the same turns as before
         raise Dflash2Error(f"{folder / 'corpus.json'}: source.items_sha256 expected {meta['source']['items_sha256']} "

@@ -88,6 +88,12 @@ def build_taps(corpus: IdCorpus, target_dir: Path, tap_ids: list[int], cache_roo
     if threads:
         torch.set_num_threads(threads)
     check_answering_target(corpus, target_dir)
+    from dflash2.config import load_target_config
+
+    layers = load_target_config(target_dir).num_layers
+    if not tap_ids or any(not 0 <= t < layers for t in tap_ids):  # before the cache folder exists
+        raise Dflash2Error(f"--taps {','.join(map(str, tap_ids))}: expected layer ids in 0..{layers - 1} (the "
+                           f"target's {layers} layers, {Path(target_dir) / 'config.json'})")
     out = cache_folder(corpus, tap_ids, dtype, cache_root)
     out.mkdir(parents=True, exist_ok=True)
     meta = read_meta(out) or {}
