@@ -1,5 +1,5 @@
 """Seeded random arguments to every CLI that reads or writes (make-tiny, draft-vocab, compare, run, bench,
-bench-quant, export, train): each call ends with an exit status and, on failure, one `PROG: error: ...` line;
+bench-quant, export, train, prepare-smollm2): each call ends with an exit status and, on failure, one `PROG: error: ...` line;
 never a traceback, never a changed input, never a temporary file or folder left behind.
 
 The flags come from each CLI's own parser (so a new flag is fuzzed without editing this test); values are
@@ -23,7 +23,9 @@ from dflash2 import tiny
 from tests.errorcheck import snapshot
 
 CASES = {"make_tiny": 40, "draft_vocab": 30, "compare": 25, "run": 40, "bench": 25, "bench_quant": 15,
-         "export": 25, "train": 25}
+         "export": 25, "train": 25, "prepare": 30}
+MODULES = {"prepare": "dflash2.models.smollm2"}  # the others: dflash2.cli.NAME
+PROGS = {"prepare": "dflash2-prepare-smollm2"}
 # flags that only make a valid run longer (they are range-checked in test_errors_*): kept at the base's value
 SLOW = {"--max-new-tokens", "--steps", "--repeats", "--minutes", "--sweep-draft-len", "--temperature", "--engines",
         "--help", "--live-taps", "--prompts", "--eval-every", "--gen-batch", "--max-prompt-tokens"}
@@ -31,7 +33,7 @@ SLOW = {"--max-new-tokens", "--steps", "--repeats", "--minutes", "--sweep-draft-
 
 def _flags(name: str) -> list[argparse.Action]:
     """The CLI's parser actions, caught as it parses (its parser is built inside main)."""
-    mod = importlib.import_module(f"dflash2.cli.{name}")
+    mod = importlib.import_module(MODULES.get(name, f"dflash2.cli.{name}"))
     caught = []
 
     class Caught(Exception):
@@ -85,14 +87,23 @@ def _base(name: str, w: dict, out: Path) -> list[str]:
                    "--max-seq-len", "64"],
         "train": ["--target", str(w["target"]), "--out", str(out), "--corpus", str(w["root"] / "no-corpus"),
                   "--steps", "1", "--threads", "1", "--max-new-tokens", "2", "--prompts", "templated:2"],
+        "prepare": ["--out", str(out)],
     }[name]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_cli_argument_fuzz(name, world, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative value ('1', 'a,b') given as a folder lands here, not in the checkout
-    mod = importlib.import_module(f"dflash2.cli.{name}")
-    prog = f"dflash2-{name.replace('_', '-')}"
+    mod = importlib.import_module(MODULES.get(name, f"dflash2.cli.{name}"))
+    prog = PROGS.get(name, f"dflash2-{name.replace('_', '-')}")
+    if name == "prepare":  # its output rules are fuzzed, not the 30 s conversion (and never the user's own cache)
+        from dflash2.errors import Dflash2Error
+
+        def no_gguf():
+            raise Dflash2Error("the SmolLM2 weights are missing (the fuzz test's stand-in)")
+
+        monkeypatch.setattr(mod, "gguf_path", no_gguf)
+        monkeypatch.setattr(mod, "default_target_dir", lambda: tmp_path / "default-cache")
     flags = _flags(name)
     rng = random.Random(f"fuzz/{name}")
     inputs = [world["drafter"], world["target"], world["export"], world["prompts"], world["file"]]
