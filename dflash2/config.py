@@ -320,11 +320,13 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 def distinct_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
     """Taps for a drafter we train ourselves: z-lab's rule, widened then deduplicated where the target
     has too few layers for `count` distinct ones (tiny targets), so no layer is tapped twice."""
-    taps = default_target_layer_ids(num_target_layers, count)
-    if count > 1 and len(set(taps)) < count:
-        start, end = 1, max(1, num_target_layers - 2)
+    L = num_target_layers
+    taps = default_target_layer_ids(L, count)
+    if count > 1 and (len(set(taps)) < count or min(taps) < 0 or max(taps) >= L):
+        start = min(1, L - 1)
+        end = max(start, L - 2)
         taps = tuple(int(round(start + i * (end - start) / (count - 1))) for i in range(count))
-    return tuple(dict.fromkeys(taps))
+    return tuple(dict.fromkeys(t for t in taps if 0 <= t < L))
 
 
 def _attention_modes(path: Path, raw: dict, num_layers: int) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:

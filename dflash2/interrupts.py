@@ -116,7 +116,8 @@ def _interrupted(prog: str, e: KeyboardInterrupt, after: str) -> int:
 def _while_exiting(prog: str, code: int) -> None:
     """After main() returned, a signal during the interpreter's teardown (freeing sessions, joining threads)
     would end the process silently (-15) or with 'Exception ignored' noise: one line saying the run had
-    finished, and the signal's status. Only for the process entry point (argv None), never in a test's process."""
+    finished, and the signal's status. Only for the process entry point (argv None, as the console scripts call
+    it; never a test's main([...]), a REPL or a notebook); a signal the parent ignores (nohup) stays ignored."""
     from dflash2 import folders
 
     done = f"{', '.join(map(str, folders.PLACED))}: complete and in place" if folders.PLACED else "nothing more to do"
@@ -128,7 +129,8 @@ def _while_exiting(prog: str, code: int) -> None:
         finally:
             os._exit(128 + signum)
 
-    if threading.current_thread() is threading.main_thread():
+    interactive = hasattr(sys, "ps1") or sys.flags.interactive or "ipykernel" in sys.modules
+    if threading.current_thread() is threading.main_thread() and not interactive:  # never a REPL's Ctrl-C
         for s in (*ENDING_SIGNALS, signal.SIGINT):
             if signal.getsignal(s) in (signal.SIG_DFL, signal.default_int_handler, _raise_terminated):
                 signal.signal(s, late)

@@ -141,3 +141,11 @@ def test_generation_flags_with_live_taps_are_refused(tmp_path, made, capsys):
     assert "--gen-batch, --max-new-tokens: expected only when a corpus is generated; --live-taps trains on an id " \
         "corpus as it stands" in one_line_error(capsys.readouterr().err, "dflash2-train")
     assert not (tmp_path / "d").exists()
+
+
+def test_generation_flags_abbreviated_or_with_a_partial_corpus_are_refused(tmp_path, made, capsys):
+    target, corpus = made
+    assert _train(target, corpus, tmp_path / "d", "--partial-corpus", "--gen-b", "2") == 2
+    assert "--gen-batch: expected only when a corpus is generated; --partial-corpus trains on the shards written " \
+        "so far" in one_line_error(capsys.readouterr().err, "dflash2-train")
+    assert not (tmp_path / "d").exists()

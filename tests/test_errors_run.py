@@ -269,6 +269,8 @@ def test_trained_taps_are_distinct_on_tiny_targets():
     assert distinct_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert distinct_target_layer_ids(4, 3) == (1, 2)  # z-lab: (1, 1, 1), one layer tapped three times
     assert distinct_target_layer_ids(5, 3) == (1, 2, 3)
+    assert distinct_target_layer_ids(2, 3) == (1,) and distinct_target_layer_ids(1, 3) == (0,)  # never < 0
+    assert all(0 <= t < L for L in range(1, 40) for n in range(1, 6) for t in distinct_target_layer_ids(L, n))
     assert default_target_layer_ids(4, 3) == (1, 1, 1)  # a checkpoint's missing taps still read z-lab's way
 
 

@@ -265,7 +265,8 @@ def test_ctrl_c_during_the_final_swap_waits_for_it_and_says_the_output_is_comple
 def test_a_signal_while_exiting_says_the_run_had_finished(sig, status, word):
     """After main() returned, the interpreter's teardown can take seconds (sessions, threads): a signal there
     ended the process silently (-15). Now one line and the shell's status, saying the work was done."""
-    code = ("import os, sys, time\nfrom dflash2.interrupts import interruptible\n"
+    code = ("import os, signal, sys, time\nfrom dflash2.interrupts import interruptible\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_DFL); signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "@interruptible('dflash2-x')\ndef main(argv=None):\n    print('done')\n    return 0\n"
             f"main()\nos.kill(os.getpid(), {int(sig)})\ntime.sleep(30)\nprint('not reached')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -57,6 +57,16 @@ GENERATION_FLAGS = ("--prompts", "--vocab-words", "--max-new-tokens", "--max-pro
                     "--shard-size", "--gen-dtype")
 
 
+def _given(p: argparse.ArgumentParser, argv: list[str] | None, flags) -> set[str]:
+    """Which of `flags` the command line gave (abbreviated, `--flag=v` or not): a second parse of the same
+    words with every default suppressed holds exactly those."""
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+    seen = vars(p.parse_args(argv))
+    return {f for f in flags for action in p._actions if f in action.option_strings and action.dest in seen}
+
+
 def _generation_flags_unused(a: argparse.Namespace, why: str) -> None:
     if getattr(a, "given", None):
         raise Dflash2Error(f"{', '.join(sorted(a.given))}: expected only when a corpus is generated; {why}, "
@@ -65,8 +75,9 @@ def _generation_flags_unused(a: argparse.Namespace, why: str) -> None:
 
 def _generation_flags_match(a: argparse.Namespace, corpus: Path) -> None:
     """Over a complete corpus the same command may be rerun (it resumes training): generation flags are
-    accepted where they equal what the corpus was made with, refused where they ask for something else.
-    (--gen-batch only sets how fast missing shards are made; --prompts & co. are checked by generation.)"""
+    accepted where they equal what the corpus records, refused where they ask for something else. Not compared:
+    --gen-batch (it only sets how fast missing shards are made) and --prompts / --vocab-words /
+    --max-prompt-tokens (the corpus records its prompts, not the spec that chose them)."""
     from dflash2.train.corpus import read_meta
 
     meta = read_meta(corpus) or {}
@@ -143,6 +154,9 @@ def _check_torchrun_env(env) -> None:
     if missing:
         raise Dflash2Error(f"environment {', '.join(missing)}: expected with WORLD_SIZE {world} (start the ranks with "
                            "torchrun --nproc-per-node N -m dflash2.cli.train ...), found none")
+    port = env.get("MASTER_PORT")
+    if world > 1 and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise Dflash2Error(f"environment MASTER_PORT: expected a port 1..65535, found {port!r}")
     if world > 1:
         from dflash2.train.distributed import rendezvous_timeout
 
@@ -224,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    words = sys.argv[1:] if argv is None else argv
-    a.given = {w.split("=", 1)[0] for w in words if w.startswith("--") and w.split("=", 1)[0] in GENERATION_FLAGS}
+    a.given = _given(p, argv, GENERATION_FLAGS)
     try:
         check_args(a)
     except Dflash2Error as e:
@@ -266,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.live_taps:
             return _train_live(a, corpora[0], cfg, tc, taps)
 
+        if any(is_id_corpus(c) for c in corpora):
+            _generation_flags_unused(a, "an id corpus's answers are made by dflash2-corpus grow")
+        if a.partial_corpus:
+            _generation_flags_unused(a, "--partial-corpus trains on the shards written so far and generates none")
         if any(is_id_corpus(c) for c in corpora):  # ids from the repository: their taps from the local cache
             from dflash2.train.idcorpus import IdCorpus
             from dflash2.train.taps import taps_ready
@@ -314,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             train_records = train_records[: a.train_records]
         if not train_records:  # before train() writes anything into OUT
             raise Dflash2Error(f"{corpora[-1]}: {len(records)} record(s), all held out for evaluation (--holdout "
-                               f"{a.holdout}); expected at least 2 (generate more: a larger --prompts N)")
+                               f"{a.holdout}); expected at least 2 (generate a larger corpus into another --corpus folder)")
         print(f"training on {len(train_records)} records, {n_eval} held out", flush=True)
         r = train(a.target, a.out, train_records, cfg, eval_records=records[-n_eval:], device=a.device,
                   dtype=a.dtype, grad_accum=a.grad_accum, init_weights=a.init_weights, max_shard_mb=a.max_shard_mb,

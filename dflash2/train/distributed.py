@@ -53,24 +53,34 @@ def rendezvous_timeout() -> float:
     if not 0 < value < 1e7:
         from dflash2.errors import Dflash2Error
 
-        raise Dflash2Error(f"environment DFLASH2_RENDEZVOUS_TIMEOUT: expected seconds > 0, found {raw!r}")
+        raise Dflash2Error(f"environment DFLASH2_RENDEZVOUS_TIMEOUT: expected seconds in (0, 1e7), found {raw!r}")
     return value
 
 
 def _rendezvous(backend: str, size: int) -> None:
+    """Ranks started by hand (RANK / WORLD_SIZE / MASTER_ADDR set, no torchrun agent) meet in a TCPStore we
+    build with DFLASH2_RENDEZVOUS_TIMEOUT; only that meeting is bounded so: the process group keeps torch's
+    default timeout for its collectives (rank 0 alone evaluates and saves while the others wait). Under
+    torchrun its agent has met the ranks already and hands over its store."""
     from dflash2.errors import Dflash2Error
 
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend)
+        return
     wait = rendezvous_timeout()
-    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    rank = os.environ.get("RANK", "0")
-    print(f"rank {rank}: waiting up to {wait:g} s for {size} ranks at {where}", file=sys.stderr, flush=True)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank = int(os.environ.get("RANK", "0"))
+    print(f"rank {rank}: waiting up to {wait:g} s for {size} ranks at {host}:{port}", file=sys.stderr, flush=True)
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=wait))
-    except (RuntimeError, TimeoutError, OSError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
+        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=wait),
+                              wait_for_workers=True)
+    except (dist.DistStoreError, dist.DistNetworkError, TimeoutError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise Dflash2Error(f"rank {rank}: the {size} ranks did not meet at {where} within {wait:g} s ({first}); "
+        raise Dflash2Error(f"rank {rank}: the {size} ranks did not meet at {host}:{port} within {wait:g} s ({first}); "
                            "start every rank (torchrun --nproc-per-node N -m dflash2.cli.train ...) or set "
                            "DFLASH2_RENDEZVOUS_TIMEOUT") from None
+    store.set_timeout(timedelta(minutes=30))  # later store waits: torch's default, not the meeting's bound
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
 
 
 def leave(world: World) -> None:

@@ -78,10 +78,11 @@ def grow(target_dir: Path, folder: Path, minutes: float, shard_items: int = 256,
                 "greedy": True, "chat_template": True, "batch": batch_size}
     if folder.exists() and not folder.is_dir():
         raise Dflash2Error(f"--out {folder}: expected a corpus folder, found a file (left as it is)")
-    if folder.is_dir() and not (folder / "corpus.json").exists() and any(folder.iterdir()):
+    others = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and ".tmp-" not in p.name) \
+        if folder.is_dir() and not (folder / "corpus.json").exists() else []  # (a .gitkeep, a killed run's temp)
+    if others:
         raise Dflash2Error(f"--out {folder}: expected a corpus folder (with corpus.json), a new or an empty one; found "
-                           f"a folder holding other files (e.g. {sorted(p.name for p in folder.iterdir())[0]}), left "
-                           "as it is")
+                           f"a folder holding other files (e.g. {others[0]}), left as it is")
     target = target_identity(target_dir)
     items = sharegpt_items(conversations, sharegpt_file)  # a bad range is refused before anything is written
     folder.mkdir(parents=True, exist_ok=True)
