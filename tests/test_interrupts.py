@@ -29,11 +29,16 @@ def pair(tmp_path_factory):
 
 def _start_export(drafter: Path, target: Path, out: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
-    # SIGINT back to its default in the child: a shell runs background jobs (`pytest ... &`) with SIGINT ignored,
-    # the child would inherit that and finish instead of being interrupted
+    # the signals back to their defaults in the child: a shell runs background jobs (`pytest ... &`) with SIGINT
+    # ignored and `nohup` ignores SIGHUP; the child would inherit that and finish instead of being interrupted
     return subprocess.Popen([sys.executable, "-m", "dflash2.cli.export", "--model", str(drafter), "--target",
                              str(target), "--out", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            text=True, env=env, preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
 
 
 def _wait_for_graph_file(proc: subprocess.Popen, out: Path, timeout: float = 240) -> Path:
