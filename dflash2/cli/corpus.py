@@ -96,7 +96,7 @@ def _info(corpus, as_json: bool) -> None:
               f"{s.get('answer_tok_per_s', 0):.0f} |")
 
 
-@interruptible("dflash2-corpus", "rerun the same command: it resumes at the first shard not yet written")
+@interruptible("dflash2-corpus", "nothing is half-written (a grow rerun resumes at the first shard not yet written)")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-corpus", "train", 'torch', 'transformers', 'safetensors')
     a = _parser().parse_args(argv)
