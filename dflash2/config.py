@@ -325,8 +325,8 @@ def distinct_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, 
     if count > 1 and (len(set(taps)) < count or min(taps) < 0 or max(taps) >= L):
         start = min(1, L - 1)
         end = max(start, L - 2)
-        taps = tuple(int(round(start + i * (end - start) / (count - 1))) for i in range(count))
-    return tuple(dict.fromkeys(t for t in taps if 0 <= t < L))
+        taps = tuple(int(round(start + i * (end - start) / (count - 1))) for i in range(count))  # in [0, L-1]
+    return tuple(dict.fromkeys(taps))
 
 
 def _attention_modes(path: Path, raw: dict, num_layers: int) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:

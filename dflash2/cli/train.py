@@ -279,11 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.live_taps:
             return _train_live(a, corpora[0], cfg, tc, taps)
 
-        if any(is_id_corpus(c) for c in corpora):
-            _generation_flags_unused(a, "an id corpus's answers are made by dflash2-corpus grow")
         if a.partial_corpus:
             _generation_flags_unused(a, "--partial-corpus trains on the shards written so far and generates none")
         if any(is_id_corpus(c) for c in corpora):  # ids from the repository: their taps from the local cache
+            _generation_flags_unused(a, "an id corpus's answers are made by dflash2-corpus grow")
             from dflash2.train.idcorpus import IdCorpus
             from dflash2.train.taps import taps_ready
 
