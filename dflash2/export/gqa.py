@@ -50,7 +50,7 @@ def unsupported(tc, dc, max_seq_len: int) -> str | None:
 
 def build_target(target: Target, drafter: Drafter, fuse_context: bool, max_seq_len: int) -> onnx.ModelProto:
     """The fp32 fused-op target graph (module docstring) from loaded reference modules, weights inline."""
-    if target.embed_tokens.weight.dtype != torch.float32:
+    if target.norm.weight.dtype != torch.float32:
         raise ValueError("the gqa target graph is built from fp32 weights")
     return build(target.config, drafter.config, W.ModuleWeights(target), W.ModuleWeights(drafter), fuse_context,
                  max_seq_len)

@@ -128,7 +128,7 @@ def _gen(seed: int) -> torch.Generator:
 
 def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True) -> list[GraphSpec]:
     tc, dc = target.config, drafter.config
-    dtype = target.embed_tokens.weight.dtype
+    dtype = target.norm.weight.dtype
     S, V = dc.num_drafts, tc.vocab_size
     ctx_width = dc.hidden_size if fuse_context else len(dc.target_layer_ids) * tc.hidden_size
     kv = lambda P: torch.zeros(P, *target.kv_row_shape(), dtype=dtype)  # noqa: E731

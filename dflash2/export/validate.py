@@ -98,9 +98,9 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
                                "`dflash2-compare --engines` on a GPU"}
     if selector_drafts is not None:
         with _with_function(path, selector_drafts) as runnable:
-            sess = open_session(runnable, providers)
+            sess = open_session(runnable, providers, weights_in_place=True)
     else:
-        sess = open_session(path, providers)
+        sess = open_session(path, providers, weights_in_place=True)  # bounded memory, see open_session
     failures, report = [], {}
     for step, (feed, ref) in enumerate(zip(feeds, refs)):
         got = run(sess, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # fed in the graph's dtype

@@ -17,7 +17,7 @@ class TorchBackend:
 
     def __init__(self, target: Target, drafter: Drafter | None, max_seq_len: int):
         self.target, self.drafter, self.max_seq_len = target, drafter, max_seq_len
-        dtype = target.embed_tokens.weight.dtype
+        dtype = target.norm.weight.dtype
         self.kv = torch.zeros(max_seq_len, *target.kv_row_shape(), dtype=dtype)
         self.ctx_kv = torch.zeros(max_seq_len, *drafter.kv_row_shape(), dtype=dtype) if drafter else None
         self.block_size = drafter.config.block_size if drafter else 1

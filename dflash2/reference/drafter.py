@@ -15,6 +15,7 @@ from torch import nn
 from dflash2.config import DrafterConfig
 from dflash2.reference.layers import MLP, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq, visibility
 from dflash2.reference.selector import select_candidates
+from dflash2.reference.vocab import project, take
 
 
 class GroupedDynamicConv(nn.Module):
@@ -99,10 +100,14 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.version == 2:
             self.candidate_selector = CandidateSelector(c)
-        self.register_buffer("embed_weight", embed_weight, persistent=False)
         # a tied target shares one tensor: register it once so no graph stores it twice
-        self.tied = head_weight is embed_weight or head_weight.data_ptr() == embed_weight.data_ptr()
-        self.register_buffer("untied_head", None if self.tied else head_weight, persistent=False)
+        self.tied = head_weight is embed_weight or (isinstance(head_weight, torch.Tensor) and isinstance(
+            embed_weight, torch.Tensor) and head_weight.data_ptr() == embed_weight.data_ptr())
+        if isinstance(embed_weight, torch.Tensor):
+            self.register_buffer("embed_weight", embed_weight, persistent=False)
+            self.register_buffer("untied_head", None if self.tied else head_weight, persistent=False)
+        else:  # dflash2.reference.vocab.StreamedRows: read from the target's checkpoint as needed
+            self.embed_weight, self.untied_head = embed_weight, None if self.tied else head_weight
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
         # optional draft vocabulary (dflash2.draft_vocab): ids [N] and their LM-head rows [N, H]
         self.register_buffer("draft_ids", None, persistent=False)
@@ -116,20 +121,24 @@ class Drafter(nn.Module):
         c = self.config
         return (c.num_layers, 2, c.num_kv_heads, c.head_dim)
 
+    def iter_layers(self):
+        """The layers in order (dflash2.reference.streamed reads each one from disk as it is reached)."""
+        return iter(self.layers)
+
     def context(self, taps: torch.Tensor) -> torch.Tensor:  # [n, n_taps*Ht] -> [n, H]
         return self.hidden_norm(self.fc(taps))
 
     def append_context(self, c: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
         """Per-layer K/V of context rows at positions start.. -> [n, Ld, 2, kv, hd]."""
         cos, sin = rope_cos_sin(torch.arange(c.shape[0]) + start, self.inv_freq)
-        return torch.stack([layer.context_kv(c, cos, sin) for layer in self.layers], dim=1)
+        return torch.stack([layer.context_kv(c, cos, sin) for layer in self.iter_layers()], dim=1)
 
     def block_embeddings(self, anchor: torch.Tensor, nb: int = 1) -> torch.Tensor:
         """[nb, B, H]: slot 0 = the anchor's embedding, slots 1.. = MASK (the pitfall: never MASK in 0)."""
         c = self.config
         ids = torch.full((nb, c.block_size), c.mask_token_id, dtype=torch.long)
         ids[:, 0] = anchor.reshape(nb).long()
-        return F.embedding(ids, self.embed_weight) * c.input_embedding_scale
+        return take(self.embed_weight, ids) * c.input_embedding_scale
 
     def run_blocks(self, h: torch.Tensor, ctx_kv: torch.Tensor, ctx_pos: torch.Tensor,
                    starts: torch.Tensor, ctx_limit: torch.Tensor) -> torch.Tensor:
@@ -141,7 +150,7 @@ class Drafter(nn.Module):
         blk = torch.arange(nb).repeat_interleave(B)
         same_block = blk[:, None] == blk[None, :]  # [nb*B, nb*B]
         ctx_ok = ctx_pos[None, :] < ctx_limit[blk][:, None]  # [nb*B, T]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.iter_layers()):
             vis = torch.cat([ctx_ok & visibility(q_pos, ctx_pos, layer.causal, layer.window),
                              same_block & visibility(q_pos, q_pos, layer.causal, layer.window)], dim=1)
             h = layer(h, ctx_kv[:, i, 0], ctx_kv[:, i, 1], cos, sin, vis)
@@ -159,7 +168,7 @@ class Drafter(nn.Module):
         return hidden[0, 1:], new_kv
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., V] raw LM-head logits
-        return hidden @ self.head_weight.T
+        return project(hidden, self.head_weight)
 
     def set_draft_vocab(self, ids: list[int] | None) -> None:
         """Restrict proposals to `ids` (ascending token ids) or lift the restriction (None)."""
@@ -167,7 +176,7 @@ class Drafter(nn.Module):
             self.draft_ids = self.draft_head = None
             return
         self.draft_ids = torch.tensor(ids, dtype=torch.long)  # [N]
-        self.draft_head = self.head_weight[self.draft_ids].clone()  # [N, H]: the graph stores only these rows
+        self.draft_head = take(self.head_weight, self.draft_ids).clone()  # [N, H]: the graph stores only these rows
 
     def draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[.., H] -> logits over the draft vocabulary [.., N] and its ids [N] (or [.., V], None)."""

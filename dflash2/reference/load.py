@@ -11,7 +11,7 @@ from dflash2 import draft_vocab
 from dflash2.config import (DrafterConfig, TargetConfig, check_pair, load_drafter_config,
                             load_target_config)
 from dflash2.reference.drafter import Drafter
-from dflash2.reference.streamed import StreamedTarget
+from dflash2.reference.streamed import StreamedDrafter, StreamedTarget
 from dflash2.reference.target import Target
 
 
@@ -55,11 +55,16 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
 
 def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path,
                        use_draft_vocab: bool = True) -> tuple[StreamedTarget, Drafter]:
-    """load_pair at bounded memory (fp32): the target as a StreamedTarget (one layer resident, each read
-    from the checkpoint when it runs, checked finite as it is read), the drafter loaded (it is small)."""
+    """load_pair at bounded memory (fp32): the target as a StreamedTarget and the drafter as a StreamedDrafter
+    (one layer resident, each read from the checkpoint when it runs, checked finite as it is read; the
+    embedding and LM head read a slice at a time, dflash2.reference.vocab)."""
     dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
     ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
-    ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
+    expected = ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
+    ckpt.check_tensors(drafter_dir, expected)
+    ids = draft_vocab.read(drafter_dir, dc.vocab_size, draft_vocab.min_size(dc)) if use_draft_vocab else None
     target = StreamedTarget(tc, dc.target_layer_ids, ckpt.Weights(target_dir))
-    return target, load_drafter(drafter_dir, target, torch.float32, dc, use_draft_vocab)
+    drafter = StreamedDrafter(dc, target, ckpt.Weights(drafter_dir), list(expected))
+    drafter.set_draft_vocab(ids)
+    return target, drafter

@@ -1,11 +1,14 @@
 """The target reference with bounded memory: each layer's weights read from safetensors as it runs.
 
 `StreamedTarget` computes exactly `Target.forward` (the same function, the same layer module), but holds
-only the embedding, the final norm, the LM head and ONE layer: before layer i runs, its weights are
-read from the checkpoint (dflash2.checkpoint.Weights, pread in pieces) into the one `TargetLayer`.
-A forward pass then reads the checkpoint's layers once (1.2 GB of bf16 for Qwen3-0.6B: about a second
-from the page cache), and the export's reference never holds the model: validation and the deviation
-measurement of a 30-layer target cost what a 1-layer one does, plus the embedding and the head.
+only the final norm and ONE layer: before layer i runs, its weights are read from the checkpoint
+(dflash2.checkpoint.Weights, pread in pieces) into the one `TargetLayer`; the embedding and the LM head
+are `StreamedRows` (dflash2.reference.vocab: the rows looked up, the head a vocabulary slice at a time).
+A forward pass then reads the checkpoint once (1.2 GB of bf16 for Qwen3-0.6B: about a second from the
+page cache), and the export's reference never holds the model: validation and the deviation measurement
+of a 36-layer target cost what a 1-layer one does. `StreamedDrafter` is the drafter the same way: its
+layers read as they run, the target's embedding / head shared as StreamedRows, the rest (fc, norms, the
+selector's codebooks) resident.
 
 `truncated(tc, dc, k)`: the configs of the same pair cut to the first k target layers (taps spread over
 them), for the end-to-end check of a truncated build with the real embedding and head.
@@ -13,51 +16,90 @@ them), for the end-to-end check of a truncated build with the real embedding and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
-import numpy as np
 import torch
 from torch import nn
 
 from dflash2.config import DrafterConfig, TargetConfig
 from dflash2.reference.layers import RMSNorm, rope_inv_freq
+from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target, TargetLayer
+from dflash2.reference.vocab import StreamedRows
 
 
 class StreamedTarget(nn.Module):
-    """Target's interface (forward, head_weight, kv_row_shape, embed_tokens, config, tap_ids), one layer resident."""
+    """Target's interface (forward, embed, project, head_weight, kv_row_shape, config, tap_ids), one layer resident."""
 
     forward = Target.forward
-    head_weight = Target.head_weight
     kv_row_shape = Target.kv_row_shape
 
     def __init__(self, c: TargetConfig, tap_ids: tuple[int, ...], weights, like: StreamedTarget | None = None):
-        """like: a StreamedTarget of the same checkpoint whose embedding, final norm and head are reused (a
-        truncated reference beside the whole one: not a second copy of the largest tensors)."""
+        """like: a StreamedTarget of the same checkpoint whose final norm and vocabulary matrices are reused
+        (a truncated reference beside the whole one)."""
         super().__init__()
         self.config, self.tap_ids, self.src = c, tuple(tap_ids), weights
         if like is not None:
-            self.embed_tokens, self.norm, self.lm_head = like.embed_tokens, like.norm, like.lm_head
+            self.embed_rows, self.head_rows, self.norm = like.embed_rows, like.head_rows, like.norm
         else:
-            self.embed_tokens = nn.Embedding.from_pretrained(self._tensor("embed_tokens.weight"), freeze=True)
+            self.embed_rows = StreamedRows(weights, "embed_tokens.weight")
+            self.head_rows = self.embed_rows if c.tie_word_embeddings else StreamedRows(weights, "lm_head.weight")
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.norm.weight = nn.Parameter(self._tensor("norm.weight"), requires_grad=False)
-            self.lm_head = None
-            if not c.tie_word_embeddings:
-                self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
-                self.lm_head.weight = nn.Parameter(self._tensor("lm_head.weight"), requires_grad=False)
+            self.norm.weight = nn.Parameter(_tensor(weights, "norm.weight"), requires_grad=False)
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
-        self._layer = TargetLayer(c).requires_grad_(False)
-        self._names = [n for n, _ in self._layer.named_parameters()]
+        with torch.device("meta"):  # the template of every layer: shapes only, never given tensors
+            self._layer = TargetLayer(c).requires_grad_(False)
 
-    def _tensor(self, name: str) -> torch.Tensor:
-        return torch.from_numpy(self.src.get(name))  # fp32, checked finite (numpy widens bf16 ~5x faster here)
+    @property
+    def head_weight(self) -> StreamedRows:
+        return self.head_rows
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, H]
+        return self.embed_rows.rows(ids)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
+        return self.head_rows.project(h)
 
     def iter_layers(self):
         for i in range(self.config.num_layers):
-            state = {n: self._tensor(f"layers.{i}.{n}") for n in self._names}
-            self._layer.load_state_dict(state, strict=True, assign=True)  # the fresh tensors themselves: no copy
-            yield self._layer
+            yield _read_layer(self._layer, self.src, f"layers.{i}.")
+
+
+class StreamedDrafter(Drafter):
+    """Drafter's interface with its layers read from the checkpoint as they run (module docstring)."""
+
+    def __init__(self, c: DrafterConfig, target: StreamedTarget, weights, names: list[str]):
+        """names: the checkpoint's tensor names (dflash2.checkpoint.drafter_tensor_shapes)."""
+        with torch.device("meta"):  # the layers' parameters: shapes only, never allocated
+            super().__init__(c, target.embed_rows, target.head_rows, target.config.hidden_size)
+        self.requires_grad_(False)
+        self.src = weights
+        self.inv_freq = rope_inv_freq(c.rope, c.head_dim)  # (made on meta above)
+        resident = {n: _tensor(weights, n) for n in names if not n.startswith("layers.")}
+        missing, unexpected = self.load_state_dict(resident, strict=False, assign=True)
+        left = [k for k in missing if not k.startswith("layers.")]
+        if left or unexpected:
+            raise KeyError(f"{weights.folder}: the drafter's tensors do not match its module: missing {left}, "
+                           f"unexpected {unexpected}")
+        self.eval()
+
+    def iter_layers(self):
+        for i, meta in enumerate(self.layers):  # the meta layers: the templates, never given tensors
+            yield _read_layer(meta, self.src, f"layers.{i}.")
+
+
+def _read_layer(template: nn.Module, weights, prefix: str) -> nn.Module:
+    """A copy of a meta template holding the checkpoint's tensors (the fresh arrays themselves, no second copy);
+    dropped when the caller's loop moves on, so one layer is resident while it runs and none after."""
+    layer = copy.deepcopy(template)  # shapes only: nothing allocated
+    layer.load_state_dict({n: _tensor(weights, prefix + n) for n, _ in template.named_parameters()},
+                          strict=True, assign=True)
+    return layer
+
+
+def _tensor(weights, name: str) -> torch.Tensor:
+    return torch.from_numpy(weights.get(name))  # fp32, checked finite (numpy widens bf16 ~5x faster here)
 
 
 def truncated(tc: TargetConfig, dc: DrafterConfig, k: int) -> tuple[TargetConfig, DrafterConfig]:

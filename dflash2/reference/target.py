@@ -49,8 +49,15 @@ class Target(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, H]
+        return self.embed_tokens(ids)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]: the LM head
+        return h @ self.head_weight.T
+
     def iter_layers(self):
-        """The layers in order (dflash2.reference.streamed reads each one from disk as it is reached)."""
+        """The layers in order (dflash2.reference.streamed reads each one from disk as it is reached, and
+        its embed / project read the vocabulary matrices a slice at a time)."""
         return iter(self.layers)
 
     def kv_row_shape(self) -> tuple[int, int, int, int]:
@@ -70,13 +77,13 @@ class Target(nn.Module):
         pos = torch.arange(n) + start  # [n]
         cos, sin = rope_cos_sin(pos, self.inv_freq)
         visible = k_pos[None, :] <= pos[:, None]  # [n, P+n] causal
-        h = self.embed_tokens(input_ids)  # [n, H]
+        h = self.embed(input_ids)  # [n, H]
         taps, new_kv = {}, []
         for i, layer in enumerate(self.iter_layers()):
             h, kv = layer(h, past_kv[:, i, 0], past_kv[:, i, 1], cos, sin, visible)
             new_kv.append(kv)
             if i in self.tap_ids:
                 taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
-        logits = self.norm(h) @ self.head_weight.T  # [n, V]
+        logits = self.project(self.norm(h))  # [n, V]
         tap_out = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else h[:, :0]
         return logits, tap_out, torch.stack(new_kv, dim=1)
