@@ -68,3 +68,18 @@ def test_streamed_rows_reads_any_ids_and_names_a_bad_one(pair):
     assert torch.equal(rows.project(x), x @ full.T)
     with pytest.raises(IndexError, match=r"embed_tokens.weight: ids must lie in 0..383, found 0..384"):
         rows.rows(torch.tensor([0, 384]))
+
+
+def test_truncated_depth_keeps_four_layers_unless_their_fp32_bytes_pass_the_budget(pair):
+    import dataclasses
+
+    from dflash2.config import load_target_config
+    from dflash2.export.api import TRUNCATED_LAYER_BYTES, truncated_depth
+
+    tc = load_target_config(pair[1])
+    assert truncated_depth(tc) == 4
+    qwen3_8b = dataclasses.replace(tc, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8,
+                                   head_dim=128, num_layers=36)  # 0.87 GB of fp32 per layer
+    assert truncated_depth(qwen3_8b) == 2 and 2 * 0.87e9 < TRUNCATED_LAYER_BYTES < 3 * 0.87e9
+    huge = dataclasses.replace(qwen3_8b, hidden_size=8192, intermediate_size=29568)  # still a tap in the loop
+    assert truncated_depth(huge) == 2

@@ -312,13 +312,26 @@ def _qdq_graph(tmp: Path, spec, files: dict, q: qdq.TrtQuant) -> tuple[dict, mf.
 
 
 TRUNCATED_LAYERS = 4  # the end-to-end check of the templates: this many layers, the real embedding and head
+# ... fewer where 4 fp32 layers would pass this (never under 2: a tap inside the layer loop, one after it). ONNX
+# Runtime's session over the truncated build holds its layers and the fp32 head: at Qwen3-8B's shape 4 layers are
+# 3.5 GB beside a 2.5 GB head, the export's peak (6.6 GiB measured); at 0.6B's, 4 layers are 0.24 GB.
+TRUNCATED_LAYER_BYTES = 2 << 30
+
+
+def truncated_depth(tc) -> int:
+    """How many layers the truncated end-to-end build keeps (TRUNCATED_LAYERS, TRUNCATED_LAYER_BYTES)."""
+    from dflash2.checkpoint import target_tensor_shapes
+
+    one = tc if tc.num_layers == 1 else dataclasses.replace(tc, num_layers=1)
+    per_layer = 4 * sum(int(np.prod(v)) for k, v in target_tensor_shapes(one).items() if ".layers." in k)
+    return max(2, min(TRUNCATED_LAYERS, TRUNCATED_LAYER_BYTES // per_layer))
 
 
 def _gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int,
                 quantize, progress: Progress, dtype: str):
     """The target from ONNX Runtime's fused-op templates (dflash2.export.gqa), weights streamed from the
     checkpoint, checked at bounded memory:
-    1. a TRUNCATED_LAYERS-layer build of the same templates with the real embedding, head and context
+    1. a truncated_depth()-layer build of the same templates with the real embedding, head and context
        projection (the taps spread over its layers), validated against the layer-streamed PyTorch reference
        by the one comparison rule;
     2. the whole graph, quantized as it is written when --quantize int4 / int8 asks: its deviation from
@@ -326,7 +339,7 @@ def _gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_co
     Returns (spec, files, validations, quantization report or None)."""
     tw, dw = Weights(sources[1]), Weights(sources[0])
     checked = {}
-    short_tc, short_dc = truncated(tc, dc, TRUNCATED_LAYERS)
+    short_tc, short_dc = truncated(tc, dc, truncated_depth(tc))
     short = StreamedTarget(short_tc, short_dc.target_layer_ids, tw, like=target)
     short_spec = gqa.gqa_spec(graph_specs(short, drafter, fuse_context)[0])
     name = "target.truncated"
