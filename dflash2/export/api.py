@@ -275,11 +275,13 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
 
 
 def _validate(progress: Progress, what: str, spec, path: Path, dtype: str, tmp: Path, name: str,
-              selector_drafts: int | None = None) -> mf.Validation:
+              selector_drafts: int | None = None, weights_in_place: bool = False) -> mf.Validation:
     """One graph flavour against PyTorch. A failure stops the export here (no minutes spent on the graphs
-    after it); a graph no available provider can run is recorded ok: false with why, and said."""
+    after it); a graph no available provider can run is recorded ok: false with why, and said.
+    weights_in_place: the streamed stages' bounded-memory session (dflash2.onnxrt.open_session)."""
     with progress.step(what) as step:
-        f, report = validate_graph(spec, path, dtype, save_dir=tmp, name=name, selector_drafts=selector_drafts)
+        f, report = validate_graph(spec, path, dtype, save_dir=tmp, name=name, selector_drafts=selector_drafts,
+                                   weights_in_place=weights_in_place)
         skipped = report.pop("skipped", None)
         if skipped:
             step.outcome = f"NOT validated ({skipped})"
@@ -314,7 +316,7 @@ def _qdq_graph(tmp: Path, spec, files: dict, q: qdq.TrtQuant) -> tuple[dict, mf.
 TRUNCATED_LAYERS = 4  # the end-to-end check of the templates: this many layers, the real embedding and head
 # ... fewer where 4 fp32 layers would pass this (never under 2: a tap inside the layer loop, one after it). ONNX
 # Runtime's session over the truncated build holds its layers and the fp32 head: at Qwen3-8B's shape 4 layers are
-# 3.5 GB beside a 2.5 GB head, the export's peak (6.6 GiB measured); at 0.6B's, 4 layers are 0.24 GB.
+# 3.1 GB beside a 2.5 GB head, the export's peak (6.6 GiB measured); at 0.6B's, 4 layers are 0.24 GB.
 TRUNCATED_LAYER_BYTES = 2 << 30
 
 
@@ -350,7 +352,7 @@ def _gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_co
         onnx.save_model(model, str(tmp / f"{name}.onnx"))
         del model
     checked[name] = _validate(progress, f"{name}.onnx: validating against PyTorch on ONNX Runtime", short_spec,
-                              tmp / f"{name}.onnx", dtype, tmp, name)
+                              tmp / f"{name}.onnx", dtype, tmp, name, weights_in_place=True)
     for f in (f"{name}.onnx", f"{name}.onnx.data", f"{name}.inputs.json", f"{name}.reference.json"):
         (tmp / f).unlink()  # checked; a failure above keeps them (keep_failed)
     spec = gqa.gqa_spec(plain_spec)
@@ -369,7 +371,7 @@ def _gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_co
         files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False)
     if q is None:
         checked["target"] = _validate(progress, "target.onnx: validating against PyTorch on ONNX Runtime", spec,
-                                      tmp / files["portable"], dtype, tmp, "target")
+                                      tmp / files["portable"], dtype, tmp, "target", weights_in_place=True)
         return spec, files, checked, None
     with progress.step(f"target.onnx: {q.method} deviation from PyTorch (layer-streamed reference)"):
         failures, steps, dev = deviation.measure(spec, tmp / files["portable"], save_dir=tmp)
@@ -401,7 +403,8 @@ def _fused_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bool
         files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False, tensorrt=False)
     if q is None:
         return files, {"drafter": _validate(progress, "drafter.onnx: validating against PyTorch on ONNX Runtime", spec,
-                                            tmp / files["portable"], dtype, tmp, "drafter")}, None
+                                            tmp / files["portable"], dtype, tmp, "drafter",
+                                            weights_in_place=True)}, None
     with progress.step(f"drafter.onnx: {q.method} deviation from PyTorch"):
         failures, steps, dev = deviation.measure(spec, tmp / files["portable"], save_dir=tmp)
     dev.judged = f"deviation from fp32 ({q.method} weights)"

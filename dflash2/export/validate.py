@@ -84,9 +84,11 @@ def providers_for(dtype: str) -> list[str] | None:
 
 
 def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | None = None, name: str | None = None,
-                   selector_drafts: int | None = None) -> tuple[list[str], dict]:
+                   selector_drafts: int | None = None, weights_in_place: bool = False) -> tuple[list[str], dict]:
     """name: of the saved Polygraphy files (default the graph's); selector_drafts: the file is a TensorRT
-    flavour with a bare selector node, run here with the node's function attached (S drafts)."""
+    flavour with a bare selector node, run here with the node's function attached (S drafts);
+    weights_in_place: the streamed export stages' bounded-memory session (dflash2.onnxrt.open_session); the
+    others validate under the runtime's own session options."""
     name = name or spec.name
     feeds = spec.feeds()
     refs = reference_outputs(spec, feeds)
@@ -98,9 +100,9 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
                                "`dflash2-compare --engines` on a GPU"}
     if selector_drafts is not None:
         with _with_function(path, selector_drafts) as runnable:
-            sess = open_session(runnable, providers, weights_in_place=True)
+            sess = open_session(runnable, providers, weights_in_place=weights_in_place)
     else:
-        sess = open_session(path, providers, weights_in_place=True)  # bounded memory, see open_session
+        sess = open_session(path, providers, weights_in_place=weights_in_place)
     failures, report = [], {}
     for step, (feed, ref) in enumerate(zip(feeds, refs)):
         got = run(sess, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # fed in the graph's dtype

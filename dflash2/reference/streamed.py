@@ -63,7 +63,9 @@ class StreamedTarget(nn.Module):
 
     def iter_layers(self):
         for i in range(self.config.num_layers):
-            yield _read_layer(self._layer, self.src, f"layers.{i}.")
+            layer = _read_layer(self._layer, self.src, f"layers.{i}.")
+            yield layer
+            layer.to("meta")  # freed before the next is read (the caller's loop variable still points here)
 
 
 class StreamedDrafter(Drafter):
@@ -86,12 +88,14 @@ class StreamedDrafter(Drafter):
 
     def iter_layers(self):
         for i, meta in enumerate(self.layers):  # the meta layers: the templates, never given tensors
-            yield _read_layer(meta, self.src, f"layers.{i}.")
+            layer = _read_layer(meta, self.src, f"layers.{i}.")
+            yield layer
+            layer.to("meta")  # freed before the next is read
 
 
 def _read_layer(template: nn.Module, weights, prefix: str) -> nn.Module:
     """A copy of a meta template holding the checkpoint's tensors (the fresh arrays themselves, no second copy);
-    dropped when the caller's loop moves on, so one layer is resident while it runs and none after."""
+    the iterators move it back to meta once the caller asks for the next: one layer resident, none after."""
     layer = copy.deepcopy(template)  # shapes only: nothing allocated
     layer.load_state_dict({n: _tensor(weights, prefix + n) for n, _ in template.named_parameters()},
                           strict=True, assign=True)

@@ -4,7 +4,9 @@ At Qwen3-8B's shape one [151,936, 4096] fp32 matrix is 2.5 GB, two for an untied
 rest of a streamed export's reference together. `StreamedRows` reads from the checkpoint only what a
 step needs: `rows(ids)` the rows of the ids looked up (an embedding of a few prompt tokens reads a few
 rows), `project(x)` = x @ W.T one vocabulary slice of ~64 MB at a time (each logit is the same dot
-product over H as the whole-matrix product: bit-identical on this BLAS, tested against `Target`).
+product over H as in the whole-matrix product: bit-identical where the slice takes the whole product's GEMM
+kernel, as 64 MB slices of a real vocabulary do here; a narrow slice may take another, then equal to fp32
+rounding: tests/test_streamed.py checks both against `Target`).
 
 `take(W, ids)` / `project(x, W)` accept a loaded tensor or a `StreamedRows`, so the reference modules
 run either way with one code path.
