@@ -2,7 +2,7 @@
 
 `StreamedTarget` computes exactly `Target.forward` (the same function, the same layer module), but holds
 only the final norm and ONE layer: before layer i runs, its weights are read from the checkpoint
-(dflash2.checkpoint.Weights, pread in pieces) into the one `TargetLayer`; the embedding and the LM head
+(dflash2.checkpoint.Weights, pread in pieces) into a copy of a meta `TargetLayer`; the embedding and the LM head
 are `StreamedRows` (dflash2.reference.vocab: the rows looked up, the head a vocabulary slice at a time).
 A forward pass then reads the checkpoint once (1.2 GB of bf16 for Qwen3-0.6B: about a second from the
 page cache), and the export's reference never holds the model: validation and the deviation measurement
@@ -62,10 +62,7 @@ class StreamedTarget(nn.Module):
         return self.head_rows.project(h)
 
     def iter_layers(self):
-        for i in range(self.config.num_layers):
-            layer = _read_layer(self._layer, self.src, f"layers.{i}.")
-            yield layer
-            layer.to("meta")  # freed before the next is read (the caller's loop variable still points here)
+        return _stream([self._layer] * self.config.num_layers, self.src)
 
 
 class StreamedDrafter(Drafter):
@@ -87,19 +84,19 @@ class StreamedDrafter(Drafter):
         self.eval()
 
     def iter_layers(self):
-        for i, meta in enumerate(self.layers):  # the meta layers: the templates, never given tensors
-            layer = _read_layer(meta, self.src, f"layers.{i}.")
-            yield layer
-            layer.to("meta")  # freed before the next is read
+        return _stream(self.layers, self.src)  # the meta layers: the templates, never given tensors
 
 
-def _read_layer(template: nn.Module, weights, prefix: str) -> nn.Module:
-    """A copy of a meta template holding the checkpoint's tensors (the fresh arrays themselves, no second copy);
-    the iterators move it back to meta once the caller asks for the next: one layer resident, none after."""
-    layer = copy.deepcopy(template)  # shapes only: nothing allocated
-    layer.load_state_dict({n: _tensor(weights, prefix + n) for n, _ in template.named_parameters()},
-                          strict=True, assign=True)
-    return layer
+def _stream(templates, weights):
+    """Layer i = a copy of meta template i holding the checkpoint's `layers.{i}.*` tensors (the fresh arrays
+    themselves, no second copy), moved back to meta when the caller asks for the next (its loop variable
+    still points at it): one layer resident while it runs, none after."""
+    for i, template in enumerate(templates):
+        layer = copy.deepcopy(template)  # shapes only: nothing allocated
+        layer.load_state_dict({n: _tensor(weights, f"layers.{i}.{n}") for n, _ in template.named_parameters()},
+                              strict=True, assign=True)
+        yield layer
+        layer.to("meta")
 
 
 def _tensor(weights, name: str) -> torch.Tensor:
