@@ -200,3 +200,28 @@ def test_grow_writes_nothing_before_its_checks_and_never_into_another_folder(set
     err = capsys.readouterr().err
     assert "--taps 1,99: expected layer ids in 0..3 (the target's 4 layers" in err and err.count("\n") == 1, err
     assert not cache.exists()
+
+
+def test_the_target_is_known_by_its_model_fields_not_config_bytes(setup, tmp_path):
+    """config.json as another transformers release writes it (other layout, other keys) still grows the corpus;
+    a changed model field does not; a manifest that named config.json's bytes is moved to the fields' hash."""
+    import shutil
+
+    target, sharegpt, folder = setup
+    t2, c2 = tmp_path / "target", tmp_path / "corpus"
+    shutil.copytree(target, t2)
+    shutil.copytree(folder, c2)
+    kw = dict(minutes=10, shard_items=2, batch_size=2, max_new_tokens=12, context_tokens=400, dtype="fp32",
+              conversations=(0, 3), max_shards=0, sharegpt_file=sharegpt)
+    cfg = json.loads((t2 / "config.json").read_text())
+    (t2 / "config.json").write_text(json.dumps({**cfg, "transformers_version": "9.9.9", "use_cache": False}, indent=4))
+    grow(t2, c2, log=lambda m: None, **kw)
+    meta = json.loads((c2 / "corpus.json").read_text())
+    legacy = {k: v for k, v in meta["target"].items() if k != "model_config_sha256"} | {"config_sha256": "0" * 64}
+    (c2 / "corpus.json").write_text(json.dumps({**meta, "target": legacy}))
+    said = []
+    grow(t2, c2, log=said.append, **kw)
+    assert any("model_config_sha256 (its model fields)" in m for m in said)
+    (t2 / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))
+    with pytest.raises(Dflash2Error, match="target.model_config_sha256: corpus"):
+        grow(t2, folder, log=lambda m: None, **kw)

@@ -32,8 +32,12 @@ def target_identity(target_dir: Path) -> dict:
     for w in weights:
         h.update(f"{w.name}:{sha256_file(w)}\n".encode())
     tok_cfg = target_dir / "tokenizer_config.json"
+    # the model's fields, not config.json's bytes: save_pretrained's layout changes across transformers
+    # releases (5.25 writes rope_parameters and dtype), and the same weights must keep growing one corpus
+    fields = tc.to_dict() | {"pad_token_id": json.loads((target_dir / "config.json").read_text()).get("pad_token_id")}
+    model_sha = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return {"name": target_dir.name, "family": tc.family, "vocab_size": int(tc.vocab_size),
-            "config_sha256": sha256_file(target_dir / "config.json"), "weights_sha256": h.hexdigest(),
+            "model_config_sha256": model_sha, "weights_sha256": h.hexdigest(),
             "tokenizer_config_sha256": sha256_file(tok_cfg) if tok_cfg.is_file() else None}
 
 
@@ -45,8 +49,16 @@ def new_meta(target: dict, settings: dict, shard_items: int, conversations: tupl
             "generation": settings, "shard_items": shard_items, "shards": [], "sessions": []}
 
 
-def check_same(meta: dict, target: dict, settings: dict, shard_items: int, conversations, path: Path) -> None:
+def check_same(meta: dict, target: dict, settings: dict, shard_items: int, conversations, path: Path,
+               log=print) -> None:
     """A started corpus only grows with answers made the same way, by the same target."""
+    if "model_config_sha256" not in meta["target"] and "config_sha256" in meta["target"]:
+        # a manifest from before the model-fields hash named config.json's bytes; the weights and the chat
+        # template still have to match, and from now on the fields are what is checked
+        log(f"{path / 'corpus.json'}: target.config_sha256 (config.json's bytes) replaced by model_config_sha256 "
+            "(its model fields); the weights and tokenizer_config hashes are checked as before")
+        meta["target"] = {k: v for k, v in meta["target"].items() if k != "config_sha256"} \
+            | {"model_config_sha256": target["model_config_sha256"]}
     diffs = [f"target.{k}: corpus {meta['target'].get(k)!r}, now {v!r}" for k, v in target.items()
              if k != "name" and meta["target"].get(k) != v]
     diffs += [f"generation.{k}: corpus {meta['generation'].get(k)!r}, now {v!r}" for k, v in settings.items()
@@ -91,7 +103,7 @@ def grow(target_dir: Path, folder: Path, minutes: float, shard_items: int = 256,
         meta = new_meta(target, settings, shard_items, conversations)
         write_meta(folder, meta)
     else:
-        check_same(meta, target, settings, shard_items, conversations, folder)
+        check_same(meta, target, settings, shard_items, conversations, folder, log)
         corpus = IdCorpus(folder)  # every listed shard checked against its hash before anything is added
         for i in range(len(corpus.shards)):
             corpus.shard(i)
@@ -104,12 +116,15 @@ def grow(target_dir: Path, folder: Path, minutes: float, shard_items: int = 256,
     log(f"corpus {folder}: {len(meta['shards'])}/{n_shards} shards made ({len(items)} items from conversations "
         f"{conversations[0]}..{conversations[1] - 1}); target {target['name']} ({dtype}), "
         f"{minutes:.0f} min budget")
+    import transformers
+
     model, tok, tc = load_hf_target(target_dir)
     model = as_generation_dtype(model, dtype)
     pad = json.loads((target_dir / "config.json").read_text()).get("pad_token_id") or 0
     eos = list(tc.eos_token_ids)
     session = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-               "threads": torch.get_num_threads(), "shards": 0, "rows": 0, "answer_tokens": 0, "seconds": 0.0}
+               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+               "shards": 0, "rows": 0, "answer_tokens": 0, "seconds": 0.0}
     meta["sessions"].append(session)
     shard_seconds = None
     while len(meta["shards"]) < n_shards and (max_shards is None or session["shards"] < max_shards):

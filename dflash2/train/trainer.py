@@ -324,7 +324,7 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
     log = log_fn if world.main else (lambda m: None)
     out = Path(out_dir)
     pool = records if hasattr(records, "draw") else RecordPool(records)
-    compact = state.load_progress(out) if (out / state.PROGRESS).is_file() else None  # checked before any write
+    compact, stale = _read_compact(out)  # checked before any write
     if world.main:
         out.mkdir(parents=True, exist_ok=True)
     distributed.barrier(world)
@@ -353,7 +353,8 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
         rng.setstate(py_state)
         pool.restore(extra.get("stream"), str(state.path(out)))
         seen |= extra.get("seen", {})
-        log(f"resumed at step {step}")
+        log(f"resumed at step {step}" + (f" (the compact state was left stale by a kill between its writes: {stale}; "
+                                         "this run rewrites it)" if stale else ""))
     elif compact is not None:
         step, history, warm_from = compact["step"], compact["history"], compact["step"]
         _load_compact(d, out, compact, c, log_mult)
@@ -453,6 +454,19 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
     distributed.barrier(world)
     distributed.leave(world)
     return {"history": history, "step": step, "seen": seen}
+
+
+def _read_compact(out: Path) -> tuple[dict | None, str | None]:
+    """progress.json when it is sound; (None, why) when a kill between its writes left it naming other weights
+    and train_state/ is there to resume from exactly; with no full state the mismatch is the error."""
+    if not (out / state.PROGRESS).is_file():
+        return None, None
+    try:
+        return state.load_progress(out), None
+    except Dflash2Error as e:
+        if state.path(out).is_file() and state.step_of(out) is not None:
+            return None, str(e)
+        raise
 
 
 def _save_compact(d: Drafter, out: Path, step: int, c: TrainConfig, history: list, extra: dict, mult: float) -> None:
