@@ -659,6 +659,19 @@ def file_problems(folder: Path, files: dict[str, FileEntry], rehash: bool = Fals
     return problems
 
 
+def remember_hashes(folder: Path, manifest: Manifest) -> None:
+    """The hashes write() just took, recorded for `folder` (where the written folder now is: renamed, the files'
+    inode and times unchanged), so the first start does not hash gigabytes again (dflash2.verified). A file
+    written within RACY_NS of the hashing stays untrusted there and is hashed at its first check."""
+    hashed = getattr(manifest, "hashed_ns", None)
+    if hashed is None:
+        return
+    record = verified.Record(folder)
+    for name, meta in manifest.files.items():
+        record.add(name, meta.sha256, hashed)
+    record.save()
+
+
 def load(folder: str | Path, kinds: type | tuple[type, ...] = (ExportManifest, EngineManifest),
          check_files: bool = True, rehash: bool = False) -> Manifest:
     """The typed manifest of an export or engine folder; ManifestError lists every problem at once.
@@ -728,8 +741,10 @@ def file_table(folder: Path, names: list[str]) -> dict[str, FileEntry]:
 
 
 def write(folder: Path, manifest: Manifest) -> Manifest:
-    """Checksum every file of the folder into manifest.files, seal, then write manifest.json atomically."""
+    """Checksum every file of the folder into manifest.files, seal, then write manifest.json atomically.
+    `manifest.hashed_ns` says when the hashing began (remember_hashes)."""
     names = [p.name for p in folder.iterdir() if p.is_file() and p.name != NAME and not p.name.startswith(".")]
+    manifest.hashed_ns = verified.now_ns()
     manifest.files = file_table(folder, names)
     data = manifest.to_dict()
     manifest.manifest_sha256 = data["manifest_sha256"] = content_sha256(data)

@@ -97,3 +97,24 @@ def test_what_cannot_run_here_is_refused_before_hashing(folder, monkeypatch):
     monkeypatch.setattr(mf, "sha256", no_hashing)
     with pytest.raises(Dflash2Error, match="a bfloat16 export cannot run on ONNX Runtime's CPU provider"):
         Runtime(folder)
+
+
+def test_the_export_records_the_hashes_it_took(tmp_path, hashed, monkeypatch):
+    """The first start after an export hashes nothing the export itself hashed (and that was written before it
+    hashed); a copy elsewhere is a folder the record has never seen: hashed in full."""
+    from dflash2 import tiny, verified
+    from dflash2.export.api import export
+
+    monkeypatch.setenv("DFLASH2_VERIFIED_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(verified, "RACY_NS", 0)  # the tiny export's files are written moments before the hashing
+    drafter, target = tiny.make_pair(tmp_path / "pair")
+    out = tmp_path / "export"
+    export(drafter, target, out, quiet=True)
+    files = set(mf.load(out, check_files=False).files)
+    assert set(hashed) == files  # the export's own hashing
+    hashed.clear()
+    mf.load(out)
+    assert hashed == []
+    shutil.copytree(out, tmp_path / "copy")
+    mf.load(tmp_path / "copy")
+    assert set(hashed) == files

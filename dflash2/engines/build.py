@@ -117,6 +117,7 @@ def build(plan: BuildPlan, quiet: bool = False) -> mf.EngineManifest:
             _copy_tokenizer(plan, tmp)
             manifest = mf.write(tmp, em.build_manifest(plan, built, trt.__version__))
         replace_folder(tmp, plan.out, plan.force, what="the engines")
+    mf.remember_hashes(plan.out, manifest)
     return manifest
 
 

@@ -22,7 +22,7 @@ from dflash2 import manifest as mf
 from dflash2.config import (check_pair, check_tokenizer_files, check_tokenizer_vocab, load_drafter_config,
                             load_target_config, tokenizer_id_count)
 from dflash2.errors import Dflash2Error, ValidationError
-from dflash2.export import dedupe, deviation, fused_drafter, gqa, qdq
+from dflash2.export import dedupe, deviation, fused_drafter, gqa, plain, qdq
 from dflash2.export import signature as sig
 from dflash2.export import weights as W
 from dflash2.export import quantize as qz
@@ -39,7 +39,7 @@ from dflash2.folders import (
 )
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
-from dflash2.reference.load import load_pair, load_streamed_pair
+from dflash2.reference.load import load_pair, load_reference_pair, load_streamed_pair
 from dflash2.reference.streamed import StreamedTarget, truncated
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -104,6 +104,8 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     with progress.step("loading and checking the checkpoints"):
         if target_attention == "gqa":  # built from templates: the reference reads one layer at a time
             target, drafter = load_streamed_pair(drafter_dir, target_dir, use_draft_vocab=not full_vocab)
+        elif dtype == "float32":  # the plain target from templates too; the drafter is still traced (loaded)
+            target, drafter = load_reference_pair(drafter_dir, target_dir, use_draft_vocab=not full_vocab)
         else:
             target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype),
                                         use_draft_vocab=not full_vocab)
@@ -120,6 +122,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
             manifest.tokenizer = mf.Tokenizer(copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp))
             mf.write(tmp, manifest)
         replace_folder(tmp, out, force, what="the export")
+    mf.remember_hashes(out, manifest)
     return manifest
 
 
@@ -209,19 +212,28 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                                          seconds=time.perf_counter() - t0,
                                          signature=_signature(spec.name, kind, io, tc.num_layers))
             continue
+        elif spec.name == "target" and dtype in plain.DTYPES:
+            with progress.step(f"target.onnx + target.trt.onnx: standard ONNX ops from the layer templates, "
+                               f"{dtype}, streamed from safetensors") as step:
+                with W.DataFile(tmp / "target.onnx.data") as data:
+                    model, fixed = plain.build(tc, dc, Weights(sources[1]), Weights(sources[0]), fuse_context,
+                                               max_seq_len, dtype, data, progress=step.layer)
+                files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
+                del model, fixed
         else:
             with progress.step(f"{spec.name}.onnx: tracing with torch.onnx (dynamo)"):
                 model = tr.trace(spec, max_seq_len)
                 fixed = tr.trace(spec.tensorrt, max_seq_len) if spec.tensorrt is not None else None
                 files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
+        built = spec.name == "target" and dtype in plain.DTYPES  # the templates' bounded-memory session
         validation[spec.name] = _validate(progress, f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime",
-                                          spec, tmp / files["portable"], dtype, tmp, spec.name)
+                                          spec, tmp / files["portable"], dtype, tmp, spec.name, weights_in_place=built)
         tensorrt_io = None
         if spec.tensorrt is not None:
             validation[f"{spec.name}.trt"] = _validate(
                 progress, f"{spec.name}.trt.onnx: fixed step shapes, validating on ONNX Runtime", spec.tensorrt,
                 tmp / files["tensorrt"], dtype, tmp, f"{spec.name}.trt",
-                selector_drafts=dc.num_drafts if spec.has_selector else None)
+                selector_drafts=dc.num_drafts if spec.has_selector else None, weights_in_place=built)
             trt_io = tr.io_spec(tmp / files["tensorrt"])
             tensorrt_io = mf.GraphIo(inputs=[mf.IoSpec(**d) for d in trt_io["inputs"]],
                                      outputs=[mf.IoSpec(**d) for d in trt_io["outputs"]])

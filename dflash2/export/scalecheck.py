@@ -203,6 +203,7 @@ class Measured:
     output_gb: float | None = None
     stopped: str | None = None  # why the watchdog stopped it
     error: str | None = None  # the export's last stderr line when it failed
+    run: dict | None = None  # --run-check: dflash2-run on the export (run_check)
 
 
 def _rss_tree(pid: int) -> int:
@@ -270,6 +271,41 @@ def measure(shape: Shape, mode: str, out_root: Path, max_rss_gib: float, timeout
                     steps, size, stopped[0] if stopped else None, None if rc == 0 else err)
 
 
+START = "start-check"
+RUN_PROMPT = "1,2,3,4,5,6,7,8"
+
+
+def start_seconds(folder: Path) -> dict:
+    """What dflash2-run does before it opens an engine session (imports, the manifest, the backend and the
+    runnable check, the files' check against the record of hashes), timed from this process's start."""
+    t0 = time.perf_counter()
+    from dflash2 import manifest as mf
+    from dflash2.runtime.api import check_runnable, pick_backend
+
+    m = mf.load(folder, check_files=False)
+    check_runnable(folder, m, pick_backend(m, None), None)
+    mf.check_files(folder, m)
+    return {"start_s": round(time.perf_counter() - t0, 3)}
+
+
+def run_check(out: Path, new_tokens: int = 48, python: str = sys.executable) -> dict:
+    """dflash2-run on an export: speculative ids against target-only ids (greedy, one prompt), and the start
+    before the engine sessions in a fresh process, twice (the first start after the export, then the next)."""
+    runs = {}
+    for label, extra in (("target_only", ["--no-spec"]), ("speculative", [])):
+        p = subprocess.run([python, "-m", "dflash2.cli.run", str(out), "--prompt-ids", RUN_PROMPT, "--max-new-tokens",
+                            str(new_tokens), "--json", *extra], capture_output=True, text=True)
+        if p.returncode != 0:
+            return {"error": f"dflash2-run {' '.join(extra)}: {p.stderr.strip().splitlines()[-1:]}"}
+        runs[label] = json.loads(p.stdout)
+    starts = [json.loads(subprocess.run([python, "-m", "dflash2.export.scalecheck", "--stage", START, str(out)],
+                                        capture_output=True, text=True, check=True).stdout)["start_s"] for _ in range(2)]
+    spec = runs["speculative"]
+    return {"ids_equal": runs["target_only"]["ids"] == spec["ids"], "new_tokens": len(spec["ids"]),
+            "acceptance_length": spec["acceptance_length"], "draft_lengths": spec["k_histogram"],
+            "start_s": starts, "prompt_ids": RUN_PROMPT}
+
+
 def step_table(r: Measured) -> str:
     out = [f"{r.shape} {r.mode}: {'step':<100} {'s':>7} {'peak GiB':>8}"]
     for st in r.steps:
@@ -314,6 +350,9 @@ def target_stage(drafter: Path, target: Path, out: Path, method: str) -> None:
 def main(argv=None) -> int:
     import argparse
 
+    if argv is None and sys.argv[1:3] == ["--stage", START]:
+        print(json.dumps(start_seconds(Path(sys.argv[3]))))
+        return 0
     if argv is None and sys.argv[1:3] == ["--stage", STAGE]:
         target_stage(Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]), sys.argv[6])
         return 0
@@ -326,6 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-rss-gib", type=float, default=20.0, help="stop an export past this resident memory")
     p.add_argument("--timeout-min", type=float, default=30.0, help="stop an export running longer")
     p.add_argument("--keep", action="store_true", help="keep the exports (default: removed after measuring)")
+    p.add_argument("--run-check", action="store_true",
+                   help="dflash2-run on each whole export: speculative ids == target-only ids, start before the sessions")
     a = p.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -335,6 +376,9 @@ def main(argv=None) -> int:
     for name in a.shape or ["qwen3-0.6b"]:
         for mode in modes:
             rows.append(measure(SHAPES[name], mode, a.out, a.max_rss_gib, a.timeout_min * 60))
+            if a.run_check and rows[-1].rc == 0 and not mode.startswith("target-"):
+                rows[-1].run = run_check(a.out / f"{name}-{mode}")
+                print(f"  {name} {mode}: dflash2-run: {json.dumps(rows[-1].run)}", file=sys.stderr, flush=True)
             if not a.keep:
                 import shutil
 
@@ -350,7 +394,7 @@ def main(argv=None) -> int:
     print(table(rows))
     if a.json:
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
-    return 0 if all(r.rc == 0 for r in rows) else 1
+    return 0 if all(r.rc == 0 and (r.run is None or r.run.get("ids_equal")) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -41,11 +41,11 @@ class Builder:
                           else numpy_helper.from_array(a, self._name(name)))
         return name
 
-    def chunked(self, name: str, chunks, shape: tuple[int, ...]) -> str:
-        """A large fp32 weight written row chunk by row chunk (never whole in memory with a DataFile)."""
+    def chunked(self, name: str, chunks, shape: tuple[int, ...], dtype=np.float32) -> str:
+        """A large weight written row chunk by row chunk (never whole in memory with a DataFile), as `dtype`."""
         if self.data is None:
-            return self.weight(name, np.concatenate(list(chunks)))
-        self.inits.append(self.data.add_chunks(self._name(name), chunks, np.float32, shape))
+            return self.weight(name, np.concatenate(list(chunks)).astype(dtype))
+        self.inits.append(self.data.add_chunks(self._name(name), chunks, dtype, shape))
         return name
 
     def const(self, name: str, values, dtype=np.int64) -> str:

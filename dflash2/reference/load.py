@@ -53,6 +53,29 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
     return target, load_drafter(drafter_dir, target, dtype, dc, use_draft_vocab)
 
 
+def load_reference_pair(drafter_dir: str | Path, target_dir: str | Path,
+                        use_draft_vocab: bool = True) -> tuple[StreamedTarget, Drafter]:
+    """The plain-op export's references (fp32): the target streamed (its graph is built from the checkpoint,
+    the reference only validates it), the drafter loaded whole with the target's embedding / LM head as
+    tensors (the drafter graph is still traced from the module)."""
+    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
+    check_pair(dc, tc, drafter_dir, target_dir)
+    ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
+    expected = ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
+    ckpt.check_tensors(drafter_dir, expected)
+    weights = ckpt.Weights(target_dir)
+    target = StreamedTarget(tc, dc.target_layer_ids, weights)
+    embed = torch.from_numpy(weights.get("embed_tokens.weight"))
+    head = embed if tc.tie_word_embeddings else torch.from_numpy(weights.get("lm_head.weight"))
+    ids = draft_vocab.read(drafter_dir, dc.vocab_size, draft_vocab.min_size(dc)) if use_draft_vocab else None
+    model = Drafter(dc, embed, head, tc.hidden_size)
+    tensors = ckpt.load_tensors(drafter_dir, set(expected))
+    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    model = model.float().eval()
+    model.set_draft_vocab(ids)
+    return target, model
+
+
 def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path,
                        use_draft_vocab: bool = True) -> tuple[StreamedTarget, Drafter]:
     """load_pair at bounded memory (fp32): the target as a StreamedTarget and the drafter as a StreamedDrafter

@@ -1,0 +1,210 @@
+"""The target in standard ONNX ops, both flavours, from the layer templates (`--target-attention plain`).
+
+What `TargetGraph` traced with torch.onnx computes, written from the checkpoint's weights tensor by tensor
+(no trace, no loaded module): opset-17 ops only (MatMul, Softmax, Gather, Where, ...), so TensorRT parses it
+and any ONNX Runtime provider runs it. One pass over the layers makes both flavours; they share every
+initializer (one data file) and differ only in the prologue that says where the past is:
+- portable (KV binding "prefix"): `past_kv` [past, L, 2, kv, hd] is the valid prefix; the step's rows sit at
+  positions past .. past + n - 1;
+- TensorRT (binding "fixed"): `kv_cache` [cap, L, 2, kv, hd] is the whole buffer and `past_len` [1] the valid
+  rows; stale rows get a position after every query, so the causal mask hides them (as Target.forward does).
+Outputs as TargetGraph: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V]
+fp32. Numerics mirror the reference (dflash2.reference.layers): RMSNorm and softmax in fp32, everything else
+in the graph dtype, the rotary tables the reference's own (rope_cos_sin), gathered by position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from dflash2.export import signature as N
+from dflash2.export.templates import OPSET, Builder
+from dflash2.reference.layers import rope_cos_sin, rope_inv_freq
+
+F32 = TensorProto.FLOAT
+DTYPES = ("float32", "float16")  # bfloat16 graphs are still traced (numpy has no bfloat16 of its own)
+
+
+def build(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, dtype: str = "float32", data=None,
+          progress=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(portable, TensorRT flavour) of the plain target (module docstring). c / dc: target / drafter configs;
+    src / dsrc: their weights (dflash2.export.weights: a checkpoint read tensor by tensor, or a module);
+    data: a DataFile both graphs point into (None: inline); progress(i, L) per layer."""
+    import torch
+
+    np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
+    onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
+    nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
+    g, B, eps = nh // kv, dc.block_size, float(c.rms_norm_eps)
+    tap_ids = tuple(dc.target_layer_ids)
+    b = Builder(data)
+    low = np_dt != np.float32
+
+    def w(name: str, a: np.ndarray) -> str:
+        return b.weight(name, a.astype(np_dt))
+
+    def cast(x: str, to: int, name: str) -> str:
+        return x if not low else b.op("Cast", [x], name, to=to)[0]
+
+    def rms(x: str, weight: np.ndarray, name: str, e: float = eps) -> str:
+        """RMSNorm over the last axis: fp32 inside, weight * normalized in the graph dtype (reference's RMSNorm)."""
+        x32 = cast(x, F32, f"{name}.f32")
+        sq = b.op("Mul", [x32, x32], f"{name}.sq")[0]
+        ms = b.op("ReduceMean", [sq], f"{name}.mean", axes=[-1], keepdims=1)[0]
+        r = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, b.const(f"{name}.eps", [e], np.float32)],
+                                                   f"{name}.add_eps")[0]], f"{name}.sqrt")[0]], f"{name}.rsqrt")[0]
+        y = cast(b.op("Mul", [x32, r], f"{name}.scale")[0], onnx_dt, f"{name}.back")
+        return b.op("Mul", [w(f"{name}.weight", weight), y], name)[0]
+
+    def matrix(name: str) -> str:  # a vocabulary matrix, written a row slice at a time in the graph dtype
+        return b.chunked(name, src.row_chunks(name), src.shape(name), np_dt)
+
+    def linear(x: str, name: str, s, prefixes: list[str]) -> str:
+        wt = np.concatenate([s.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
+        y = b.op("MatMul", [x, w(f"{name}.weight", wt)], name)[0]
+        del wt
+        if f"{prefixes[0]}.bias" in s:
+            y = b.op("Add", [y, w(f"{name}.bias", np.concatenate([s.get(f"{p}.bias") for p in prefixes]))],
+                     f"{name}.bias")[0]
+        return y
+
+    # --- shared by every layer: positions, the rotary rows, the causal visibility (prologues below)
+    n = b.op("Shape", [N.INPUT_IDS], "n")[0]  # [1] int64
+    n0 = b.op("Squeeze", [n, b.const("axis0_n", [0])], "n.scalar", outputs=["n.scalar"])[0]
+    b.op("Range", [b.const("zero", 0), n0, b.const("one", 1)], "steps", outputs=["steps"])  # [n]
+    b.const("axis0", [0])
+    prologue_at = len(b.nodes)  # each flavour's prologue goes here: start, pos [n] int64, k_pos [T] int64
+    pos = "pos"
+    cos_t, sin_t = rope_cos_sin(torch.arange(max_seq_len), rope_inv_freq(c.rope, hd))  # [S, hd] fp32
+    rot, axis1 = [], b.const("axis1", [1])
+    for nm, table in (("cos", cos_t), ("sin", sin_t)):
+        r = b.op("Gather", [b.weight(f"rope.{nm}", table.numpy()), pos], f"rope.{nm}.rows", axis=0)[0]  # [n, hd]
+        rot.append(b.op("Unsqueeze", [cast(r, onnx_dt, f"rope.{nm}.dt"), axis1], f"rope.{nm}.heads")[0])
+    visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", "axis0"], "k_pos.row")[0],
+                                   b.op("Unsqueeze", [pos, "axis1"], "pos.col")[0]], "visible")[0]  # [n, T] bool
+    four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
+    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
+    half = b.const("half", [hd // 2, hd // 2])
+    scale = b.const("attn.scale", [hd ** -0.5], np_dt)
+    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
+
+    def rope(x: str, name: str) -> str:  # [n, heads, hd]: HF's rotate-half
+        x1, x2 = b.op("Split", [x, half], f"{name}.halves", outputs=2, axis=-1)
+        r = b.op("Concat", [b.op("Neg", [x2], f"{name}.neg")[0], x1], f"{name}.rotated", axis=-1)[0]
+        return b.op("Add", [b.op("Mul", [x, rot[0]], f"{name}.cos")[0], b.op("Mul", [r, rot[1]], f"{name}.sin")[0]],
+                    name)[0]
+
+    h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
+    taps, new_kv = {}, []
+    for i in range(L):
+        p, a = f"layers.{i}", f"layers.{i}.self_attn"
+        if progress is not None:
+            progress(i, L)
+        u = rms(h, src.get(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
+        qkv = linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])  # [n, (nh + 2kv) hd]
+        q, k, v = b.op("Split", [qkv, b.const(f"{p}.qkv_sizes", [nh * hd, kv * hd, kv * hd])], f"{p}.qkv",
+                       outputs=3, axis=-1)
+        q = b.op("Reshape", [q, b.const(f"{p}.q_heads", [-1, nh, hd])], f"{p}.q_heads")[0]  # [n, nh, hd]
+        k = b.op("Reshape", [k, b.const(f"{p}.k_heads", [-1, kv, hd])], f"{p}.k_heads")[0]  # [n, kv, hd]
+        v = b.op("Reshape", [v, b.const(f"{p}.v_heads", [-1, kv, hd])], f"{p}.v_heads")[0]
+        if c.qk_norm:  # Qwen3: per-head RMSNorm of q and k before the rotary
+            q = rms(q, src.get(f"{a}.q_norm.weight"), f"{p}.q_norm")
+            k = rms(k, src.get(f"{a}.k_norm.weight"), f"{p}.k_norm")
+        q, k = rope(q, f"{p}.q_rope"), rope(k, f"{p}.k_rope")
+        layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", i)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
+        pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0]
+                  for j, nm in ((0, "k"), (1, "v")))  # [P, kv, hd]
+        keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
+        vals = b.op("Concat", [pv, v], f"{p}.values", axis=0)[0]
+        # attend(): GQA by reshape, MatMul only; scores masked and softmaxed in fp32
+        qh = b.op("Reshape", [b.op("Transpose", [q], f"{p}.q_t", perm=[1, 0, 2])[0], b.const(f"{p}.q_groups", [kv, -1, hd])],
+                  f"{p}.q_groups")[0]  # [kv, g n, hd]
+        s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]  # [kv, g n, T]
+        s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
+        s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
+        s = b.op("Where", [visible, cast(s, F32, f"{p}.scores.f32"), neg], f"{p}.masked")[0]
+        probs = cast(b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], onnx_dt, f"{p}.probs")
+        probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
+        o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
+        o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
+                 f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
+        o = b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]
+        h = b.op("Add", [h, linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
+        u = rms(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
+        m = f"{p}.mlp"
+        gate, up = b.op("Split", [linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
+                                  b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
+                        outputs=2, axis=-1)
+        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
+        h = b.op("Add", [h, linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])],
+                 f"{p}.mlp_residual")[0]
+        kv_i = b.op("Concat", [b.op("Unsqueeze", [t, "axis1"], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
+                    f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
+        new_kv.append(b.op("Unsqueeze", [kv_i, "axis1"], f"{p}.new_kv.layer")[0])  # [n, 1, 2, kv, hd]
+        if i in tap_ids:
+            taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
+    b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
+    y = rms(h, src.get("norm.weight"), "norm")
+    head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
+    head_t = b.op("Transpose", [head], "lm_head.t", perm=[1, 0])[0]
+    logits = cast(b.op("MatMul", [y, head_t], "lm_head")[0], F32, "logits.f32")  # [n, V] fp32
+    ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
+    b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
+    b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), b.const("axis0_", [0])], N.LOGITS,
+         outputs=[N.LOGITS])
+    tap_rows = [taps[t] for t in tap_ids]
+    t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]  # [n, n_taps H]
+    if fuse_context:  # drafter.context: hidden_norm(fc(taps))
+        t = rms(linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
+                float(dc.rms_norm_eps))
+    b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
+
+    ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
+    row = [L, 2, kv, hd]
+    outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
+               helper.make_tensor_value_info(N.CONTEXT, onnx_dt, ["n", ctx_width]),
+               helper.make_tensor_value_info(N.NEW_KV, onnx_dt, ["n", *row]),
+               helper.make_tensor_value_info(N.LOGITS, F32, [f"Min(n, {B})", c.vocab_size])]  # the last B rows
+    ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
+    return (_model(b, prologue_at, _prefix(), [ids_in, helper.make_tensor_value_info(N.PAST_KV, onnx_dt, ["past", *row])],
+                   outputs, "dflash2_target"),
+            _model(b, prologue_at, _fixed(), [ids_in, helper.make_tensor_value_info(N.KV_CACHE, onnx_dt, ["cap", *row]),
+                                  helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])],
+                   outputs, "dflash2_target_fixed"))
+
+
+def _prefix() -> list[onnx.NodeProto]:
+    """past_kv is the valid prefix: start = its rows; key positions 0 .. past + n - 1."""
+    nodes = [helper.make_node("Identity", [N.PAST_KV], ["past"], name="past.view"),
+             helper.make_node("Shape", [N.PAST_KV], ["past.rows"], name="past.rows", end=1),
+             helper.make_node("Squeeze", ["past.rows", "axis0"], ["start"], name="start"),
+             helper.make_node("Add", ["start", "n.scalar"], ["total"], name="total"),
+             helper.make_node("Add", ["steps", "start"], ["pos"], name="pos"),
+             helper.make_node("Range", ["zero", "total", "one"], ["k_pos"], name="k_pos")]
+    return nodes
+
+
+def _fixed() -> list[onnx.NodeProto]:
+    """kv_cache is the whole buffer, past_len its valid rows: start = past_len; a stale row r >= past_len gets
+    position r + cap + n (after every query: never visible), the step's rows start .. start + n - 1."""
+    return [helper.make_node("Identity", [N.KV_CACHE], ["past"], name="past.view"),
+            helper.make_node("Cast", [N.PAST_LEN], ["past_len.i64"], name="past_len.i64", to=TensorProto.INT64),
+            helper.make_node("Squeeze", ["past_len.i64", "axis0"], ["start"], name="start"),
+            helper.make_node("Shape", [N.KV_CACHE], ["cap.rows"], name="cap.rows", end=1),
+            helper.make_node("Squeeze", ["cap.rows", "axis0"], ["cap"], name="cap"),
+            helper.make_node("Range", ["zero", "cap", "one"], ["rows"], name="rows"),
+            helper.make_node("Less", ["rows", "start"], ["rows.valid"], name="rows.valid"),
+            helper.make_node("Add", ["cap", "n.scalar"], ["cap_n"], name="cap_n"),
+            helper.make_node("Add", ["rows", "cap_n"], ["rows.stale"], name="rows.stale"),
+            helper.make_node("Where", ["rows.valid", "rows", "rows.stale"], ["past.pos"], name="past.pos"),
+            helper.make_node("Add", ["steps", "start"], ["pos"], name="pos"),
+            helper.make_node("Concat", ["past.pos", "pos"], ["k_pos"], name="k_pos", axis=0)]
+
+
+def _model(b: Builder, at: int, prologue, inputs, outputs, name: str) -> onnx.ModelProto:
+    graph = helper.make_graph(b.nodes[:at] + prologue + b.nodes[at:], name, inputs, outputs, b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="dflash2")
+    model.ir_version = 8
+    return model

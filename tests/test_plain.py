@@ -1,0 +1,63 @@
+"""The plain target (standard ONNX ops, both flavours) from the layer templates: checked against the PyTorch
+reference by the one comparison rule on the target's validation feeds, fp32 and fp16, Llama (biased,
+untied) and Qwen3 (q/k norms, tied); one data file for both flavours; a wrong graph is caught."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx
+import pytest
+import torch
+
+from dflash2 import tiny
+from dflash2.checkpoint import Weights
+from dflash2.export import plain
+from dflash2.export import trace as tr
+from dflash2.export import weights as W
+from dflash2.export.graphs import graph_specs
+from dflash2.export.validate import validate_graph
+from dflash2.reference.load import load_pair
+
+CASES = [("llama", False, True, "float32"), ("qwen3", True, False, "float32"), ("qwen3", False, False, "float16")]
+
+
+def _build(root, family, tied, bias, dtype, config=None):
+    tgt = tiny.make_target(root / "target", family=family, tie_word_embeddings=tied, attention_bias=bias)
+    drf = tiny.make_drafter(root / "drafter", tgt, version=2)
+    target, drafter = load_pair(drf, tgt, {"float32": torch.float32, "float16": torch.float16}[dtype])
+    spec = graph_specs(target, drafter, True)[0]
+    with W.DataFile(root / "target.onnx.data") as data:
+        port, fixed = plain.build(config or target.config, drafter.config, Weights(tgt), Weights(drf), True, 64,
+                                  dtype, data)
+    onnx.save_model(port, str(root / "target.onnx"))
+    onnx.save_model(fixed, str(root / "target.trt.onnx"))
+    return spec, target
+
+
+@pytest.mark.parametrize("family,tied,bias,dtype", CASES)
+def test_both_flavours_match_the_reference(tmp_path, family, tied, bias, dtype):
+    spec, _ = _build(tmp_path, family, tied, bias, dtype)
+    for f in ("target.onnx", "target.trt.onnx"):
+        onnx.checker.check_model(str(tmp_path / f), full_check=True)  # standard ops only: TensorRT's parser input
+    failures, report = validate_graph(spec, tmp_path / "target.onnx", dtype)
+    assert failures == [] and set(report) == {"step0", "step1"}
+    failures, _ = validate_graph(spec.tensorrt, tmp_path / "target.trt.onnx", dtype)  # stale rows past past_len
+    assert failures == []
+    assert tr.io_spec(tmp_path / "target.onnx")["inputs"] == [
+        {"name": "input_ids", "dtype": "int32", "shape": ["n"]},
+        {"name": "past_kv", "dtype": dtype, "shape": ["past", *spec.example[1].shape[1:]]}]
+    stores = {m.graph.name: {(t.name, tuple((e.key, e.value) for e in t.external_data)) for t in m.graph.initializer
+                             if t.data_location == onnx.TensorProto.EXTERNAL}
+              for m in (onnx.load(str(tmp_path / f), load_external_data=False) for f in ("target.onnx", "target.trt.onnx"))}
+    a, b = stores.values()
+    assert a == b and a  # the same tensors at the same offsets of one file
+
+
+def test_a_wrong_graph_is_caught(tmp_path):
+    from dflash2.config import load_target_config
+
+    wrong = dataclasses.replace(load_target_config(tiny.make_target(tmp_path / "probe")), rms_norm_eps=0.5)
+    spec, _ = _build(tmp_path, "llama", False, False, "float32", config=wrong)
+    failures, _ = validate_graph(spec, tmp_path / "target.onnx", "float32")
+    assert any(f.startswith("target.context") or f.startswith("target.logits") for f in failures), failures
