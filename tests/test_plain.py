@@ -28,8 +28,8 @@ def _build(root, family, tied, bias, dtype, config=None):
     target, drafter = load_pair(drf, tgt, {"float32": torch.float32, "float16": torch.float16}[dtype])
     spec = graph_specs(target, drafter, True)[0]
     with W.DataFile(root / "target.onnx.data") as data:
-        port, fixed = plain.build(config or target.config, drafter.config, Weights(tgt), Weights(drf), True, 64,
-                                  dtype, data)
+        port, fixed = plain.build(config or target.config, drafter.config, Weights(tgt), Weights(drf), True, dtype,
+                                  data)
     onnx.save_model(port, str(root / "target.onnx"))
     onnx.save_model(fixed, str(root / "target.trt.onnx"))
     return spec, target
@@ -61,3 +61,17 @@ def test_a_wrong_graph_is_caught(tmp_path):
     spec, _ = _build(tmp_path, "llama", False, False, "float32", config=wrong)
     failures, _ = validate_graph(spec, tmp_path / "target.onnx", "float32")
     assert any(f.startswith("target.context") or f.startswith("target.logits") for f in failures), failures
+
+
+def test_an_export_with_the_shortest_max_seq_len_validates(tmp_path):
+    """--max-seq-len B + 2 is accepted, and the target's validation feeds reach position 11 + B: the graph has no
+    position table sized by the capacity to run off (a Gather out of range would fail the export)."""
+    from dflash2 import manifest as mf
+    from dflash2.config import load_drafter_config
+    from dflash2.export.api import export
+
+    drf, tgt = tiny.make_pair(tmp_path / "pair")
+    B = load_drafter_config(drf).block_size
+    export(drf, tgt, tmp_path / "out", max_seq_len=B + 2, quiet=True)
+    m = mf.load(tmp_path / "out")
+    assert m.max_seq_len == B + 2 and m.validation["target"].ok and m.validation["target.trt"].ok

@@ -217,7 +217,7 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                                f"{dtype}, streamed from safetensors") as step:
                 with W.DataFile(tmp / "target.onnx.data") as data:
                     model, fixed = plain.build(tc, dc, Weights(sources[1]), Weights(sources[0]), fuse_context,
-                                               max_seq_len, dtype, data, progress=step.layer)
+                                               dtype, data, progress=step.layer)
                 files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
                 del model, fixed
         else:

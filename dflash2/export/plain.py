@@ -10,7 +10,7 @@ initializer (one data file) and differ only in the prologue that says where the 
   rows; stale rows get a position after every query, so the causal mask hides them (as Target.forward does).
 Outputs as TargetGraph: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V]
 fp32. Numerics mirror the reference (dflash2.reference.layers): RMSNorm and softmax in fp32, everything else
-in the graph dtype, the rotary tables the reference's own (rope_cos_sin), gathered by position.
+in the graph dtype, the rotary angles computed as rope_cos_sin does (fp32 positions x inverse frequencies).
 """
 
 from __future__ import annotations
@@ -21,19 +21,17 @@ from onnx import TensorProto, helper
 
 from dflash2.export import signature as N
 from dflash2.export.templates import OPSET, Builder
-from dflash2.reference.layers import rope_cos_sin, rope_inv_freq
+from dflash2.reference.layers import rope_inv_freq
 
 F32 = TensorProto.FLOAT
 DTYPES = ("float32", "float16")  # bfloat16 graphs are still traced (numpy has no bfloat16 of its own)
 
 
-def build(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, dtype: str = "float32", data=None,
+def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
           progress=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(portable, TensorRT flavour) of the plain target (module docstring). c / dc: target / drafter configs;
     src / dsrc: their weights (dflash2.export.weights: a checkpoint read tensor by tensor, or a module);
     data: a DataFile both graphs point into (None: inline); progress(i, L) per layer."""
-    import torch
-
     np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
     onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
     nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
@@ -77,10 +75,15 @@ def build(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, dtype: str = "
     b.const("axis0", [0])
     prologue_at = len(b.nodes)  # each flavour's prologue goes here: start, pos [n] int64, k_pos [T] int64
     pos = "pos"
-    cos_t, sin_t = rope_cos_sin(torch.arange(max_seq_len), rope_inv_freq(c.rope, hd))  # [S, hd] fp32
+    # rope_cos_sin in the graph: any position (a table of max_seq_len rows would refuse the validation feeds or
+    # ModelOpt's calibration prompts past a short --max-seq-len)
+    inv = rope_inv_freq(c.rope, hd).numpy()  # [hd / 2] fp32
+    freqs = b.op("Mul", [b.op("Unsqueeze", [b.op("Cast", [pos], "pos.f32", to=F32)[0], b.const("axis1_", [1])],
+                              "pos.col.f32")[0], b.weight("rope.inv_freq", inv[None, :])], "rope.freqs")[0]  # [n, hd/2]
+    emb = b.op("Concat", [freqs, freqs], "rope.emb", axis=-1)[0]  # [n, hd]
     rot, axis1 = [], b.const("axis1", [1])
-    for nm, table in (("cos", cos_t), ("sin", sin_t)):
-        r = b.op("Gather", [b.weight(f"rope.{nm}", table.numpy()), pos], f"rope.{nm}.rows", axis=0)[0]  # [n, hd]
+    for nm, op in (("cos", "Cos"), ("sin", "Sin")):
+        r = b.op(op, [emb], f"rope.{nm}")[0]
         rot.append(b.op("Unsqueeze", [cast(r, onnx_dt, f"rope.{nm}.dt"), axis1], f"rope.{nm}.heads")[0])
     visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", "axis0"], "k_pos.row")[0],
                                    b.op("Unsqueeze", [pos, "axis1"], "pos.col")[0]], "visible")[0]  # [n, T] bool
