@@ -270,6 +270,33 @@ class Weights:
         """fp32 copy of a tensor (or of consecutive rows of its first axis), checked finite. Read with
         pread in CHUNK_BYTES pieces, not through a memory map: mapped file pages count as the process's
         resident memory until unmapped, which would make a streamed export look like it holds the model."""
+        out, f, key, (start, stop) = self._read(name, rows)
+        # one cheap pass: a sum is finite unless some entry is not (or it overflows: then the exact check)
+        if not _finite(out):
+            where = "" if rows is None else f" in rows {start}..{stop - 1}"
+            raise CheckpointError(f, key, "finite values (no NaN / inf)",
+                                  f"{int(np.isnan(out).sum())} NaN, {int(np.isinf(out).sum())} inf{where}")
+        return out
+
+    def non_finite(self, names) -> list[str]:
+        """'name in file (n NaN, m inf)' for every tensor of `names` holding a NaN / inf, read CHUNK_BYTES of
+        rows at a time (the streamed exports' first check: every bad tensor named at once, before any graph)."""
+        bad = []
+        for name in names:
+            key = self._key(name)
+            f, _, shape, _ = self.where[key]
+            nan = inf = 0
+            n_rows = shape[0] if shape else 1
+            step = max(1, CHUNK_BYTES // (4 * max(1, int(np.prod(shape[1:], dtype=np.int64)) if shape else 1)))
+            for i in range(0, n_rows, step):
+                out = self._read(name, slice(i, min(n_rows, i + step)) if shape else None)[0]
+                if not _finite(out):
+                    nan, inf = nan + int(np.isnan(out).sum()), inf + int(np.isinf(out).sum())
+            if nan or inf:
+                bad.append(f"{key} in {f.name} ({nan} NaN, {inf} inf)")
+        return bad
+
+    def _read(self, name: str, rows: slice | None):
         key = self._key(name)
         f, dtype, shape, offset = self.where[key]
         np_dtype = np.dtype(np.uint16 if dtype == "BF16" else _NUMPY.get(dtype, np.void))
@@ -292,12 +319,7 @@ class Weights:
                     bits <<= 16
                 else:
                     flat[i:i + n] = buf
-        # one cheap pass: a sum is finite unless some entry is not (or it overflows: then the exact check)
-        if not np.isfinite(np.add.reduce(flat, dtype=np.float32)) and not np.isfinite(out).all():
-            where = "" if rows is None else f" in rows {start}..{stop - 1}"
-            raise CheckpointError(f, key, "finite values (no NaN / inf)",
-                                  f"{int(np.isnan(out).sum())} NaN, {int(np.isinf(out).sum())} inf{where}")
-        return out
+        return out, f, key, (start, stop)
 
     def row_chunks(self, name: str, max_bytes: int = CHUNK_BYTES):
         """fp32 copies of consecutive row ranges of a 2-D tensor, each at most ~max_bytes."""
@@ -305,6 +327,19 @@ class Weights:
         step = max(1, max_bytes // (4 * cols))
         for i in range(0, rows, step):
             yield self.get(name, slice(i, min(rows, i + step)))
+
+
+def _finite(a: np.ndarray) -> bool:
+    """A sum is finite unless some entry is not (or it overflows: then the exact check)."""
+    return bool(np.isfinite(np.add.reduce(a.reshape(-1), dtype=np.float32)) or np.isfinite(a).all())
+
+
+def check_finite(folder: str | Path, names) -> None:
+    """CheckpointError listing every tensor of `names` with a NaN / inf (load_tensors' message), streamed."""
+    bad = Weights(folder).non_finite(names)
+    if bad:
+        raise CheckpointError(folder, "weights", "finite values (no NaN / inf)",
+                              f"{len(bad)} tensor(s): {', '.join(bad[:4])}")
 
 
 def _offsets(f: Path) -> tuple[int, dict[str, int]]:

@@ -75,3 +75,18 @@ def test_an_export_with_the_shortest_max_seq_len_validates(tmp_path):
     export(drf, tgt, tmp_path / "out", max_seq_len=B + 2, quiet=True)
     m = mf.load(tmp_path / "out")
     assert m.max_seq_len == B + 2 and m.validation["target"].ok and m.validation["target.trt"].ok
+
+
+def test_fp16_references_keep_fp32_rotary_frequencies(tmp_path):
+    """.to(float16) would round inv_freq (0.24 rad off at position 2,000); the references keep it fp32, as the
+    graph computes the angles, and the streamed fp16 reference equals the loaded one."""
+    from dflash2.reference.load import load_reference_pair
+
+    drf, tgt = tiny.make_pair(tmp_path / "pair")
+    loaded, ld = load_pair(drf, tgt, torch.float16)
+    streamed, sd = load_reference_pair(drf, tgt, torch.float16)
+    assert loaded.inv_freq.dtype == streamed.inv_freq.dtype == ld.inv_freq.dtype == sd.inv_freq.dtype == torch.float32
+    ids, past = torch.arange(7), torch.zeros(0, *loaded.kv_row_shape(), dtype=torch.float16)
+    with torch.no_grad():
+        a, b = loaded(ids, past), streamed(ids, past)
+    assert all(x.dtype == torch.float16 and torch.equal(x, y) for x, y in zip(a, b))

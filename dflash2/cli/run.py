@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from dflash2.cli.args import add_sampling_args, negative_ids_joined, parse_ids, read_prompt, sampling_of, utf8_arg
@@ -80,6 +81,7 @@ def stats_table(stats: dict, backend: str, schedule: dict | None = None) -> str:
 
 @interruptible("dflash2-run")
 def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
     p = argparse.ArgumentParser(prog="dflash2-run", description=__doc__)
     p.add_argument("folder", type=Path, help="export folder (dflash2-export) or engine folder (dflash2-build)")
     g = p.add_mutually_exclusive_group(required=True)
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = None if a.prompt is None else read_prompt(a.prompt)
         log = None if a.json else (lambda line: print(f"dflash2-run: {line}", file=sys.stderr))
         rt = Runtime(a.folder, backend=a.backend, log=log, verify="full" if a.verify_files else True)
+        start_s = time.perf_counter() - t_start  # the manifest, the checks, the files: before any engine session
         if a.draft_len is not None and a.no_spec:
             rt.schedule(a.draft_len)  # a value out of range is named first
             raise Dflash2Error(f"--draft-len {a.draft_len}: no effect with --no-spec (target-only decoding drafts "
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {"ids": gen.ids, "stop_reason": gen.stop_reason, "backend": rt.backend_name,
                "speculative": not a.no_spec, "weights": label(rt.manifest), "draft_len": a.draft_len,
                "sampling": sampling.describe(),
-               "schedule": schedule, **stats}
+               "schedule": schedule, "start_s": round(start_s, 3), **stats}
         if (a.folder / "tokenizer.json").is_file():
             out["text"] = rt.text.decode(gen.ids)
         print(json.dumps(out))

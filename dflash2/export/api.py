@@ -104,8 +104,9 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     with progress.step("loading and checking the checkpoints"):
         if target_attention == "gqa":  # built from templates: the reference reads one layer at a time
             target, drafter = load_streamed_pair(drafter_dir, target_dir, use_draft_vocab=not full_vocab)
-        elif dtype == "float32":  # the plain target from templates too; the drafter is still traced (loaded)
-            target, drafter = load_reference_pair(drafter_dir, target_dir, use_draft_vocab=not full_vocab)
+        elif dtype in plain.DTYPES:  # the plain target from templates too; the drafter is still traced (loaded)
+            target, drafter = load_reference_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype),
+                                                  use_draft_vocab=not full_vocab)
         else:
             target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype),
                                         use_draft_vocab=not full_vocab)

@@ -39,6 +39,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     tap_ids = tuple(dc.target_layer_ids)
     b = Builder(data)
     low = np_dt != np.float32
+    two = b.const("two", [2.0], np.float32)
 
     def w(name: str, a: np.ndarray) -> str:
         return b.weight(name, a.astype(np_dt))
@@ -49,9 +50,9 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     def rms(x: str, weight: np.ndarray, name: str, e: float = eps) -> str:
         """RMSNorm over the last axis: fp32 inside, weight * normalized in the graph dtype (reference's RMSNorm)."""
         x32 = cast(x, F32, f"{name}.f32")
-        sq = b.op("Mul", [x32, x32], f"{name}.sq")[0]
+        sq = b.op("Pow", [x32, two], f"{name}.sq")[0]  # x.pow(2) (ONNX Runtime's fusion matches Pow, not Mul(x, x))
         ms = b.op("ReduceMean", [sq], f"{name}.mean", axes=[-1], keepdims=1)[0]
-        r = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, b.const(f"{name}.eps", [e], np.float32)],
+        r = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, b.const(f"{name}.eps", e, np.float32)],
                                                    f"{name}.add_eps")[0]], f"{name}.sqrt")[0]], f"{name}.rsqrt")[0]
         y = cast(b.op("Mul", [x32, r], f"{name}.scale")[0], onnx_dt, f"{name}.back")
         return b.op("Mul", [w(f"{name}.weight", weight), y], name)[0]

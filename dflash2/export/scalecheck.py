@@ -271,26 +271,12 @@ def measure(shape: Shape, mode: str, out_root: Path, max_rss_gib: float, timeout
                     steps, size, stopped[0] if stopped else None, None if rc == 0 else err)
 
 
-START = "start-check"
 RUN_PROMPT = "1,2,3,4,5,6,7,8"
 
 
-def start_seconds(folder: Path) -> dict:
-    """What dflash2-run does before it opens an engine session (imports, the manifest, the backend and the
-    runnable check, the files' check against the record of hashes), timed from this process's start."""
-    t0 = time.perf_counter()
-    from dflash2 import manifest as mf
-    from dflash2.runtime.api import check_runnable, pick_backend
-
-    m = mf.load(folder, check_files=False)
-    check_runnable(folder, m, pick_backend(m, None), None)
-    mf.check_files(folder, m)
-    return {"start_s": round(time.perf_counter() - t0, 3)}
-
-
 def run_check(out: Path, new_tokens: int = 48, python: str = sys.executable) -> dict:
-    """dflash2-run on an export: speculative ids against target-only ids (greedy, one prompt), and the start
-    before the engine sessions in a fresh process, twice (the first start after the export, then the next)."""
+    """dflash2-run on an export: speculative ids against target-only ids (greedy, one prompt), and its start
+    before the engine sessions (`start_s` of --json) in the first run after the export and the second."""
     runs = {}
     for label, extra in (("target_only", ["--no-spec"]), ("speculative", [])):
         p = subprocess.run([python, "-m", "dflash2.cli.run", str(out), "--prompt-ids", RUN_PROMPT, "--max-new-tokens",
@@ -298,8 +284,7 @@ def run_check(out: Path, new_tokens: int = 48, python: str = sys.executable) -> 
         if p.returncode != 0:
             return {"error": f"dflash2-run {' '.join(extra)}: {p.stderr.strip().splitlines()[-1:]}"}
         runs[label] = json.loads(p.stdout)
-    starts = [json.loads(subprocess.run([python, "-m", "dflash2.export.scalecheck", "--stage", START, str(out)],
-                                        capture_output=True, text=True, check=True).stdout)["start_s"] for _ in range(2)]
+    starts = [runs[k]["start_s"] for k in ("target_only", "speculative")]
     spec = runs["speculative"]
     return {"ids_equal": runs["target_only"]["ids"] == spec["ids"], "new_tokens": len(spec["ids"]),
             "acceptance_length": spec["acceptance_length"], "draft_lengths": spec["k_histogram"],
@@ -350,9 +335,6 @@ def target_stage(drafter: Path, target: Path, out: Path, method: str) -> None:
 def main(argv=None) -> int:
     import argparse
 
-    if argv is None and sys.argv[1:3] == ["--stage", START]:
-        print(json.dumps(start_seconds(Path(sys.argv[3]))))
-        return 0
     if argv is None and sys.argv[1:3] == ["--stage", STAGE]:
         target_stage(Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]), sys.argv[6])
         return 0

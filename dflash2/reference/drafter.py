@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.config import DrafterConfig
-from dflash2.reference.layers import MLP, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq, visibility
+from dflash2.reference.layers import (MLP, Fp32Rope, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq,
+                                     visibility)
 from dflash2.reference.selector import select_candidates
 from dflash2.reference.vocab import project, take
 
@@ -86,7 +87,7 @@ class DrafterLayer(nn.Module):
         return self.self_attn.o_proj(a).view(nb, B, H)
 
 
-class Drafter(nn.Module):
+class Drafter(Fp32Rope):
     """The drafter plus the target's embedding / LM head (buffers, not part of its checkpoint)."""
 
     def __init__(self, c: DrafterConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor,

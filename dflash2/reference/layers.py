@@ -42,6 +42,19 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv
 
 
+class Fp32Rope(nn.Module):
+    """A module whose `inv_freq` buffer stays the fp32 values whatever `.to(dtype)` does to the weights: an fp16
+    copy is off by up to 2^-11 relative, i.e. a rotary angle off by 0.24 rad at position 2,000 (transformers'
+    from_pretrained(dtype=...) keeps it fp32 too). Subclasses have `config.rope` and `config.head_dim`."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        inv = getattr(self, "inv_freq", None)
+        if isinstance(inv, torch.Tensor) and inv.dtype != torch.float32:
+            self.inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim).to(inv.device)
+        return self
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [n, hd]

@@ -53,9 +53,9 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
     return target, load_drafter(drafter_dir, target, dtype, dc, use_draft_vocab)
 
 
-def load_reference_pair(drafter_dir: str | Path, target_dir: str | Path,
+def load_reference_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32,
                         use_draft_vocab: bool = True) -> tuple[StreamedTarget, Drafter]:
-    """The plain-op export's references (fp32): the target streamed (its graph is built from the checkpoint,
+    """The plain-op export's references in `dtype`: the target streamed (its graph is built from the checkpoint,
     the reference only validates it), the drafter loaded whole with the target's embedding / LM head as
     tensors (the drafter graph is still traced from the module)."""
     dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
@@ -63,15 +63,16 @@ def load_reference_pair(drafter_dir: str | Path, target_dir: str | Path,
     ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
     expected = ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
     ckpt.check_tensors(drafter_dir, expected)
+    _check_finite(target_dir, tc, drafter_dir, expected)
     weights = ckpt.Weights(target_dir)
-    target = StreamedTarget(tc, dc.target_layer_ids, weights)
-    embed = torch.from_numpy(weights.get("embed_tokens.weight"))
-    head = embed if tc.tie_word_embeddings else torch.from_numpy(weights.get("lm_head.weight"))
+    target = StreamedTarget(tc, dc.target_layer_ids, weights, dtype=dtype)
+    embed = torch.from_numpy(weights.get("embed_tokens.weight")).to(dtype)
+    head = embed if tc.tie_word_embeddings else torch.from_numpy(weights.get("lm_head.weight")).to(dtype)
     ids = draft_vocab.read(drafter_dir, dc.vocab_size, draft_vocab.min_size(dc)) if use_draft_vocab else None
     model = Drafter(dc, embed, head, tc.hidden_size)
     tensors = ckpt.load_tensors(drafter_dir, set(expected))
-    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
-    model = model.float().eval()
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    model = model.to(dtype).eval()
     model.set_draft_vocab(ids)
     return target, model
 
@@ -86,8 +87,16 @@ def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path,
     ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
     expected = ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
     ckpt.check_tensors(drafter_dir, expected)
+    _check_finite(target_dir, tc, drafter_dir, expected)
     ids = draft_vocab.read(drafter_dir, dc.vocab_size, draft_vocab.min_size(dc)) if use_draft_vocab else None
     target = StreamedTarget(tc, dc.target_layer_ids, ckpt.Weights(target_dir))
     drafter = StreamedDrafter(dc, target, ckpt.Weights(drafter_dir), list(expected))
     drafter.set_draft_vocab(ids)
     return target, drafter
+
+
+def _check_finite(target_dir, tc, drafter_dir, drafter_names) -> None:
+    """Every NaN / inf weight of both checkpoints named at once, before anything is built (load_tensors does it
+    for the loaded pair; a streamed reference would otherwise meet the first one minutes into the export)."""
+    ckpt.check_finite(target_dir, ckpt.target_tensor_shapes(tc))
+    ckpt.check_finite(drafter_dir, drafter_names)

@@ -23,30 +23,32 @@ import torch
 from torch import nn
 
 from dflash2.config import DrafterConfig, TargetConfig
-from dflash2.reference.layers import RMSNorm, rope_inv_freq
+from dflash2.reference.layers import Fp32Rope, RMSNorm, rope_inv_freq
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target, TargetLayer
 from dflash2.reference.vocab import StreamedRows
 
 
-class StreamedTarget(nn.Module):
+class StreamedTarget(Fp32Rope):
     """Target's interface (forward, embed, project, head_weight, kv_row_shape, config, tap_ids), one layer resident."""
 
     forward = Target.forward
     kv_row_shape = Target.kv_row_shape
 
-    def __init__(self, c: TargetConfig, tap_ids: tuple[int, ...], weights, like: StreamedTarget | None = None):
+    def __init__(self, c: TargetConfig, tap_ids: tuple[int, ...], weights, like: StreamedTarget | None = None,
+                 dtype: torch.dtype = torch.float32):
         """like: a StreamedTarget of the same checkpoint whose final norm and vocabulary matrices are reused
-        (a truncated reference beside the whole one)."""
+        (a truncated reference beside the whole one); dtype: of every weight as it runs (Target.to(dtype))."""
         super().__init__()
         self.config, self.tap_ids, self.src = c, tuple(tap_ids), weights
+        self.dtype = like.dtype if like is not None else dtype
         if like is not None:
             self.embed_rows, self.head_rows, self.norm = like.embed_rows, like.head_rows, like.norm
         else:
-            self.embed_rows = StreamedRows(weights, "embed_tokens.weight")
-            self.head_rows = self.embed_rows if c.tie_word_embeddings else StreamedRows(weights, "lm_head.weight")
+            self.embed_rows = StreamedRows(weights, "embed_tokens.weight", dtype)
+            self.head_rows = self.embed_rows if c.tie_word_embeddings else StreamedRows(weights, "lm_head.weight", dtype)
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.norm.weight = nn.Parameter(_tensor(weights, "norm.weight"), requires_grad=False)
+            self.norm.weight = nn.Parameter(_tensor(weights, "norm.weight").to(dtype), requires_grad=False)
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
         with torch.device("meta"):  # the template of every layer: shapes only, never given tensors
             self._layer = TargetLayer(c).requires_grad_(False)
@@ -62,7 +64,7 @@ class StreamedTarget(nn.Module):
         return self.head_rows.project(h)
 
     def iter_layers(self):
-        return _stream([self._layer] * self.config.num_layers, self.src)
+        return _stream([self._layer] * self.config.num_layers, self.src, self.dtype)
 
 
 class StreamedDrafter(Drafter):
@@ -87,13 +89,13 @@ class StreamedDrafter(Drafter):
         return _stream(self.layers, self.src)  # the meta layers: the templates, never given tensors
 
 
-def _stream(templates, weights):
+def _stream(templates, weights, dtype: torch.dtype = torch.float32):
     """Layer i = a copy of meta template i holding the checkpoint's `layers.{i}.*` tensors (the fresh arrays
     themselves, no second copy), moved back to meta when the caller asks for the next (its loop variable
     still points at it): one layer resident while it runs, none after."""
     for i, template in enumerate(templates):
         layer = copy.deepcopy(template)  # shapes only: nothing allocated
-        layer.load_state_dict({n: _tensor(weights, f"layers.{i}.{n}") for n, _ in template.named_parameters()},
+        layer.load_state_dict({n: _tensor(weights, f"layers.{i}.{n}").to(dtype) for n, _ in template.named_parameters()},
                               strict=True, assign=True)
         yield layer
         layer.to("meta")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dflash2.config import TargetConfig
-from dflash2.reference.layers import MLP, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq
+from dflash2.reference.layers import MLP, Fp32Rope, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq
 
 
 class TargetLayer(nn.Module):
@@ -33,7 +33,7 @@ class TargetLayer(nn.Module):
         return h, torch.stack([k, v], dim=1)  # [n, 2, kv, hd]
 
 
-class Target(nn.Module):
+class Target(Fp32Rope):
     """forward(ids [n], past_kv [P, L, 2, kv, hd]) -> logits [n, V], taps [n, n_taps*H], new_kv [n, L, 2, kv, hd]."""
 
     def __init__(self, c: TargetConfig, tap_ids: tuple[int, ...] = ()):

@@ -21,12 +21,11 @@ from dflash2.checkpoint import CHUNK_BYTES
 
 
 class StreamedRows:
-    """A [V, H] fp32 matrix read from a checkpoint (`dflash2.checkpoint.Weights`) on demand."""
+    """A [V, H] matrix read from a checkpoint (`dflash2.checkpoint.Weights`) on demand, as `dtype` (the
+    checkpoint's values widened to fp32, then rounded once to dtype: what `.to(dtype)` of the loaded tensor gives)."""
 
-    dtype = torch.float32
-
-    def __init__(self, weights, name: str):
-        self.src, self.name = weights, name
+    def __init__(self, weights, name: str, dtype: torch.dtype = torch.float32):
+        self.src, self.name, self.dtype = weights, name, dtype
         self.shape = torch.Size(weights.shape(name))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -41,14 +40,14 @@ class StreamedRows:
         ends = np.append(starts[1:], len(u))
         got = [self.src.get(self.name, slice(int(u[a]), int(u[b - 1]) + 1)) for a, b in zip(starts, ends)]
         table = torch.from_numpy(np.concatenate(got) if got else np.zeros((0, self.shape[1]), np.float32))
-        return table[where].reshape(*ids.shape, self.shape[1])
+        return table[where].reshape(*ids.shape, self.shape[1]).to(self.dtype)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., H] -> x @ W.T [..., V] fp32, W read in slices of the vocabulary."""
-        out = torch.empty(*x.shape[:-1], self.shape[0], dtype=torch.float32)
+        """x [..., H] -> x @ W.T [..., V] in dtype, W read in slices of the vocabulary."""
+        out = torch.empty(*x.shape[:-1], self.shape[0], dtype=self.dtype)
         start = 0
         for chunk in self.src.row_chunks(self.name, CHUNK_BYTES):  # [r, H] fp32
-            out[..., start:start + len(chunk)] = x.float() @ torch.from_numpy(chunk).T
+            out[..., start:start + len(chunk)] = x.to(self.dtype) @ torch.from_numpy(chunk).to(self.dtype).T
             start += len(chunk)
         return out
 
