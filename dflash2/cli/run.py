@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = None if a.prompt is None else read_prompt(a.prompt)
         log = None if a.json else (lambda line: print(f"dflash2-run: {line}", file=sys.stderr))
         rt = Runtime(a.folder, backend=a.backend, log=log, verify="full" if a.verify_files else True)
-        start_s = time.perf_counter() - t_start  # the manifest, the checks, the files: before any engine session
+        start_s = rt.checked_at - t_start  # the imports, the manifest, the checks, the files: before any session
         if a.draft_len is not None and a.no_spec:
             rt.schedule(a.draft_len)  # a value out of range is named first
             raise Dflash2Error(f"--draft-len {a.draft_len}: no effect with --no-spec (target-only decoding drafts "

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -77,6 +78,7 @@ class Runtime:
         check_runnable(self.folder, self.manifest, self.backend_name, provider)  # before any hashing
         if verify:
             mf.check_files(self.folder, self.manifest, rehash=verify == "full")
+        self.checked_at = time.perf_counter()  # the start before the engine sessions ends here (dflash2-run's start_s)
         self.session = SpecSession(self.manifest, make_backend(self.folder, self.manifest, self.backend_name,
                                                                provider, threads), max_seq_len, log)
         self._text: Text | None = None
