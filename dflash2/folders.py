@@ -273,10 +273,11 @@ def cache_root() -> Path:
 FAILED_MARK = "VALIDATION_FAILED.txt"
 
 
-def keep_failed(tmp: Path, out: Path) -> str:
+def keep_failed(tmp: Path, out: Path, failures: list[str] = ()) -> str:
     """A failed export's temp folder (the graphs, their Polygraphy replay files) renamed to `OUT.failed`
     for inspection instead of deleted. An earlier `OUT.failed` of ours is replaced; a folder of that name
-    that dflash2 did not write is left alone and `OUT.failed-2`, ... is used. Returns the line that says where."""
+    that dflash2 did not write is left alone and `OUT.failed-2`, ... is used; `failures` (each failing output
+    with its difference) are written into its FAILED mark. Returns the line that says where."""
     dest = out.parent / f"{out.name}.failed"
     n = 1
     while dest.exists() and not (dest / FAILED_MARK).is_file():
@@ -289,7 +290,8 @@ def keep_failed(tmp: Path, out: Path) -> str:
         (dest / FAILED_MARK).write_text(
             f"dflash2-export of {out} failed validation; nothing was written to {out}.\n"
             "Replay a graph's check: polygraphy run NAME.onnx --onnxrt --load-inputs NAME.inputs.json "
-            "--load-outputs NAME.reference.json (tolerances: docs/export.md). Delete this folder when done.\n")
+            "--load-outputs NAME.reference.json (tolerances: docs/export.md). Delete this folder when done.\n"
+            + "".join(f"failed: {f}\n" for f in failures))
     except OSError as e:
         return f"the failing graphs could not be kept ({e.strerror}); nothing was written to {out}"
     return (f"kept for inspection in {dest}: the graphs written so far and their Polygraphy replay files "

@@ -125,6 +125,8 @@ def test_validation_failure_lists_every_output_and_writes_nothing(tmp_path, pair
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["bad.failed"]
     assert {"target.onnx", "target.inputs.json", "target.reference.json", "VALIDATION_FAILED.txt"} <= \
         {p.name for p in kept.iterdir()}
+    mark = (kept / "VALIDATION_FAILED.txt").read_text()  # the failing lines travel with the kept graphs
+    assert "failed: target.context (step 0): max abs" in mark and "failed: target.new_kv" in mark
     with pytest.raises(ValidationError) as e:  # again: our earlier .failed folder is replaced
         export(*pairs[("llama", 2)], out, quiet=True)
     assert [p.name for p in tmp_path.iterdir()] == ["bad.failed"]

@@ -116,7 +116,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
                                   quantize, target_attention, (drafter_dir, target_dir))
             raise_if_failed([f for v in manifest.validation.values() for f in v.failures])
         except ValidationError as e:
-            raise ValidationError(e.failures, keep_failed(tmp, out)) from None
+            raise ValidationError(e.failures, keep_failed(tmp, out, e.failures)) from None
         manifest.sources = mf.Sources(drafter=str(Path(drafter_dir).absolute()), target=str(Path(target_dir).absolute()))
         manifest.draft_vocab = _draft_vocab_entry(drafter, drafter_dir)
         with progress.step("tokenizer, manifest"):
