@@ -284,16 +284,13 @@ class Weights:
         bad = []
         for name in names:
             key = self._key(name)
-            f, _, shape, _ = self.where[key]
             nan = inf = 0
-            n_rows = shape[0] if shape else 1
-            step = max(1, CHUNK_BYTES // (4 * max(1, int(np.prod(shape[1:], dtype=np.int64)) if shape else 1)))
-            for i in range(0, n_rows, step):
-                out = self._read(name, slice(i, min(n_rows, i + step)) if shape else None)[0]
+            for rows in self._row_slices(name, CHUNK_BYTES):
+                out = self._read(name, rows)[0]
                 if not _finite(out):
                     nan, inf = nan + int(np.isnan(out).sum()), inf + int(np.isinf(out).sum())
             if nan or inf:
-                bad.append(f"{key} in {f.name} ({nan} NaN, {inf} inf)")
+                bad.append(f"{key} in {self.where[key][0].name} ({nan} NaN, {inf} inf)")
         return bad
 
     def _read(self, name: str, rows: slice | None):
@@ -323,10 +320,18 @@ class Weights:
 
     def row_chunks(self, name: str, max_bytes: int = CHUNK_BYTES):
         """fp32 copies of consecutive row ranges of a 2-D tensor, each at most ~max_bytes."""
-        rows, cols = self.shape(name)
-        step = max(1, max_bytes // (4 * cols))
-        for i in range(0, rows, step):
-            yield self.get(name, slice(i, min(rows, i + step)))
+        for rows in self._row_slices(name, max_bytes):
+            yield self.get(name, rows)
+
+    def _row_slices(self, name: str, max_bytes: int):
+        """Consecutive row ranges of a tensor whose fp32 copies are at most ~max_bytes (a scalar: one, None)."""
+        shape = self.shape(name)
+        if not shape:
+            yield None
+            return
+        step = max(1, max_bytes // (4 * max(1, int(np.prod(shape[1:], dtype=np.int64)))))
+        for i in range(0, shape[0], step):
+            yield slice(i, min(shape[0], i + step))
 
 
 def _finite(a: np.ndarray) -> bool:

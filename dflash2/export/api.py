@@ -195,6 +195,8 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
     graphs, validation, quantized = {}, {}, {}
     for spec in graph_specs(target, drafter, fuse_context):
         t0 = time.perf_counter()
+        built = spec.name == "target" and dtype in plain.DTYPES  # the plain target from templates: validated
+        # in the bounded-memory session like every graph built from weights
         if target_attention == "gqa" and spec.name in ("target", "drafter"):  # built from templates, no TRT flavour
             if spec.name == "target":
                 spec, files, checked, q_report = _gqa_target(tmp, spec, target, drafter, tc, dc, sources, fuse_context,
@@ -213,7 +215,7 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                                          seconds=time.perf_counter() - t0,
                                          signature=_signature(spec.name, kind, io, tc.num_layers))
             continue
-        elif spec.name == "target" and dtype in plain.DTYPES:
+        elif built:
             with progress.step(f"target.onnx + target.trt.onnx: standard ONNX ops from the layer templates, "
                                f"{dtype}, streamed from safetensors") as step:
                 with W.DataFile(tmp / "target.onnx.data") as data:
@@ -226,7 +228,6 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                 model = tr.trace(spec, max_seq_len)
                 fixed = tr.trace(spec.tensorrt, max_seq_len) if spec.tensorrt is not None else None
                 files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
-        built = spec.name == "target" and dtype in plain.DTYPES  # the templates' bounded-memory session
         validation[spec.name] = _validate(progress, f"{spec.name}.onnx: validating against PyTorch on ONNX Runtime",
                                           spec, tmp / files["portable"], dtype, tmp, spec.name, weights_in_place=built)
         tensorrt_io = None

@@ -40,6 +40,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     b = Builder(data)
     low = np_dt != np.float32
     two = b.const("two", [2.0], np.float32)
+    ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])  # (the prologues name "axis0" too)
 
     def w(name: str, a: np.ndarray) -> str:
         return b.weight(name, a.astype(np_dt))
@@ -71,23 +72,22 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
 
     # --- shared by every layer: positions, the rotary rows, the causal visibility (prologues below)
     n = b.op("Shape", [N.INPUT_IDS], "n")[0]  # [1] int64
-    n0 = b.op("Squeeze", [n, b.const("axis0_n", [0])], "n.scalar", outputs=["n.scalar"])[0]
+    n0 = b.op("Squeeze", [n, ax0], "n.scalar", outputs=["n.scalar"])[0]
     b.op("Range", [b.const("zero", 0), n0, b.const("one", 1)], "steps", outputs=["steps"])  # [n]
-    b.const("axis0", [0])
     prologue_at = len(b.nodes)  # each flavour's prologue goes here: start, pos [n] int64, k_pos [T] int64
     pos = "pos"
     # rope_cos_sin in the graph: any position (a table of max_seq_len rows would refuse the validation feeds or
     # ModelOpt's calibration prompts past a short --max-seq-len)
     inv = rope_inv_freq(c.rope, hd).numpy()  # [hd / 2] fp32
-    freqs = b.op("Mul", [b.op("Unsqueeze", [b.op("Cast", [pos], "pos.f32", to=F32)[0], b.const("axis1_", [1])],
+    freqs = b.op("Mul", [b.op("Unsqueeze", [b.op("Cast", [pos], "pos.f32", to=F32)[0], ax1],
                               "pos.col.f32")[0], b.weight("rope.inv_freq", inv[None, :])], "rope.freqs")[0]  # [n, hd/2]
     emb = b.op("Concat", [freqs, freqs], "rope.emb", axis=-1)[0]  # [n, hd]
-    rot, axis1 = [], b.const("axis1", [1])
+    rot = []
     for nm, op in (("cos", "Cos"), ("sin", "Sin")):
         r = b.op(op, [emb], f"rope.{nm}")[0]
-        rot.append(b.op("Unsqueeze", [cast(r, onnx_dt, f"rope.{nm}.dt"), axis1], f"rope.{nm}.heads")[0])
-    visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", "axis0"], "k_pos.row")[0],
-                                   b.op("Unsqueeze", [pos, "axis1"], "pos.col")[0]], "visible")[0]  # [n, T] bool
+        rot.append(b.op("Unsqueeze", [cast(r, onnx_dt, f"rope.{nm}.dt"), ax1], f"rope.{nm}.heads")[0])
+    visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0],
+                                   b.op("Unsqueeze", [pos, ax1], "pos.col")[0]], "visible")[0]  # [n, T] bool
     four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
     neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
     half = b.const("half", [hd // 2, hd // 2])
@@ -144,9 +144,9 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
         h = b.op("Add", [h, linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])],
                  f"{p}.mlp_residual")[0]
-        kv_i = b.op("Concat", [b.op("Unsqueeze", [t, "axis1"], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
+        kv_i = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
                     f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
-        new_kv.append(b.op("Unsqueeze", [kv_i, "axis1"], f"{p}.new_kv.layer")[0])  # [n, 1, 2, kv, hd]
+        new_kv.append(b.op("Unsqueeze", [kv_i, ax1], f"{p}.new_kv.layer")[0])  # [n, 1, 2, kv, hd]
         if i in tap_ids:
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
@@ -156,7 +156,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     logits = cast(b.op("MatMul", [y, head_t], "lm_head")[0], F32, "logits.f32")  # [n, V] fp32
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
     b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
-    b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), b.const("axis0_", [0])], N.LOGITS,
+    b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), ax0], N.LOGITS,
          outputs=[N.LOGITS])
     tap_rows = [taps[t] for t in tap_ids]
     t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]  # [n, n_taps H]
@@ -181,13 +181,12 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
 
 def _prefix() -> list[onnx.NodeProto]:
     """past_kv is the valid prefix: start = its rows; key positions 0 .. past + n - 1."""
-    nodes = [helper.make_node("Identity", [N.PAST_KV], ["past"], name="past.view"),
-             helper.make_node("Shape", [N.PAST_KV], ["past.rows"], name="past.rows", end=1),
-             helper.make_node("Squeeze", ["past.rows", "axis0"], ["start"], name="start"),
-             helper.make_node("Add", ["start", "n.scalar"], ["total"], name="total"),
-             helper.make_node("Add", ["steps", "start"], ["pos"], name="pos"),
-             helper.make_node("Range", ["zero", "total", "one"], ["k_pos"], name="k_pos")]
-    return nodes
+    return [helper.make_node("Identity", [N.PAST_KV], ["past"], name="past.view"),
+            helper.make_node("Shape", [N.PAST_KV], ["past.rows"], name="past.rows", end=1),
+            helper.make_node("Squeeze", ["past.rows", "axis0"], ["start"], name="start"),
+            helper.make_node("Add", ["start", "n.scalar"], ["total"], name="total"),
+            helper.make_node("Add", ["steps", "start"], ["pos"], name="pos"),
+            helper.make_node("Range", ["zero", "total", "one"], ["k_pos"], name="k_pos")]
 
 
 def _fixed() -> list[onnx.NodeProto]:

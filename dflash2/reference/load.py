@@ -31,11 +31,17 @@ def load_drafter(folder: str | Path, target: Target, dtype: torch.dtype = torch.
                  config: DrafterConfig | None = None, use_draft_vocab: bool = True) -> Drafter:
     """With `use_draft_vocab`, the folder's draft_vocab.json (if any) restricts what it proposes."""
     c = config or load_drafter_config(folder)
-    expected = ckpt.drafter_tensor_shapes(c, target.config.hidden_size)
-    ckpt.check_tensors(folder, expected)
+    ckpt.check_tensors(folder, ckpt.drafter_tensor_shapes(c, target.config.hidden_size))
+    return _drafter(folder, c, target.embed_tokens.weight.detach(), target.head_weight.detach(),
+                    target.config.hidden_size, dtype, use_draft_vocab)
+
+
+def _drafter(folder, c: DrafterConfig, embed: torch.Tensor, head: torch.Tensor, hidden: int, dtype: torch.dtype,
+             use_draft_vocab: bool) -> Drafter:
+    """The drafter loaded whole around the target's embedding / LM head tensors (its tensors already checked)."""
     ids = draft_vocab.read(folder, c.vocab_size, draft_vocab.min_size(c)) if use_draft_vocab else None
-    tensors = ckpt.load_tensors(folder, set(expected))
-    model = Drafter(c, target.embed_tokens.weight.detach(), target.head_weight.detach(), target.config.hidden_size)
+    tensors = ckpt.load_tensors(folder, set(ckpt.drafter_tensor_shapes(c, hidden)))
+    model = Drafter(c, embed, head, hidden)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     model = model.to(dtype).eval()
     model.set_draft_vocab(ids)
@@ -58,23 +64,12 @@ def load_reference_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: 
     """The plain-op export's references in `dtype`: the target streamed (its graph is built from the checkpoint,
     the reference only validates it), the drafter loaded whole with the target's embedding / LM head as
     tensors (the drafter graph is still traced from the module)."""
-    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
-    check_pair(dc, tc, drafter_dir, target_dir)
-    ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
-    expected = ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
-    ckpt.check_tensors(drafter_dir, expected)
-    _check_finite(target_dir, tc, drafter_dir, expected)
+    dc, tc, _ = _checked_streamed(drafter_dir, target_dir)
     weights = ckpt.Weights(target_dir)
     target = StreamedTarget(tc, dc.target_layer_ids, weights, dtype=dtype)
     embed = torch.from_numpy(weights.get("embed_tokens.weight")).to(dtype)
     head = embed if tc.tie_word_embeddings else torch.from_numpy(weights.get("lm_head.weight")).to(dtype)
-    ids = draft_vocab.read(drafter_dir, dc.vocab_size, draft_vocab.min_size(dc)) if use_draft_vocab else None
-    model = Drafter(dc, embed, head, tc.hidden_size)
-    tensors = ckpt.load_tensors(drafter_dir, set(expected))
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
-    model = model.to(dtype).eval()
-    model.set_draft_vocab(ids)
-    return target, model
+    return target, _drafter(drafter_dir, dc, embed, head, tc.hidden_size, dtype, use_draft_vocab)
 
 
 def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path,
@@ -82,12 +77,7 @@ def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path,
     """load_pair at bounded memory (fp32): the target as a StreamedTarget and the drafter as a StreamedDrafter
     (one layer resident, each read from the checkpoint when it runs, checked finite as it is read; the
     embedding and LM head read a slice at a time, dflash2.reference.vocab)."""
-    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
-    check_pair(dc, tc, drafter_dir, target_dir)
-    ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
-    expected = ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
-    ckpt.check_tensors(drafter_dir, expected)
-    _check_finite(target_dir, tc, drafter_dir, expected)
+    dc, tc, expected = _checked_streamed(drafter_dir, target_dir)
     ids = draft_vocab.read(drafter_dir, dc.vocab_size, draft_vocab.min_size(dc)) if use_draft_vocab else None
     target = StreamedTarget(tc, dc.target_layer_ids, ckpt.Weights(target_dir))
     drafter = StreamedDrafter(dc, target, ckpt.Weights(drafter_dir), list(expected))
@@ -95,8 +85,16 @@ def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path,
     return target, drafter
 
 
-def _check_finite(target_dir, tc, drafter_dir, drafter_names) -> None:
-    """Every NaN / inf weight of both checkpoints named at once, before anything is built (load_tensors does it
-    for the loaded pair; a streamed reference would otherwise meet the first one minutes into the export)."""
-    ckpt.check_finite(target_dir, ckpt.target_tensor_shapes(tc))
-    ckpt.check_finite(drafter_dir, drafter_names)
+def _checked_streamed(drafter_dir, target_dir) -> tuple[DrafterConfig, TargetConfig, dict]:
+    """The streamed loaders' checks before any reference is built: both configs and their agreement, every
+    tensor's name and shape, and every NaN / inf weight of both checkpoints named at once (load_tensors does that
+    for the loaded pair; a streamed reference would otherwise meet the first one minutes into the export).
+    Returns (drafter config, target config, the drafter's tensor shapes)."""
+    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
+    check_pair(dc, tc, drafter_dir, target_dir)
+    target_shapes, expected = ckpt.target_tensor_shapes(tc), ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
+    ckpt.check_tensors(target_dir, target_shapes)
+    ckpt.check_tensors(drafter_dir, expected)
+    ckpt.check_finite(target_dir, target_shapes)
+    ckpt.check_finite(drafter_dir, expected)
+    return dc, tc, expected
