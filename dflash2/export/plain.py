@@ -20,8 +20,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dflash2.export import signature as N
-from dflash2.export.templates import OPSET, Builder
-from dflash2.reference.layers import rope_inv_freq
+from dflash2.export.templates import OPSET, Builder, StandardOps
 
 F32 = TensorProto.FLOAT
 DTYPES = ("float32", "float16")  # bfloat16 graphs are still traced (numpy has no bfloat16 of its own)
@@ -37,38 +36,15 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
     g, B, eps = nh // kv, dc.block_size, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
-    b = Builder(data)
-    low = np_dt != np.float32
-    two = b.const("two", [2.0], np.float32)
+    b = Builder(data, dtype=np_dt)
+    ops = StandardOps(b, c.rope, hd, eps)
     ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])  # (the prologues name "axis0" too)
 
-    def w(name: str, a: np.ndarray) -> str:
-        return b.weight(name, a.astype(np_dt))
-
-    def cast(x: str, to: int, name: str) -> str:
-        return x if not low else b.op("Cast", [x], name, to=to)[0]
-
     def rms(x: str, weight: np.ndarray, name: str, e: float = eps) -> str:
-        """RMSNorm over the last axis: fp32 inside, weight * normalized in the graph dtype (reference's RMSNorm)."""
-        x32 = cast(x, F32, f"{name}.f32")
-        sq = b.op("Pow", [x32, two], f"{name}.sq")[0]  # x.pow(2) (ONNX Runtime's fusion matches Pow, not Mul(x, x))
-        ms = b.op("ReduceMean", [sq], f"{name}.mean", axes=[-1], keepdims=1)[0]
-        r = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, b.const(f"{name}.eps", e, np.float32)],
-                                                   f"{name}.add_eps")[0]], f"{name}.sqrt")[0]], f"{name}.rsqrt")[0]
-        y = cast(b.op("Mul", [x32, r], f"{name}.scale")[0], onnx_dt, f"{name}.back")
-        return b.op("Mul", [w(f"{name}.weight", weight), y], name)[0]
+        return ops.norm(x, weight, name, eps=e)
 
     def matrix(name: str) -> str:  # a vocabulary matrix, written a row slice at a time in the graph dtype
-        return b.chunked(name, src.row_chunks(name), src.shape(name), np_dt)
-
-    def linear(x: str, name: str, s, prefixes: list[str]) -> str:
-        wt = np.concatenate([s.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
-        y = b.op("MatMul", [x, w(f"{name}.weight", wt)], name)[0]
-        del wt
-        if f"{prefixes[0]}.bias" in s:
-            y = b.op("Add", [y, w(f"{name}.bias", np.concatenate([s.get(f"{p}.bias") for p in prefixes]))],
-                     f"{name}.bias")[0]
-        return y
+        return b.chunked(name, src.row_chunks(name), src.shape(name))
 
     # --- shared by every layer: positions, the rotary rows, the causal visibility (prologues below)
     n = b.op("Shape", [N.INPUT_IDS], "n")[0]  # [1] int64
@@ -78,27 +54,19 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     pos = "pos"
     # rope_cos_sin in the graph: any position (a table of max_seq_len rows would refuse the validation feeds or
     # ModelOpt's calibration prompts past a short --max-seq-len)
-    inv = rope_inv_freq(c.rope, hd).numpy()  # [hd / 2] fp32
-    freqs = b.op("Mul", [b.op("Unsqueeze", [b.op("Cast", [pos], "pos.f32", to=F32)[0], ax1],
-                              "pos.col.f32")[0], b.weight("rope.inv_freq", inv[None, :])], "rope.freqs")[0]  # [n, hd/2]
-    emb = b.op("Concat", [freqs, freqs], "rope.emb", axis=-1)[0]  # [n, hd]
-    rot = []
-    for nm, op in (("cos", "Cos"), ("sin", "Sin")):
-        r = b.op(op, [emb], f"rope.{nm}")[0]
-        rot.append(b.op("Unsqueeze", [cast(r, onnx_dt, f"rope.{nm}.dt"), ax1], f"rope.{nm}.heads")[0])
+    rot = ops.at(pos, "rope")  # [n, 1, hd] each
     visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0],
                                    b.op("Unsqueeze", [pos, ax1], "pos.col")[0]], "visible")[0]  # [n, T] bool
     four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
     neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
-    half = b.const("half", [hd // 2, hd // 2])
     scale = b.const("attn.scale", [hd ** -0.5], np_dt)
     kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
 
     def rope(x: str, name: str) -> str:  # [n, heads, hd]: HF's rotate-half
-        x1, x2 = b.op("Split", [x, half], f"{name}.halves", outputs=2, axis=-1)
-        r = b.op("Concat", [b.op("Neg", [x2], f"{name}.neg")[0], x1], f"{name}.rotated", axis=-1)[0]
-        return b.op("Add", [b.op("Mul", [x, rot[0]], f"{name}.cos")[0], b.op("Mul", [r, rot[1]], f"{name}.sin")[0]],
-                    name)[0]
+        return ops.rotate(x, rot, name)
+
+    def linear(x: str, name: str, s, prefixes: list[str]) -> str:
+        return b.linear(x, name, s, prefixes)
 
     h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
     taps, new_kv = {}, []
@@ -128,8 +96,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]  # [kv, g n, T]
         s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
         s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
-        s = b.op("Where", [visible, cast(s, F32, f"{p}.scores.f32"), neg], f"{p}.masked")[0]
-        probs = cast(b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], onnx_dt, f"{p}.probs")
+        s = b.op("Where", [visible, ops.f32(s, f"{p}.scores"), neg], f"{p}.masked")[0]
+        probs = ops.back(b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], f"{p}.probs")
         probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
         o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
         o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
@@ -153,7 +121,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     y = rms(h, src.get("norm.weight"), "norm")
     head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
     head_t = b.op("Transpose", [head], "lm_head.t", perm=[1, 0])[0]
-    logits = cast(b.op("MatMul", [y, head_t], "lm_head")[0], F32, "logits.f32")  # [n, V] fp32
+    logits = ops.f32(b.op("MatMul", [y, head_t], "lm_head")[0], "logits")  # [n, V] fp32
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
     b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
     b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), ax0], N.LOGITS,

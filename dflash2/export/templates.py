@@ -21,11 +21,12 @@ class Builder:
     """Nodes and initializers of one graph. Weights go through `data` (a DataFile: written to disk as they
     are made, the proto only points at them) or, without one, inline into the proto."""
 
-    def __init__(self, data: W.DataFile | None = None, quant=None, native=None):
+    def __init__(self, data: W.DataFile | None = None, quant=None, native=None, dtype=np.float32):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.names: set[str] = set()
         self.data = data
+        self.dtype = np.dtype(dtype)  # of the float weights (fw, linear, matmul): the graph dtype
         self.nbits = None if quant is None else W.NBits(quant)  # quantize as the weights are written
         self.native = native  # a GgufBlocks: weights it holds go in as its blocks, not requantized
 
@@ -41,8 +42,14 @@ class Builder:
                           else numpy_helper.from_array(a, self._name(name)))
         return name
 
-    def chunked(self, name: str, chunks, shape: tuple[int, ...], dtype=np.float32) -> str:
-        """A large weight written row chunk by row chunk (never whole in memory with a DataFile), as `dtype`."""
+    def fw(self, name: str, a: np.ndarray) -> str:
+        """A float weight in the graph dtype."""
+        return self.weight(name, np.asarray(a).astype(self.dtype, copy=False))
+
+    def chunked(self, name: str, chunks, shape: tuple[int, ...], dtype=None) -> str:
+        """A large weight written row chunk by row chunk (never whole in memory with a DataFile), as `dtype`
+        (default the graph dtype)."""
+        dtype = self.dtype if dtype is None else dtype
         if self.data is None:
             return self.weight(name, np.concatenate(list(chunks)).astype(dtype))
         self.inits.append(self.data.add_chunks(self._name(name), chunks, dtype, shape))
@@ -70,14 +77,14 @@ class Builder:
             del w
         if f"{prefixes[0]}.bias" in src:
             b = np.concatenate([src.get(f"{p}.bias") for p in prefixes])
-            y = self.op("Add", [y, self.weight(f"{name}.bias", b)], f"{name}.bias")[0]
+            y = self.op("Add", [y, self.fw(f"{name}.bias", b)], f"{name}.bias")[0]
         return y
 
     def matmul(self, x: str, name: str, w: np.ndarray, quantize: bool = True) -> str:
-        """x @ w for a [K, N] weight: MatMulNBits when the builder quantizes, else an fp32 MatMul."""
+        """x @ w for a [K, N] weight: MatMulNBits when the builder quantizes, else a MatMul in the graph dtype."""
         if self.nbits is not None and quantize:
             return self.matmul_nbits(x, name, w.shape, [w])
-        return self.op("MatMul", [x, self.weight(f"{name}.weight", w)], name)[0]
+        return self.op("MatMul", [x, self.fw(f"{name}.weight", w)], name)[0]
 
     def native_blocks(self, names: list[str], src):
         """The native blocks of these weights concatenated by rows (q|k|v, gate|up), each checked to dequantize to
@@ -158,3 +165,125 @@ def rope_caches(b: Builder, rope, hd: int, rows: int) -> tuple[str, str]:
     (the halves of the reference's rotate-half tables; HF's scaling rules in rope_inv_freq)."""
     cos, sin = rope_cos_sin(torch.arange(rows), rope_inv_freq(rope, hd))  # [rows, hd] (halves repeated)
     return b.weight("rope.cos", cos[:, :hd // 2].numpy()), b.weight("rope.sin", sin[:, :hd // 2].numpy())
+
+
+class FusedOps:
+    """Norms and rotary as ONNX Runtime's contrib ops, fp32: the CPU path's fused graphs (gqa.py's target,
+    fused_drafter.build). TensorRT parses none of them."""
+
+    standard = False
+
+    def __init__(self, b: Builder, rope, hd: int, eps: float, rows: int):
+        self.b, self.hd, self.eps, self.dt = b, hd, eps, onnx.TensorProto.FLOAT
+        self.cos, self.sin = rope_caches(b, rope, hd, rows)  # positions reach rows - 1
+
+    def f32(self, x: str, name: str) -> str:  # already fp32
+        return x
+
+    back = f32
+
+    def at(self, pos: str, name: str) -> str:
+        """Positions [rows] int64 -> what `rotary` reads: [1, rows] (RotaryEmbedding's position_ids)."""
+        return self.b.op("Unsqueeze", [pos, "axis0"], f"{name}.batch")[0]
+
+    def rotary(self, x: str, at: str, heads: int, name: str) -> str:  # [1, rows, heads*hd]
+        return self.b.op("RotaryEmbedding", [x, at, self.cos, self.sin], name, domain="com.microsoft", interleaved=0,
+                         num_heads=heads)[0]
+
+    def norm(self, x: str, weight: np.ndarray | None, name: str, heads: int = 0, eps: float | None = None) -> str:
+        """RMSNorm over the last axis ([1, rows, heads*hd] normed per head when heads); weight None: ones."""
+        b, hd = self.b, self.hd
+        if heads:
+            x = b.op("Reshape", [x, b.const(f"{name}.heads", [0, 0, heads, hd])], f"{name}.split")[0]
+        w = np.ones(hd, np.float32) if weight is None else weight
+        y = b.op("SimplifiedLayerNormalization", [x, b.weight(f"{name}.weight", w)], name, axis=-1,
+                 epsilon=self.eps if eps is None else eps, stash_type=1)[0]
+        return b.op("Reshape", [y, b.const(f"{name}.flat", [0, 0, heads * hd])], f"{name}.merge")[0] if heads else y
+
+    def add_norm(self, a: str, h: str, weight: np.ndarray, name: str) -> tuple[str, str]:
+        """(norm(h + a), h + a) as one SkipSimplifiedLayerNormalization."""
+        y, _, _, s = self.b.op("SkipSimplifiedLayerNormalization", [a, h, self.b.weight(f"{name}.weight", weight)],
+                               name, outputs=4, domain="com.microsoft", epsilon=self.eps)
+        return y, s
+
+
+class StandardOps:
+    """The same layers in standard ONNX ops only (TensorRT parses them, every ONNX Runtime provider runs them),
+    in the graph dtype, with the reference's numerics (dflash2.reference.layers): RMSNorm in fp32 inside, the
+    rotary angles computed from the positions in fp32 (any position: no table of max_seq_len rows)."""
+
+    standard = True
+
+    def __init__(self, b: Builder, rope, hd: int, eps: float, opset: int = OPSET):
+        self.b, self.hd, self.eps, self.opset = b, hd, eps, opset
+        self.dt = helper.np_dtype_to_tensor_dtype(b.dtype)
+        self.low = b.dtype != np.float32
+        self.inv_freq = rope_inv_freq(rope, hd).numpy()  # [hd / 2] fp32
+        self.two = b.const("two", [2.0], np.float32)
+        self.half = b.const("rope.half", [hd // 2, hd // 2])
+
+    def f32(self, x: str, name: str) -> str:
+        return b_cast(self.b, x, onnx.TensorProto.FLOAT, f"{name}.f32") if self.low else x
+
+    def back(self, x: str, name: str) -> str:
+        return b_cast(self.b, x, self.dt, f"{name}.back") if self.low else x
+
+    def norm(self, x: str, weight: np.ndarray | None, name: str, heads: int = 0, eps: float | None = None) -> str:
+        """RMSNorm over the last axis: fp32 inside, weight * normalized in the graph dtype; per head of hd when
+        heads ([.., heads*hd] in and out); weight None: no weight (ones)."""
+        b, hd = self.b, self.hd
+        if heads:
+            x = b.op("Reshape", [x, b.const(f"{name}.heads", [0, 0, heads, hd])], f"{name}.split")[0]
+        x32 = self.f32(x, name)
+        sq = b.op("Pow", [x32, self.two], f"{name}.sq")[0]  # x.pow(2): ONNX Runtime's fusion matches Pow, not Mul
+        if self.opset >= 18:
+            ms = b.op("ReduceMean", [sq, b.const(f"{name}.last", [-1])], f"{name}.mean", keepdims=1)[0]
+        else:
+            ms = b.op("ReduceMean", [sq], f"{name}.mean", axes=[-1], keepdims=1)[0]
+        e = self.eps if eps is None else eps
+        r = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, b.const(f"{name}.eps", e, np.float32)],
+                                                   f"{name}.add_eps")[0]], f"{name}.sqrt")[0]], f"{name}.rsqrt")[0]
+        y = self.back(b.op("Mul", [x32, r], f"{name}.scale")[0], name)
+        if weight is not None:
+            y = b.op("Mul", [b.fw(f"{name}.weight", weight), y], name)[0]
+        if heads:
+            y = b.op("Reshape", [y, b.const(f"{name}.flat", [0, 0, heads * hd])], f"{name}.merge")[0]
+        return y
+
+    def add_norm(self, a: str, h: str, weight: np.ndarray, name: str) -> tuple[str, str]:
+        s = self.b.op("Add", [h, a], f"{name}.residual")[0]
+        return self.norm(s, weight, name), s
+
+    def at(self, pos: str, name: str) -> tuple[str, str]:
+        """Positions [rows] int64 -> (cos, sin) [rows, 1, hd] in the graph dtype (reference rope_cos_sin)."""
+        b = self.b
+        if "rope.inv_freq" not in b.names:
+            b.weight("rope.inv_freq", self.inv_freq[None, :])
+        col = b.op("Unsqueeze", [b.op("Cast", [pos], f"{name}.pos.f32", to=onnx.TensorProto.FLOAT)[0], "axis1"],
+                   f"{name}.pos.col.f32")[0]
+        freqs = b.op("Mul", [col, "rope.inv_freq"], f"{name}.freqs")[0]  # [rows, hd / 2]
+        emb = b.op("Concat", [freqs, freqs], f"{name}.emb", axis=-1)[0]  # [rows, hd]
+        out = []
+        for nm, op in (("cos", "Cos"), ("sin", "Sin")):
+            r = b.op(op, [emb], f"{name}.{nm}")[0]
+            r = b_cast(b, r, self.dt, f"{name}.{nm}.dt") if self.low else r
+            out.append(b.op("Unsqueeze", [r, "axis1"], f"{name}.{nm}.heads")[0])
+        return out[0], out[1]
+
+    def rotate(self, x: str, at: tuple[str, str], name: str) -> str:
+        """[.., rows, heads, hd]: HF's rotate-half with the (cos, sin) of `at`."""
+        b = self.b
+        x1, x2 = b.op("Split", [x, self.half], f"{name}.halves", outputs=2, axis=-1)
+        r = b.op("Concat", [b.op("Neg", [x2], f"{name}.neg")[0], x1], f"{name}.rotated", axis=-1)[0]
+        return b.op("Add", [b.op("Mul", [x, at[0]], f"{name}.cos")[0], b.op("Mul", [r, at[1]], f"{name}.sin")[0]],
+                    name)[0]
+
+    def rotary(self, x: str, at: tuple[str, str], heads: int, name: str) -> str:  # [1, rows, heads*hd]
+        b, hd = self.b, self.hd
+        x4 = b.op("Reshape", [x, b.const(f"{name}.heads", [0, 0, heads, hd])], f"{name}.split")[0]
+        return b.op("Reshape", [self.rotate(x4, at, name), b.const(f"{name}.flat", [0, 0, heads * hd])],
+                    f"{name}.merge")[0]
+
+
+def b_cast(b: Builder, x: str, to: int, name: str) -> str:
+    return b.op("Cast", [x], name, to=to)[0]
