@@ -275,13 +275,9 @@ def _fixed() -> list[onnx.NodeProto]:
 
 
 def _model(b: Builder, at: int, prologue, io, name: str, fused: bool = False) -> onnx.ModelProto:
-    graph = helper.make_graph(b.nodes[:at] + prologue + b.nodes[at:], name, *io, b.inits)
-    opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid("com.microsoft", 1)] if fused else [])
-    if any(n.domain == C.ONNX_DOMAIN for n in b.nodes):
-        opsets.append(helper.make_opsetid(C.ONNX_DOMAIN, C.ONNX_OPSET))
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="dflash2")
-    model.ir_version = 8
-    return model
+    domains = ((("com.microsoft", 1),) if fused else ()) + (
+        ((C.ONNX_DOMAIN, C.ONNX_OPSET),) if any(n.domain == C.ONNX_DOMAIN for n in b.nodes) else ())
+    return b.model(name, *io, opset=OPSET, prologue_at=at, prologue=prologue, domains=domains)
 
 
 def _masks(b: Builder, dc, P: str, past_pos: str | None, ctx_pos: str, blk_pos: str, blk_start: str) -> dict:

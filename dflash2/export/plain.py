@@ -20,7 +20,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dflash2.export import signature as N
-from dflash2.export.templates import OPSET, Builder, StandardOps
+from dflash2.export.templates import Builder, StandardOps
 
 F32 = TensorProto.FLOAT
 DTYPES = ("float32", "float16")  # bfloat16 graphs are still traced (numpy has no bfloat16 of its own)
@@ -39,9 +39,6 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     b = Builder(data, dtype=np_dt)
     ops = StandardOps(b, c.rope, hd, eps)
     ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])  # (the prologues name "axis0" too)
-
-    def rms(x: str, weight: np.ndarray, name: str, e: float = eps) -> str:
-        return ops.norm(x, weight, name, eps=e)
 
     def matrix(name: str) -> str:  # a vocabulary matrix, written a row slice at a time in the graph dtype
         return b.chunked(name, src.row_chunks(name), src.shape(name))
@@ -62,29 +59,23 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     scale = b.const("attn.scale", [hd ** -0.5], np_dt)
     kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
 
-    def rope(x: str, name: str) -> str:  # [n, heads, hd]: HF's rotate-half
-        return ops.rotate(x, rot, name)
-
-    def linear(x: str, name: str, s, prefixes: list[str]) -> str:
-        return b.linear(x, name, s, prefixes)
-
     h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
     taps, new_kv = {}, []
     for i in range(L):
         p, a = f"layers.{i}", f"layers.{i}.self_attn"
         if progress is not None:
             progress(i, L)
-        u = rms(h, src.get(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
-        qkv = linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])  # [n, (nh + 2kv) hd]
+        u = ops.norm(h, src.get(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
+        qkv = b.linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])  # [n, (nh + 2kv) hd]
         q, k, v = b.op("Split", [qkv, b.const(f"{p}.qkv_sizes", [nh * hd, kv * hd, kv * hd])], f"{p}.qkv",
                        outputs=3, axis=-1)
         q = b.op("Reshape", [q, b.const(f"{p}.q_heads", [-1, nh, hd])], f"{p}.q_heads")[0]  # [n, nh, hd]
         k = b.op("Reshape", [k, b.const(f"{p}.k_heads", [-1, kv, hd])], f"{p}.k_heads")[0]  # [n, kv, hd]
         v = b.op("Reshape", [v, b.const(f"{p}.v_heads", [-1, kv, hd])], f"{p}.v_heads")[0]
         if c.qk_norm:  # Qwen3: per-head RMSNorm of q and k before the rotary
-            q = rms(q, src.get(f"{a}.q_norm.weight"), f"{p}.q_norm")
-            k = rms(k, src.get(f"{a}.k_norm.weight"), f"{p}.k_norm")
-        q, k = rope(q, f"{p}.q_rope"), rope(k, f"{p}.k_rope")
+            q = ops.norm(q, src.get(f"{a}.q_norm.weight"), f"{p}.q_norm")
+            k = ops.norm(k, src.get(f"{a}.k_norm.weight"), f"{p}.k_norm")
+        q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")  # [n, heads, hd]
         layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", i)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
         pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0]
                   for j, nm in ((0, "k"), (1, "v")))  # [P, kv, hd]
@@ -103,14 +94,14 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
                  f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
         o = b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]
-        h = b.op("Add", [h, linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
-        u = rms(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
+        h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
+        u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
         m = f"{p}.mlp"
-        gate, up = b.op("Split", [linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
+        gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
                                   b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
                         outputs=2, axis=-1)
         act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
-        h = b.op("Add", [h, linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])],
+        h = b.op("Add", [h, b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])],
                  f"{p}.mlp_residual")[0]
         kv_i = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
                     f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
@@ -118,7 +109,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         if i in tap_ids:
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
-    y = rms(h, src.get("norm.weight"), "norm")
+    y = ops.norm(h, src.get("norm.weight"), "norm")
     head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
     head_t = b.op("Transpose", [head], "lm_head.t", perm=[1, 0])[0]
     logits = ops.f32(b.op("MatMul", [y, head_t], "lm_head")[0], "logits")  # [n, V] fp32
@@ -129,8 +120,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     tap_rows = [taps[t] for t in tap_ids]
     t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]  # [n, n_taps H]
     if fuse_context:  # drafter.context: hidden_norm(fc(taps))
-        t = rms(linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
-                float(dc.rms_norm_eps))
+        t = ops.norm(b.linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
+                     eps=float(dc.rms_norm_eps))
     b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
 
     ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
@@ -140,11 +131,11 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                helper.make_tensor_value_info(N.NEW_KV, onnx_dt, ["n", *row]),
                helper.make_tensor_value_info(N.LOGITS, F32, [f"Min(n, {B})", c.vocab_size])]  # the last B rows
     ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
-    return (_model(b, prologue_at, _prefix(), [ids_in, helper.make_tensor_value_info(N.PAST_KV, onnx_dt, ["past", *row])],
-                   outputs, "dflash2_target"),
-            _model(b, prologue_at, _fixed(), [ids_in, helper.make_tensor_value_info(N.KV_CACHE, onnx_dt, ["cap", *row]),
-                                  helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])],
-                   outputs, "dflash2_target_fixed"))
+    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, onnx_dt, ["past", *row])]
+    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, onnx_dt, ["cap", *row]),
+             helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
+    return (b.model("dflash2_target", past, outputs, prologue_at=prologue_at, prologue=_prefix()),
+            b.model("dflash2_target_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed()))
 
 
 def _prefix() -> list[onnx.NodeProto]:
@@ -173,9 +164,3 @@ def _fixed() -> list[onnx.NodeProto]:
             helper.make_node("Add", ["steps", "start"], ["pos"], name="pos"),
             helper.make_node("Concat", ["past.pos", "pos"], ["k_pos"], name="k_pos", axis=0)]
 
-
-def _model(b: Builder, at: int, prologue, inputs, outputs, name: str) -> onnx.ModelProto:
-    graph = helper.make_graph(b.nodes[:at] + prologue + b.nodes[at:], name, inputs, outputs, b.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="dflash2")
-    model.ir_version = 8
-    return model

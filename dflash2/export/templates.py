@@ -65,6 +65,17 @@ class Builder:
         self.nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain, **attrs))
         return outs
 
+    def model(self, name: str, inputs, outputs, opset: int = OPSET, prologue_at: int | None = None,
+              prologue=(), domains: tuple[tuple[str, int], ...] = ()) -> onnx.ModelProto:
+        """The graph as a model; `prologue` (one flavour's nodes) inserted at node `prologue_at`, so flavours that
+        differ only in where their past is share every other node and initializer."""
+        at = len(self.nodes) if prologue_at is None else prologue_at
+        graph = helper.make_graph(self.nodes[:at] + list(prologue) + self.nodes[at:], name, inputs, outputs, self.inits)
+        opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, v) for d, v in domains]
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="dflash2")
+        model.ir_version = 8
+        return model
+
     def linear(self, x: str, name: str, src, prefixes: list[str], quantize: bool = True) -> str:
         """One MatMul over the [K, sum N] concatenation of Linear weights `{prefix}.weight` (+ biases);
         MatMulNBits when the builder quantizes (ONNX Runtime's own block quantizer, dflash2.export.weights)."""
@@ -171,8 +182,6 @@ class FusedOps:
     """Norms and rotary as ONNX Runtime's contrib ops, fp32: the CPU path's fused graphs (gqa.py's target,
     fused_drafter.build). TensorRT parses none of them."""
 
-    standard = False
-
     def __init__(self, b: Builder, rope, hd: int, eps: float, rows: int):
         self.b, self.hd, self.eps, self.dt = b, hd, eps, onnx.TensorProto.FLOAT
         self.cos, self.sin = rope_caches(b, rope, hd, rows)  # positions reach rows - 1
@@ -211,8 +220,6 @@ class StandardOps:
     """The same layers in standard ONNX ops only (TensorRT parses them, every ONNX Runtime provider runs them),
     in the graph dtype, with the reference's numerics (dflash2.reference.layers): RMSNorm in fp32 inside, the
     rotary angles computed from the positions in fp32 (any position: no table of max_seq_len rows)."""
-
-    standard = True
 
     def __init__(self, b: Builder, rope, hd: int, eps: float, opset: int = OPSET):
         self.b, self.hd, self.eps, self.opset = b, hd, eps, opset
