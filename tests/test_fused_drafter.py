@@ -203,21 +203,65 @@ def test_export_with_a_draft_vocabulary(tmp_path, pairs):
     assert loaded.graphs["drafter"].flavours.tensorrt is None
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_plain_flavours_match_the_reference(tmp_path, case):
+def test_plain_flavours_match_the_reference(tmp_path, case, dtype):
     """build_plain: standard ONNX ops, both flavours from one pass; the TensorRT flavour's stale cache rows
-    hidden by its context mask (the fixed feeds carry garbage rows past past_len)."""
+    hidden by its context mask (the fixed feeds carry garbage rows past past_len). fp16 against the streamed
+    fp16 reference (what the export validates with), the walk judged on the graph's own candidates where they
+    are the reference's top-K up to rounding (validate._on_graph_candidates)."""
+    import torch
+
     from dflash2.export import trace as tr
+    from dflash2.reference.load import load_streamed_pair
 
     d, t = _pair(tmp_path, case)
-    target, drafter = load_pair(d, t)
+    target, drafter = load_streamed_pair(d, t, dtype=getattr(torch, dtype))
     spec = next(s for s in graph_specs(target, drafter, True) if s.name == "drafter")
     with W.DataFile(tmp_path / "drafter.onnx.data") as data:
-        m, fixed = fd.build_plain(drafter.config, target.config, Weights(d), Weights(t), True, "float32", None, data)
+        m, fixed = fd.build_plain(drafter.config, target.config, Weights(d), Weights(t), True, dtype, None, data)
     assert not any(n.domain == "com.microsoft" for n in m.graph.node)  # TensorRT parses every node
     files = tr.write_graph(m, tmp_path, spec, drafter.config.num_drafts, fixed)
     assert files == {"portable": "drafter.onnx", "tensorrt": "drafter.trt.onnx"}
     S = drafter.config.num_drafts if spec.has_selector else None
-    assert validate_graph(spec, tmp_path / files["portable"], "float32", weights_in_place=True)[0] == []
-    assert validate_graph(spec.tensorrt, tmp_path / files["tensorrt"], "float32", selector_drafts=S,
+    assert validate_graph(spec, tmp_path / files["portable"], dtype, weights_in_place=True)[0] == []
+    assert validate_graph(spec.tensorrt, tmp_path / files["tensorrt"], dtype, selector_drafts=S,
                           weights_in_place=True)[0] == []
+
+
+def test_candidates_are_walked_only_when_they_tie(tmp_path):
+    """The fp16 candidate rule accepts another order of near-equal logits and nothing else: a swapped pair of
+    exactly tied candidates walks; a candidate from outside the top-K, a repeated one, or an id outside the draft
+    vocabulary is refused (the plain comparison then judges, and fails)."""
+    import torch
+
+    d, t = _pair(tmp_path, "llama-v2")
+    target, drafter = load_pair(d, t)
+    S, K, H = drafter.config.num_drafts, drafter.config.selector_top_k, drafter.config.hidden_size
+    hidden = torch.randn(1, S, H, generator=torch.Generator().manual_seed(0))
+    logits, _ = drafter.draft_logits(hidden)
+    own = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices  # [1, S, V]
+    top = own[..., :K].int()
+    vals, ids = drafter.candidates_from(hidden, top, 1e-4, 1e-3)
+    assert torch.equal(ids, top) and torch.allclose(vals, logits.float().gather(-1, top.long()))
+    swapped = top.clone()
+    swapped[0, 0, [0, 1]] = swapped[0, 0, [1, 0]]  # the first two are not tied: refused at 1e-4 ...
+    assert drafter.candidates_from(hidden, swapped, 1e-4, 1e-3) is None
+    gap = float((logits[0, 0, top[0, 0, 0]] - logits[0, 0, top[0, 0, 1]]).abs())
+    assert drafter.candidates_from(hidden, swapped, 2 * gap, 0.0) is not None  # ... a tie at 2x the gap's tolerance
+    outside = top.clone()
+    outside[0, 1, K - 1] = own[0, 1, -1]  # the lowest logit of the row
+    assert drafter.candidates_from(hidden, outside, 1e-4, 1e-3) is None
+    repeated = top.clone()
+    repeated[0, 2, 1] = repeated[0, 2, 0]
+    assert drafter.candidates_from(hidden, repeated, 1e2, 1.0) is None
+    beyond = top.clone()
+    beyond[0, 3, 0] = logits.shape[-1]
+    assert drafter.candidates_from(hidden, beyond, 1e2, 1.0) is None
+    # a walked row: greedy picks tie only within the tolerance; sampled, only where u sits on a boundary
+    from dflash2.reference.selector import walk_tie
+
+    row = torch.tensor([5.0, 4.99, 1.0, -2.0])
+    assert walk_tie(row, 0.0, 0.0, 0, 1, 5e-2, 0.0) and not walk_tie(row, 0.0, 0.0, 0, 2, 5e-2, 0.0)
+    q0 = float(torch.softmax(row, -1)[0])
+    assert walk_tie(row, 1.0, q0 + 0.01, 0, 1, 5e-2, 0.0) and not walk_tie(row, 1.0, q0 + 0.2, 0, 1, 5e-2, 0.0)

@@ -39,7 +39,7 @@ from dflash2.folders import (
 )
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
-from dflash2.reference.load import load_pair, load_reference_pair, load_streamed_pair
+from dflash2.reference.load import load_pair, load_streamed_pair
 from dflash2.reference.streamed import StreamedTarget, truncated
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -102,12 +102,11 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     steps += len(quantize.graphs()) if quantize and target_attention != "gqa" else 0
     progress = Progress(steps, quiet)
     with progress.step("loading and checking the checkpoints"):
-        if target_attention == "gqa":  # built from templates: the reference reads one layer at a time
-            target, drafter = load_streamed_pair(drafter_dir, target_dir, use_draft_vocab=not full_vocab)
-        elif dtype in plain.DTYPES:  # the plain target from templates too; the drafter is still traced (loaded)
-            target, drafter = load_reference_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype),
-                                                  use_draft_vocab=not full_vocab)
-        else:
+        if target_attention == "gqa" or dtype in plain.DTYPES:  # every graph built from templates: the
+            # references only validate them, reading one layer at a time
+            target, drafter = load_streamed_pair(drafter_dir, target_dir, use_draft_vocab=not full_vocab,
+                                                 dtype=dtypes.torch_dtype(dtype))
+        else:  # bfloat16: traced from the loaded modules
             target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype),
                                         use_draft_vocab=not full_vocab)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
@@ -195,8 +194,8 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
     graphs, validation, quantized = {}, {}, {}
     for spec in graph_specs(target, drafter, fuse_context):
         t0 = time.perf_counter()
-        built = spec.name == "target" and dtype in plain.DTYPES  # the plain target from templates: validated
-        # in the bounded-memory session like every graph built from weights
+        built = spec.name in ("target", "drafter") and dtype in plain.DTYPES  # the plain graphs from templates:
+        # validated in the bounded-memory session like every graph built from weights
         if target_attention == "gqa" and spec.name in ("target", "drafter"):  # built from templates, no TRT flavour
             if spec.name == "target":
                 spec, files, checked, q_report = _gqa_target(tmp, spec, target, drafter, tc, dc, sources, fuse_context,
@@ -216,11 +215,16 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                                          signature=_signature(spec.name, kind, io, tc.num_layers))
             continue
         elif built:
-            with progress.step(f"target.onnx + target.trt.onnx: standard ONNX ops from the layer templates, "
-                               f"{dtype}, streamed from safetensors") as step:
-                with W.DataFile(tmp / "target.onnx.data") as data:
-                    model, fixed = plain.build(tc, dc, Weights(sources[1]), Weights(sources[0]), fuse_context,
-                                               dtype, data, progress=step.layer)
+            with progress.step(f"{spec.name}.onnx + {spec.name}.trt.onnx: standard ONNX ops from the layer "
+                               f"templates, {dtype}, streamed from safetensors") as step:
+                with W.DataFile(tmp / f"{spec.name}.onnx.data") as data:
+                    if spec.name == "target":
+                        model, fixed = plain.build(tc, dc, Weights(sources[1]), Weights(sources[0]), fuse_context,
+                                                   dtype, data, progress=step.layer)
+                    else:
+                        ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
+                        model, fixed = fused_drafter.build_plain(dc, tc, Weights(sources[0]), Weights(sources[1]),
+                                                                 fuse_context, dtype, ids, data, progress=step.layer)
                 files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
                 del model, fixed
         else:

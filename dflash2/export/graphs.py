@@ -17,6 +17,7 @@ from dflash2.export import signature as N
 from dflash2.ops import contract as C
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target
+from dflash2.reference.selector import path_confidence, walk_tie
 
 
 class TargetGraph(nn.Module):
@@ -90,6 +91,38 @@ class SamplingDrafterGraph(DrafterGraph):
                                          temperature.reshape(1))
         return out[N.DRAFT_IDS][0], out[N.CAND_IDS][0], out[N.CONFIDENCE][0], out[N.DRAFT_PROBS][0], new_kv
 
+    def on_candidates(self, got: dict, atol: float, rtol: float, context, past_ctx_kv, anchor, uniforms,
+                      temperature, past_len=None):
+        """forward's outputs judged on a graph's own choices where rounding alone explains them, or None.
+        Its candidates [S, K] walked where they are a top-K of this reference's logits up to rounding
+        (Drafter.candidates_from: fp16 swaps near-equal ones); where its path first leaves this walk at a
+        row whose two picks tie up to rounding (selector.walk_tie), the graph's path from there on is another,
+        equally valid walk: its picks there and its outputs after are taken as they are.
+        Returns (outputs, positions taken from the graph after a tie)."""
+        hidden, new_kv = self._hidden(context, past_ctx_kv, anchor, past_len)
+        cands = self.drafter.candidates_from(hidden[None], torch.from_numpy(got[N.CAND_IDS])[None], atol, rtol)
+        if cands is None:
+            return None
+        out = {k: v[0] for k, v in self.drafter.propose_batch(
+            hidden[None], anchor.reshape(1), uniforms.reshape(1, -1), temperature.reshape(1), candidates=cands).items()}
+        draft, conf, probs = out[N.DRAFT_IDS].clone(), out[N.CONFIDENCE].clone(), out[N.DRAFT_PROBS].clone()
+        g = torch.from_numpy(got[N.DRAFT_IDS])
+        differ = (g != draft).nonzero()
+        s = int(differ[0]) if len(differ) else None
+        j = None if s is None else (out[N.CAND_IDS][s] == g[s]).nonzero()
+        row = None if s is None else out["path_scores"][s]  # [K]
+        taken = 0
+        if s is not None and len(j) == 1 and walk_tie(row, float(temperature.reshape(-1)[0]), float(uniforms[s]),
+                                                      int(j[0]), int(out["path_index"][s]), atol, rtol):
+            draft[s:] = g[s:]
+            conf[s] = path_confidence(row[None], j[0])[0]
+            if float(temperature.reshape(-1)[0]) <= 0:  # a greedy row's q is one-hot at its pick
+                probs[s] = torch.nn.functional.one_hot(j[0], probs.shape[-1])[0].float()
+            conf[s + 1:] = torch.from_numpy(got[N.CONFIDENCE][s + 1:])
+            probs[s + 1:] = torch.from_numpy(got[N.DRAFT_PROBS][s + 1:])
+            taken = len(draft) - s - 1
+        return (draft, out[N.CAND_IDS], conf, probs, new_kv), taken
+
 
 class SelectorGraph(nn.Module):
     """The selector alone with the drafter's real codebooks: [B, S, K] candidates -> walked path."""
@@ -120,6 +153,9 @@ class GraphSpec:
     tensorrt: GraphSpec | None = None  # a separate TensorRT flavour with fixed step shapes (fixed_shapes())
     # (output name, value, feed) -> the part compared: rows a graph leaves unspecified are cut (gqa's buffers)
     trim: Callable[[str, np.ndarray, dict], np.ndarray] | None = None
+    # (the graph's outputs, atol, rtol, *inputs) -> (the reference's outputs walked on the graph's own choices, the
+    # positions taken after a tie), or None where rounding does not explain them (SamplingDrafterGraph.on_candidates)
+    on_candidates: Callable | None = None
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -172,7 +208,7 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True) -> 
         GraphSpec("drafter", graph, d_in, d_out,
                   {N.CONTEXT: {0: "n"}, N.PAST_CTX_KV: {0: "past"}, N.ANCHOR: {},
                    **({N.UNIFORMS: {}, N.TEMPERATURE: {}} if v2 else {})},
-                  d_example, drafter_feeds, has_selector=v2),
+                  d_example, drafter_feeds, has_selector=v2, on_candidates=graph.on_candidates if v2 else None),
     ]
     for spec in specs:
         spec.tensorrt = fixed_shapes(spec)
@@ -227,4 +263,5 @@ def fixed_shapes(spec: GraphSpec) -> GraphSpec:
     ex = dict(zip(spec.inputs, spec.example))
     example = tuple(convert(ex)[n] for n in inputs)
     return GraphSpec(spec.name, spec.module, inputs, spec.outputs, dynamic, example,
-                     lambda: [convert(f) for f in spec.feeds()], spec.has_selector)
+                     lambda: [convert(f) for f in spec.feeds()], spec.has_selector,
+                     on_candidates=spec.on_candidates)

@@ -15,7 +15,7 @@ from torch import nn
 from dflash2.config import DrafterConfig
 from dflash2.reference.layers import (MLP, Fp32Rope, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq,
                                      visibility)
-from dflash2.reference.selector import select_candidates
+from dflash2.reference.selector import select_candidates, topk_lowest_index
 from dflash2.reference.vocab import project, take
 
 
@@ -202,15 +202,41 @@ class Drafter(Fp32Rope):
         return {k: v[0] for k, v in self.propose_batch(hidden[None], anchor.reshape(1), u, t).items()}
 
     def propose_batch(self, hidden: torch.Tensor, anchor: torch.Tensor, uniforms: torch.Tensor | None = None,
-                      temperature: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                      temperature: torch.Tensor | None = None,
+                      candidates: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """DFlash2: hidden [nb, S, H], anchor [nb] (, uniforms [nb, S], temperature [nb])
-        -> selector outputs [nb, S(, K)]; the op runs in mode "sample" (temperature 0 walks greedily)."""
+        -> selector outputs [nb, S(, K)]; the op runs in mode "sample" (temperature 0 walks greedily).
+        candidates: the top-K to walk instead of this reference's own (select_candidates)."""
         c, sel = self.config, self.candidate_selector
         logits, ids = self.draft_logits(hidden)
         return select_candidates(logits.float(), hidden, anchor, sel.hidden_projection.weight,
                                  sel.predecessor_codebook, sel.successor_codebook, c.selector_top_k,
                                  c.output_multiplier, c.logit_softcap, id_map=ids, uniforms=uniforms,
-                                 temperature=temperature, mode="sample")
+                                 temperature=temperature, mode="sample", candidates=candidates)
+
+    def candidates_from(self, hidden: torch.Tensor, cand_ids: torch.Tensor, atol: float, rtol: float
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Another top-K of these hidden states ([nb, S, H]; cand_ids [nb, S, K] token ids, a graph's) as
+        (this reference's logits at those ids, the ids) when it is a top-K of this reference's logits up to
+        rounding: every slot's logit within atol * max(1, rms(logits)) + rtol * |value| of this reference's own
+        k-th value (near-equal candidates swap under fp16 rounding; any other difference returns None)."""
+        logits, ids = self.draft_logits(hidden)
+        logits = logits.float()  # [nb, S, N]
+        own, _ = topk_lowest_index(logits, self.config.selector_top_k)  # [nb, S, K]
+        g = cand_ids.long()
+        if ids is None:
+            known = (g >= 0) & (g < logits.shape[-1])
+            cols = g.clamp(0, logits.shape[-1] - 1)
+        else:  # token ids -> columns of the draft vocabulary (ascending ids)
+            cols = torch.searchsorted(ids, g).clamp(max=len(ids) - 1)
+            known = ids[cols] == g
+        vals = logits.gather(-1, cols)  # [nb, S, K]
+        scale = max(1.0, float(logits[torch.isfinite(logits)].square().mean().sqrt())) if logits.numel() else 1.0
+        close = (vals - own).abs() <= atol * scale + rtol * own.abs()
+        distinct = all(len(set(r.tolist())) == len(r) for r in g.reshape(-1, g.shape[-1]))
+        if not (bool(known.all()) and bool(close.all()) and distinct):
+            return None
+        return vals, cand_ids.int()
 
 
 def _scaled(logits: torch.Tensor, c: DrafterConfig) -> torch.Tensor:

@@ -72,14 +72,14 @@ def load_reference_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: 
     return target, _drafter(drafter_dir, dc, embed, head, tc.hidden_size, dtype, use_draft_vocab)
 
 
-def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path,
-                       use_draft_vocab: bool = True) -> tuple[StreamedTarget, Drafter]:
-    """load_pair at bounded memory (fp32): the target as a StreamedTarget and the drafter as a StreamedDrafter
+def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path, use_draft_vocab: bool = True,
+                       dtype: torch.dtype = torch.float32) -> tuple[StreamedTarget, Drafter]:
+    """load_pair at bounded memory (every weight in `dtype` as it runs): the target as a StreamedTarget and the drafter as a StreamedDrafter
     (one layer resident, each read from the checkpoint when it runs, checked finite as it is read; the
     embedding and LM head read a slice at a time, dflash2.reference.vocab)."""
     dc, tc, expected = _checked_streamed(drafter_dir, target_dir)
     ids = draft_vocab.read(drafter_dir, dc.vocab_size, draft_vocab.min_size(dc)) if use_draft_vocab else None
-    target = StreamedTarget(tc, dc.target_layer_ids, ckpt.Weights(target_dir))
+    target = StreamedTarget(tc, dc.target_layer_ids, ckpt.Weights(target_dir), dtype=dtype)
     drafter = StreamedDrafter(dc, target, ckpt.Weights(drafter_dir), list(expected))
     drafter.set_draft_vocab(ids)
     return target, drafter

@@ -89,6 +89,23 @@ def walk_rows(row: torch.Tensor, T: torch.Tensor, u: torch.Tensor) -> tuple[torc
     return idx, torch.where(sample[:, None], e / total[:, None], one_hot)
 
 
+def walk_tie(row: torch.Tensor, T: float, u: float, a: int, b: int, atol: float, rtol: float) -> bool:
+    """Whether one walked row [K] could pick index a or b under rounding of its scores: greedy (T <= 0), both
+    within atol * max(1, rms(row)) + rtol * |max| of the row's maximum; sampled, the uniform u within atol of
+    every cumulative-probability boundary between them (walk_rows' order)."""
+    finite = row[torch.isfinite(row)]
+    if T <= 0:
+        if not finite.numel():
+            return False
+        m = float(finite.max())
+        tol = atol * max(1.0, float(finite.square().mean().sqrt())) + rtol * abs(m)
+        return bool(row[a] >= m - tol and row[b] >= m - tol)
+    _, q = walk_rows(row[None].float(), torch.tensor([T]), torch.tensor([u]))
+    cdf = torch.cumsum(q[0], dim=-1)  # [K]
+    lo, hi = min(a, b), max(a, b)
+    return bool(((cdf[lo:hi] - u).abs() <= atol).all())
+
+
 def path_confidence(rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
     """[..., K] fp32 walked score rows, [...] walked index (None: the first argmax) -> [...]
     softmax(row)[index] at temperature 1 (contract.path_confidence: -inf max -> 0, +inf max ->
@@ -137,11 +154,16 @@ def select_candidates(
     uniforms: torch.Tensor | None = None,  # [B, S] fp32; None: zeros
     temperature: torch.Tensor | None = None,  # [B] fp32; None: 0 (greedy)
     mode: str = "greedy",
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([B, S, K] fp32 logits, [B, S, K] token ids)
 ) -> dict[str, torch.Tensor]:
-    """Top-K (stable: equal logits keep the lower token id first, as ONNX TopK) + gate + op."""
-    cand_logits, cand_ids = topk_lowest_index(logits.float(), top_k)  # [B, S, K]
-    if id_map is not None:  # ascending ids: the lowest-index tie rule still means the lowest token id
-        cand_ids = id_map[cand_ids]
+    """Top-K (stable: equal logits keep the lower token id first, as ONNX TopK) + gate + op.
+    candidates: walk these instead of the top-K (a graph's own near-tie order, judged by the validation)."""
+    if candidates is None:
+        cand_logits, cand_ids = topk_lowest_index(logits.float(), top_k)  # [B, S, K]
+        if id_map is not None:  # ascending ids: the lowest-index tie rule still means the lowest token id
+            cand_ids = id_map[cand_ids]
+    else:
+        cand_logits, cand_ids = candidates
     gate = hidden.to(hidden_projection.dtype) @ hidden_projection.T  # [B, S, R]
     B, S = cand_ids.shape[:2]
     uniforms = torch.zeros(B, S) if uniforms is None else uniforms.float()

@@ -71,13 +71,15 @@ class StreamedDrafter(Drafter):
     """Drafter's interface with its layers read from the checkpoint as they run (module docstring)."""
 
     def __init__(self, c: DrafterConfig, target: StreamedTarget, weights, names: list[str]):
-        """names: the checkpoint's tensor names (dflash2.checkpoint.drafter_tensor_shapes)."""
+        """names: the checkpoint's tensor names (dflash2.checkpoint.drafter_tensor_shapes); every weight runs in
+        the target's dtype (the embedding / LM head rows are the target's)."""
         with torch.device("meta"):  # the layers' parameters: shapes only, never allocated
             super().__init__(c, target.embed_rows, target.head_rows, target.config.hidden_size)
+        self.dtype = target.dtype
         self.requires_grad_(False)
         self.src = weights
         self.inv_freq = rope_inv_freq(c.rope, c.head_dim)  # (made on meta above)
-        resident = {n: _tensor(weights, n) for n in names if not n.startswith("layers.")}
+        resident = {n: _tensor(weights, n).to(self.dtype) for n in names if not n.startswith("layers.")}
         missing, unexpected = self.load_state_dict(resident, strict=False, assign=True)
         left = [k for k in missing if not k.startswith("layers.")]
         if left or unexpected:
@@ -86,7 +88,7 @@ class StreamedDrafter(Drafter):
         self.eval()
 
     def iter_layers(self):
-        return _stream(self.layers, self.src)  # the meta layers: the templates, never given tensors
+        return _stream(self.layers, self.src, self.dtype)  # the meta layers: the templates, never given tensors
 
 
 def _stream(templates, weights, dtype: torch.dtype = torch.float32):
