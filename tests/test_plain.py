@@ -80,13 +80,39 @@ def test_an_export_with_the_shortest_max_seq_len_validates(tmp_path):
 def test_fp16_references_keep_fp32_rotary_frequencies(tmp_path):
     """.to(float16) would round inv_freq (0.24 rad off at position 2,000); the references keep it fp32, as the
     graph computes the angles, and the streamed fp16 reference equals the loaded one."""
-    from dflash2.reference.load import load_reference_pair
+    from dflash2.reference.load import load_streamed_pair
 
     drf, tgt = tiny.make_pair(tmp_path / "pair")
     loaded, ld = load_pair(drf, tgt, torch.float16)
-    streamed, sd = load_reference_pair(drf, tgt, torch.float16)
+    streamed, sd = load_streamed_pair(drf, tgt, dtype=torch.float16)
     assert loaded.inv_freq.dtype == streamed.inv_freq.dtype == ld.inv_freq.dtype == sd.inv_freq.dtype == torch.float32
     ids, past = torch.arange(7), torch.zeros(0, *loaded.kv_row_shape(), dtype=torch.float16)
     with torch.no_grad():
         a, b = loaded(ids, past), streamed(ids, past)
     assert all(x.dtype == torch.float16 and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_target_past_the_budget_is_checked_truncated_and_said_so(tmp_path, pairs, monkeypatch):
+    """Past WHOLE_GRAPH_BYTES the plain target is validated as a truncated build of the same templates (both
+    flavours, the real embedding and head), the whole graph recorded as not run, with why; ids stay those of
+    target-only decoding. A template that breaks still fails there, and the export keeps nothing."""
+    from dflash2.errors import ValidationError
+    from dflash2.export import stages, validate
+    from dflash2.export.api import export
+    from dflash2.runtime.api import Runtime
+    from dflash2.speculative import generate
+
+    monkeypatch.setattr(stages, "WHOLE_GRAPH_BYTES", 0)
+    m = export(*pairs[("qwen3", 2)], tmp_path / "out", max_seq_len=64, quiet=True)
+    v = m.validation
+    assert v["target.truncated"].ok and v["target.truncated.trt"].ok and v["drafter"].ok
+    assert not v["target"].ok and "not run whole" in v["target"].skipped and v["target"].failures == []
+    assert not v["target.trt"].ok and "target.truncated.trt" in v["target.trt"].skipped
+    assert not any("truncated" in p.name for p in (tmp_path / "out").iterdir())
+    rt = Runtime(tmp_path / "out")
+    prompt = [3, 9, 27, 81]
+    assert generate(rt.session, prompt, 24).ids == generate(rt.session, prompt, 24, speculative=False).ids
+    monkeypatch.setitem(validate.TOLERANCES, "float32", (0.0, 0.0))
+    with pytest.raises(ValidationError) as e:
+        export(*pairs[("qwen3", 2)], tmp_path / "bad", max_seq_len=64, quiet=True)
+    assert "target.truncated" in str(e.value) and not (tmp_path / "bad").exists()

@@ -86,7 +86,7 @@ def test_truncated_depth_keeps_four_layers_unless_their_fp32_bytes_pass_the_budg
     import dataclasses
 
     from dflash2.config import load_target_config
-    from dflash2.export.api import TRUNCATED_LAYER_BYTES, truncated_depth
+    from dflash2.export.stages import TRUNCATED_LAYER_BYTES, truncated_depth
 
     tc = load_target_config(pair[1])
     assert truncated_depth(tc) == 4

@@ -310,7 +310,7 @@ def table(rows: list[Measured]) -> str:
 
 
 def target_stage(drafter: Path, target: Path, out: Path, method: str) -> None:
-    """The export's target stage alone (dflash2.export.api._gqa_target's build): templates, weights streamed
+    """The export's target stage alone (dflash2.export.stages.gqa_target's build): templates, weights streamed
     from the checkpoint into out/target.onnx.data, quantized as written for int4."""
     from dflash2.checkpoint import Weights
     from dflash2.config import load_drafter_config, load_target_config

@@ -59,19 +59,6 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
     return target, load_drafter(drafter_dir, target, dtype, dc, use_draft_vocab)
 
 
-def load_reference_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32,
-                        use_draft_vocab: bool = True) -> tuple[StreamedTarget, Drafter]:
-    """The plain-op export's references in `dtype`: the target streamed (its graph is built from the checkpoint,
-    the reference only validates it), the drafter loaded whole with the target's embedding / LM head as
-    tensors (the drafter graph is still traced from the module)."""
-    dc, tc, _ = _checked_streamed(drafter_dir, target_dir)
-    weights = ckpt.Weights(target_dir)
-    target = StreamedTarget(tc, dc.target_layer_ids, weights, dtype=dtype)
-    embed = torch.from_numpy(weights.get("embed_tokens.weight")).to(dtype)
-    head = embed if tc.tie_word_embeddings else torch.from_numpy(weights.get("lm_head.weight")).to(dtype)
-    return target, _drafter(drafter_dir, dc, embed, head, tc.hidden_size, dtype, use_draft_vocab)
-
-
 def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path, use_draft_vocab: bool = True,
                        dtype: torch.dtype = torch.float32) -> tuple[StreamedTarget, Drafter]:
     """load_pair at bounded memory (every weight in `dtype` as it runs): the target as a StreamedTarget and the drafter as a StreamedDrafter

@@ -1,0 +1,269 @@
+"""The export's per-graph stages (dflash2.export.api calls them in order): the graphs built from layer templates
+with their weights streamed from the checkpoints (the plain target with its truncated check, the gqa target, the
+fused drafter), each validated at bounded memory or quantized with its deviation measured, and the records the
+manifest keeps of them."""
+
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+from dflash2 import dtypes
+from dflash2 import manifest as mf
+from dflash2.checkpoint import Weights
+from dflash2.errors import Dflash2Error, ValidationError
+from dflash2.export import deviation, fused_drafter, gqa, plain, qdq
+from dflash2.export import quantize as qz
+from dflash2.export import signature as sig
+from dflash2.export import trace as tr
+from dflash2.export import weights as W
+from dflash2.export.graphs import graph_specs
+from dflash2.export.validate import validate_graph
+from dflash2.progress import Progress
+from dflash2.reference.streamed import StreamedTarget, truncated
+
+
+WHOLE_GRAPH_BYTES = 1 << 30  # a plain target validated whole when its weights fit (ONNX Runtime maps them all,
+# beside the reference's layer and the feeds); past it the truncated build of the same templates stands for it
+
+
+def weight_bytes(tc, dtype: str) -> int:
+    return _fp32_weight_bytes(tc) // 4 * dtypes.BY_NAME[dtype].itemsize
+
+
+def not_whole(progress: Progress, name: str, tc, dtype: str) -> mf.Validation:
+    """The record of a graph not run whole (WHOLE_GRAPH_BYTES): said, and never reported validated."""
+    why = (f"not run whole here: {weight_bytes(tc, dtype) / 2**30:.2f} GiB of {dtype} weights, past the "
+           f"{WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory validation maps; the same templates validated end "
+           f"to end as {name.replace('target', 'target.truncated')}; `dflash2-compare OUT` runs the whole graph "
+           f"where memory allows")
+    with progress.step(f"{name}.onnx: validation") as step:
+        step.outcome = f"NOT validated whole ({why})"
+    return mf.Validation(ok=False, failures=[], skipped=why)
+
+
+def plain_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context: bool, dtype: str,
+                     progress: Progress) -> dict[str, mf.Validation]:
+    """A truncated_depth()-layer build of the plain templates (both flavours) with the real embedding, head and
+    context projection, the taps spread over its layers, validated against the layer-streamed reference; its
+    files removed once checked (a failure keeps them: keep_failed)."""
+    tw, dw = Weights(sources[1]), Weights(sources[0])
+    short_tc, short_dc = truncated(tc, dc, truncated_depth(tc))
+    short = StreamedTarget(short_tc, short_dc.target_layer_ids, tw, like=target)
+    spec = graph_specs(short, drafter, fuse_context)[0]
+    name = "target.truncated"
+    with progress.step(f"{name}.onnx + {name}.trt.onnx: the templates end to end ({short_tc.num_layers} layers, "
+                       f"the real embedding and head), {dtype}") as step:
+        with W.DataFile(tmp / f"{name}.onnx.data") as data:
+            model, fixed = plain.build(short_tc, short_dc, tw, dw, fuse_context, dtype, data, progress=step.layer)
+        onnx.save_model(model, str(tmp / f"{name}.onnx"))
+        onnx.save_model(fixed, str(tmp / f"{name}.trt.onnx"))
+        del model, fixed
+    checked = {name: validated(progress, f"{name}.onnx: validating against PyTorch on ONNX Runtime", spec,
+                               tmp / f"{name}.onnx", dtype, tmp, name, weights_in_place=True),
+               f"{name}.trt": validated(progress, f"{name}.trt.onnx: fixed step shapes, validating on ONNX Runtime",
+                                        spec.tensorrt, tmp / f"{name}.trt.onnx", dtype, tmp, f"{name}.trt",
+                                        weights_in_place=True)}
+    for f in (f"{name}.onnx", f"{name}.trt.onnx", f"{name}.onnx.data", f"{name}.inputs.json",
+              f"{name}.reference.json", f"{name}.trt.inputs.json", f"{name}.trt.reference.json"):
+        (tmp / f).unlink(missing_ok=True)
+    return checked
+
+
+def validated(progress: Progress, what: str, spec, path: Path, dtype: str, tmp: Path, name: str,
+              selector_drafts: int | None = None, weights_in_place: bool = False) -> mf.Validation:
+    """One graph flavour against PyTorch. A failure stops the export here (no minutes spent on the graphs
+    after it); a graph no available provider can run is recorded ok: false with why, and said.
+    weights_in_place: the streamed stages' bounded-memory session (dflash2.onnxrt.open_session)."""
+    with progress.step(what) as step:
+        f, report = validate_graph(spec, path, dtype, save_dir=tmp, name=name, selector_drafts=selector_drafts,
+                                   weights_in_place=weights_in_place)
+        skipped = report.pop("skipped", None)
+        if skipped:
+            step.outcome = f"NOT validated ({skipped})"
+    if f:
+        raise ValidationError(f)
+    return mf.Validation(ok=skipped is None, failures=f, skipped=skipped, steps=report)
+
+
+def graph_signature(graph: str, kind: str, io: dict, num_layers: int) -> mf.Signature:
+    ins, outs = [d["name"] for d in io["inputs"]], [d["name"] for d in io["outputs"]]
+    return sig.signature(graph, kind, ins, outs, num_layers, selector_io=(ins, outs))
+
+
+def qdq_graph(tmp: Path, spec, files: dict, q: qdq.TrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:
+    """ModelOpt's Q/DQ target becomes the TensorRT flavour; the portable fp32 target stays for ONNX Runtime.
+    Calibration: prefill steps of the shipped prompts (else of the validation feed's random ids)."""
+    kv_row = list(spec.example[1].shape[1:])
+    feeds = (qdq.calibration_feeds([list(p) for p in q.prompts], kv_row) if q.prompts else
+             [{k: v.numpy() for k, v in f.items()} for f in spec.feeds()[:1]])
+    name, report = qdq.quantize_target(tmp / files["portable"], q, feeds)
+    try:
+        failures, steps, dev = deviation.measure(spec, tmp / name)
+        skipped = None
+    except (Dflash2Error, ort_state.Fail, ort_state.NotImplemented) as e:  # e.g. blocked int4 DQ on the CPU
+        failures, steps, dev = [], {}, mf.Deviation(judged="not run")
+        skipped = f"ONNX Runtime's CPU provider cannot run {name}: {str(e).splitlines()[0][:300]}"
+    dev.judged = f"deviation from fp32 ({q.method} Q/DQ, TensorRT flavour)"
+    return ({**files, "tensorrt": name}, report,
+            mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev, skipped=skipped))
+
+
+TRUNCATED_LAYERS = 4  # the end-to-end check of the templates: this many layers, the real embedding and head
+# ... fewer where 4 fp32 layers would pass this (never under 2: a tap inside the layer loop, one after it). ONNX
+# Runtime's session over the truncated build holds its layers and the fp32 head: at Qwen3-8B's shape 4 layers are
+# 3.1 GB beside a 2.5 GB head, the export's peak (6.6 GiB measured); at 0.6B's, 4 layers are 0.24 GB.
+TRUNCATED_LAYER_BYTES = 2 << 30
+
+
+def truncated_depth(tc) -> int:
+    """How many layers the truncated end-to-end build keeps (TRUNCATED_LAYERS, TRUNCATED_LAYER_BYTES)."""
+    from dflash2.checkpoint import target_tensor_shapes
+
+    one = tc if tc.num_layers == 1 else dataclasses.replace(tc, num_layers=1)
+    per_layer = 4 * sum(int(np.prod(v)) for k, v in target_tensor_shapes(one).items() if ".layers." in k)
+    return max(2, min(TRUNCATED_LAYERS, TRUNCATED_LAYER_BYTES // per_layer))
+
+
+def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int,
+                quantize, progress: Progress, dtype: str):
+    """The target from ONNX Runtime's fused-op templates (dflash2.export.gqa), weights streamed from the
+    checkpoint, checked at bounded memory:
+    1. a truncated_depth()-layer build of the same templates with the real embedding, head and context
+       projection (the taps spread over its layers), validated against the layer-streamed PyTorch reference
+       by the one comparison rule;
+    2. the whole graph, quantized as it is written when --quantize int4 / int8 asks: its deviation from
+       the reference is measured; else fp32 and validated like every graph.
+    Returns (spec, files, validations, quantization report or None)."""
+    tw, dw = Weights(sources[1]), Weights(sources[0])
+    checked = {}
+    short_tc, short_dc = truncated(tc, dc, truncated_depth(tc))
+    short = StreamedTarget(short_tc, short_dc.target_layer_ids, tw, like=target)
+    short_spec = gqa.gqa_spec(graph_specs(short, drafter, fuse_context)[0])
+    name = "target.truncated"
+    with progress.step(f"{name}.onnx: the templates end to end ({short_tc.num_layers} layers, the real embedding "
+                       f"and head), ONNX Runtime's fused ops") as step:
+        with W.DataFile(tmp / f"{name}.onnx.data") as data:
+            model = gqa.build(short_tc, short_dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer)
+        onnx.save_model(model, str(tmp / f"{name}.onnx"))
+        del model
+    checked[name] = validated(progress, f"{name}.onnx: validating against PyTorch on ONNX Runtime", short_spec,
+                              tmp / f"{name}.onnx", dtype, tmp, name, weights_in_place=True)
+    for f in (f"{name}.onnx", f"{name}.onnx.data", f"{name}.inputs.json", f"{name}.reference.json"):
+        (tmp / f).unlink()  # checked; a failure above keeps them (keep_failed)
+    spec = gqa.gqa_spec(plain_spec)
+    q = quantize if isinstance(quantize, qz.OrtQuant) else None
+    what = f"{q.method} weights quantized as they are written" if q else "fp32"
+    with progress.step(f"target.onnx: ONNX Runtime's fused ops (GroupQueryAttention), streamed from safetensors, "
+                       f"{what}") as step:
+        native = None
+        if q is not None and q.native:  # the checkpoint's own quantized blocks, each checked to dequantize to it
+            from dflash2.gguf_blocks import GgufBlocks
+
+            native = GgufBlocks(q.native, tc.num_heads, tc.num_kv_heads)
+        with W.DataFile(tmp / "target.onnx.data") as data:
+            model = gqa.build(tc, dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer, quant=q,
+                              native=native)
+        files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False)
+    if q is None:
+        checked["target"] = validated(progress, "target.onnx: validating against PyTorch on ONNX Runtime", spec,
+                                      tmp / files["portable"], dtype, tmp, "target", weights_in_place=True)
+        return spec, files, checked, None
+    with progress.step(f"target.onnx: {q.method} deviation from PyTorch (layer-streamed reference)"):
+        failures, steps, dev = deviation.measure(spec, tmp / files["portable"], save_dir=tmp)
+    dev.judged = f"deviation from fp32 ({q.method} weights)"
+    checked["target"] = mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev)
+    if failures:
+        raise ValidationError(failures)
+    report = _nbits_report(model, q, tmp / "target.onnx.data", tc)
+    if native is not None:  # ggml type -> MatMulNBits nodes that carry its blocks as they are
+        if not native.used:
+            raise OutputError(f"--quant-from-gguf {q.native}: none of its tensors went in as blocks (types that map: "
+                              f"Q4_0, Q4_1, Q8_0; this file has {native.types()})")
+        report.native = dict(sorted(Counter(native.used.values()).items()))
+    return spec, files, checked, report
+
+
+def template_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int, quantize,
+                   progress: Progress, dtype: str):
+    """The drafter from the same templates as the fused target (dflash2.export.fused_drafter), weights streamed
+    from both checkpoints; fp32: validated like every graph; with --quantize (and the drafter not excluded)
+    written as MatMulNBits and its deviation measured. Returns (files, validations, quantization report)."""
+    q = quantize if isinstance(quantize, qz.OrtQuant) and quantize.drafter else None
+    draft_ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
+    what = f"{q.method} weights quantized as they are written" if q else "fp32"
+    with progress.step(f"drafter.onnx: ONNX Runtime's fused ops from the layer templates, {what}") as step:
+        with W.DataFile(tmp / "drafter.onnx.data") as data:
+            model = fused_drafter.build(dc, tc, Weights(sources[0]), Weights(sources[1]), fuse_context, max_seq_len,
+                                        draft_ids, data, q, progress=step.layer)
+        files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False, tensorrt=False)
+    if q is None:
+        return files, {"drafter": validated(progress, "drafter.onnx: validating against PyTorch on ONNX Runtime", spec,
+                                            tmp / files["portable"], dtype, tmp, "drafter",
+                                            weights_in_place=True)}, None
+    with progress.step(f"drafter.onnx: {q.method} deviation from PyTorch"):
+        failures, steps, dev = deviation.measure(spec, tmp / files["portable"], save_dir=tmp)
+    dev.judged = f"deviation from fp32 ({q.method} weights)"
+    if failures:
+        raise ValidationError(failures)
+    heads = [n.name for n in model.graph.node if n.name.startswith("draft_head") and n.op_type != "Transpose"]
+    report = mf.QuantizedGraph(weight_matmuls=_weight_matmuls(model),
+                               quantized=sum(n.op_type == "MatMulNBits" for n in model.graph.node),
+                               lm_heads=heads, kept_fp32=[] if q.lm_head else heads,
+                               weight_mb_before=round(_drafter_fp32_bytes(dc, tc, draft_ids, fuse_context) / 2**20, 2),
+                               weight_mb_after=round((tmp / "drafter.onnx.data").stat().st_size / 2**20, 2))
+    return files, {"drafter": mf.Validation(ok=True, failures=[], steps=steps, deviation=dev)}, report
+
+
+def _drafter_fp32_bytes(dc, tc, draft_ids, fuse_context: bool) -> int:
+    """The fp32 bytes the fused drafter graph reads: its own weights (fc / hidden_norm only when the context is not
+    fused into the target), its head rows (none of its own for a tied head over the whole vocabulary: the
+    embedding), the target's embedding."""
+    from dflash2.checkpoint import drafter_tensor_shapes
+
+    shapes = drafter_tensor_shapes(dc, tc.hidden_size)
+    own = sum(int(np.prod(s)) for k, s in shapes.items() if not (fuse_context and k in ("fc.weight", "hidden_norm.weight")))
+    rows = 0 if draft_ids is None and tc.tie_word_embeddings else tc.vocab_size if draft_ids is None else len(draft_ids)
+    return 4 * (own + (rows + tc.vocab_size) * tc.hidden_size)
+
+
+def _nbits_report(model, q: qz.OrtQuant, data: Path, tc) -> mf.QuantizedGraph:
+    nodes = model.graph.node
+    heads = [n.name for n in nodes if n.name == "lm_head" or n.name.startswith("lm_head_Q")]  # native Q8_0: _Q8
+    return mf.QuantizedGraph(
+        weight_matmuls=_weight_matmuls(model), quantized=sum(n.op_type == "MatMulNBits" for n in nodes), lm_heads=heads,
+        kept_fp32=[] if q.lm_head else heads,
+        weight_mb_before=round(_fp32_weight_bytes(tc) / 2**20, 2), weight_mb_after=round(data.stat().st_size / 2**20, 2))
+
+
+def _fp32_weight_bytes(tc) -> int:
+    """The fp32 bytes of the target's weights (what the fp32 gqa graph stores, the tied head once)."""
+    from dflash2.checkpoint import target_tensor_shapes
+
+    return 4 * sum(int(np.prod(s)) for s in target_tensor_shapes(tc).values())
+
+
+def _weight_matmuls(model) -> int:
+    """MatMulNBits, and MatMuls whose second input is an initializer or the Transpose of one (the LM head kept
+    fp32 reads the embedding through a Transpose: no second copy on disk)."""
+    inits = {t.name for t in model.graph.initializer}
+    weights = inits | {n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in inits}
+    return sum(n.op_type == "MatMulNBits" or (n.op_type == "MatMul" and n.input[1] in weights)
+               for n in model.graph.node)
+
+
+def quantize_graph(tmp: Path, spec, files: dict, q: qz.OrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:
+    """Quantize the validated fp32 graph in place; the TensorRT flavour (which shared its data file) goes:
+    TensorRT cannot run MatMulNBits (its quantized path is modelopt's Q/DQ graphs, docs/quantization.md)."""
+    report = qz.quantize_file(tmp / files["portable"], q)
+    for flavour, name in list(files.items()):
+        if flavour != "portable":
+            (tmp / name).unlink()
+    failures, steps, dev = deviation.measure(spec, tmp / files["portable"])
+    dev.judged = f"deviation from fp32 ({q.method} weights)"
+    return ({"portable": files["portable"]}, report,
+            mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev))
