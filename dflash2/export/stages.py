@@ -40,8 +40,9 @@ def not_whole(progress: Progress, name: str, tc, dtype: str) -> mf.Validation:
     """The record of a graph not run whole (WHOLE_GRAPH_BYTES): said, and never reported validated."""
     why = (f"not run whole here: {weight_bytes(tc, dtype) / 2**30:.2f} GiB of {dtype} weights, past the "
            f"{WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory validation maps; the same templates validated end "
-           f"to end as {name.replace('target', 'target.truncated')}; `dflash2-compare OUT` runs the whole graph "
-           f"where memory allows")
+           f"to end as {name.replace('target', 'target.truncated')} ({truncated_depth(tc)} layers, the real embedding "
+           f"and head); no "
+           f"replay files for the whole graph (its reference would stream every layer per feed)")
     with progress.step(f"{name}.onnx: validation") as step:
         step.outcome = f"NOT validated whole ({why})"
     return mf.Validation(ok=False, failures=[], skipped=why)
@@ -194,8 +195,8 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
             failures, steps, dev = deviation.measure(short_spec, tmp / f"{name}.onnx")
             why = (f"{q.method} deviation not measured whole here: its data file is {size / 2**30:.2f} GiB, past the "
                    f"{WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory check maps; measured on {name} (the same "
-                   f"templates and quantizer, {short_tc.num_layers} layers, the real embedding and head); "
-                   f"`dflash2-compare OUT` measures the whole graph where memory allows")
+                   f"templates and quantizer, {short_tc.num_layers} layers, the real embedding and head); no replay "
+                   f"files for the whole graph (its reference would stream every layer per feed)")
             top1 = "" if dev.top1_agreement is None else f"top-1 agreement {dev.top1_agreement:.0%}; "
             step.outcome = f"{top1}the whole graph NOT measured ({why})"
         dev.judged = f"deviation from fp32 ({q.method} weights), {short_tc.num_layers}-layer build of the same templates"
