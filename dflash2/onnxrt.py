@@ -19,7 +19,7 @@ def open_session(path: str | Path, providers: Sequence[str] = ("CPUExecutionProv
                  spin: bool | None = None, weights_in_place: bool = False):
     """An InferenceSession over `path` (external data and model-local functions resolved by ORT).
     spin: intra-op thread spinning (None keeps ORT's default); a load failure names the file.
-    weights_in_place: no prepacked or constant-folded copies of the weights (export validation of fp graphs:
+    weights_in_place: no prepacked, constant-folded or fused copies of the weights (export validation of fp graphs:
     the session then reads them where ONNX Runtime maps the data file. Measured on a 4-layer Qwen3-0.6B-shaped
     build: peak 0.90 GiB against 1.45 with both, whose tied head costs a folded transposed copy and a packed
     one; both rewrites are copies, the results differ by GEMM rounding only, 1.8e-4 on logits of std ~30)."""
@@ -35,6 +35,11 @@ def open_session(path: str | Path, providers: Sequence[str] = ("CPUExecutionProv
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if weights_in_place:
         opts.add_session_config_entry("session.disable_prepacking", "1")
+        # the extended fusions write new initializers (copies of the weights: 7.3 GiB at session creation for the
+        # 4.3 GB fp16 drafter of a Qwen3-8B pair, 0.06 GiB at the basic level), and the CPU arena keeps every fp32
+        # copy the fp16 MatMuls are run on; validation checks the graph as written, not ORT's rewrites of it
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        opts.enable_cpu_mem_arena = False
     try:
         return ort.InferenceSession(str(path), opts, providers=list(providers),
                                     disabled_optimizers=["ConstantFolding"] if weights_in_place else None)

@@ -105,9 +105,13 @@ def test_a_target_past_the_budget_is_checked_truncated_and_said_so(tmp_path, pai
     monkeypatch.setattr(stages, "WHOLE_GRAPH_BYTES", 0)
     m = export(*pairs[("qwen3", 2)], tmp_path / "out", max_seq_len=64, quiet=True)
     v = m.validation
-    assert v["target.truncated"].ok and v["target.truncated.trt"].ok and v["drafter"].ok
+    assert v["target.truncated"].ok and v["target.truncated.trt"].ok
+    assert v["drafter.truncated"].ok and v["drafter.truncated.trt"].ok
     assert not v["target"].ok and "not run whole" in v["target"].skipped and v["target"].failures == []
     assert not v["target.trt"].ok and "target.truncated.trt" in v["target.trt"].skipped
+    assert not v["drafter"].ok and "drafter.truncated (1 of 2 layers" in v["drafter"].skipped
+    assert not v["drafter.trt"].ok and "drafter.truncated.trt" in v["drafter.trt"].skipped
+    assert v["selector"].ok
     assert not any("truncated" in p.name for p in (tmp_path / "out").iterdir())
     rt = Runtime(tmp_path / "out")
     prompt = [3, 9, 27, 81]
@@ -116,3 +120,31 @@ def test_a_target_past_the_budget_is_checked_truncated_and_said_so(tmp_path, pai
     with pytest.raises(ValidationError) as e:
         export(*pairs[("qwen3", 2)], tmp_path / "bad", max_seq_len=64, quiet=True)
     assert "target.truncated" in str(e.value) and not (tmp_path / "bad").exists()
+
+
+def test_the_truncated_drafter_keeps_every_kind_of_layer():
+    import types
+
+    from dflash2.export.stages import truncated_drafter
+
+    def dc(causal, window):
+        return types.SimpleNamespace(num_layers=len(causal), layer_causal=tuple(causal), layer_window=tuple(window))
+
+    same = dc([False] * 5, [2048] * 5)
+    assert truncated_drafter(_dc(same)).num_layers == 1
+    mixed = dc([True, True, False], [4, 4, None])
+    short = truncated_drafter(_dc(mixed))
+    assert short.num_layers == 3 and short.layer_window == (4, 4, None)
+
+
+def _dc(ns):
+    """A real DrafterConfig with these layer kinds (dataclasses.replace needs the dataclass)."""
+    from dflash2.config import load_drafter_config
+
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp())
+    d, _ = tiny.make_pair(root / "p", num_layers=ns.num_layers)
+    c = load_drafter_config(d)
+    return dataclasses.replace(c, layer_causal=ns.layer_causal, layer_window=ns.layer_window)

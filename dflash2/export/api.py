@@ -96,8 +96,6 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     # gqa: the target + its truncated build, validated (+2), neither it nor the drafter has a TensorRT flavour (-2),
     # and both are quantized as they are built (no step of their own)
     steps += len(quantize.graphs()) if quantize and target_attention != "gqa" else 0
-    if target_attention == "plain" and dtype in plain.DTYPES and stages.weight_bytes(tc, dtype) > stages.WHOLE_GRAPH_BYTES:
-        steps += 3  # the truncated build of the plain target and its two validations (stages.plain_truncated)
     progress = Progress(steps, quiet)
     with progress.step("loading and checking the checkpoints"):
         if target_attention == "gqa" or dtype in plain.DTYPES:  # every graph built from templates: the
@@ -213,10 +211,14 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                                          signature=stages.graph_signature(spec.name, kind, io, tc.num_layers))
             continue
         elif built:
-            whole = spec.name == "drafter" or stages.weight_bytes(tc, dtype) <= stages.WHOLE_GRAPH_BYTES
+            ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
+            nbytes = (stages.weight_bytes(tc, dtype) if spec.name == "target" else
+                      stages.drafter_weight_bytes(dc, tc, ids, fuse_context, dtype))
+            whole = nbytes <= stages.WHOLE_GRAPH_BYTES
             if not whole:  # the templates end to end at bounded memory, both flavours
-                validation.update(stages.plain_truncated(tmp, target, drafter, tc, dc, sources, fuse_context, dtype,
-                                                   progress))
+                progress.total += 3
+                truncated_check = stages.plain_truncated if spec.name == "target" else stages.drafter_truncated
+                validation.update(truncated_check(tmp, target, drafter, tc, dc, sources, fuse_context, dtype, progress))
             with progress.step(f"{spec.name}.onnx + {spec.name}.trt.onnx: standard ONNX ops from the layer "
                                f"templates, {dtype}, streamed from safetensors") as step:
                 with W.DataFile(tmp / f"{spec.name}.onnx.data") as data:
@@ -224,7 +226,6 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                         model, fixed = plain.build(tc, dc, Weights(sources[1]), Weights(sources[0]), fuse_context,
                                                    dtype, data, progress=step.layer)
                     else:
-                        ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
                         model, fixed = fused_drafter.build_plain(dc, tc, Weights(sources[0]), Weights(sources[1]),
                                                                  fuse_context, dtype, ids, data, progress=step.layer)
                 files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
@@ -234,24 +235,29 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                 model = tr.trace(spec, max_seq_len)
                 fixed = tr.trace(spec.tensorrt, max_seq_len) if spec.tensorrt is not None else None
                 files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
+        not_whole_dc = dc if spec.name == "drafter" else None
         if not built or whole:
             validation[spec.name] = stages.validated(progress, f"{spec.name}.onnx: validating against PyTorch on ONNX "
                                               f"Runtime", spec, tmp / files["portable"], dtype, tmp, spec.name,
                                               weights_in_place=built)
         else:
-            validation[spec.name] = stages.not_whole(progress, spec.name, tc, dtype)
+            validation[spec.name] = stages.not_whole(progress, spec.name, tc, dtype, not_whole_dc, nbytes)
         tensorrt_io = None
         if spec.tensorrt is not None:
             validation[f"{spec.name}.trt"] = stages.validated(
                 progress, f"{spec.name}.trt.onnx: fixed step shapes, validating on ONNX Runtime", spec.tensorrt,
                 tmp / files["tensorrt"], dtype, tmp, f"{spec.name}.trt",
                 selector_drafts=dc.num_drafts if spec.has_selector else None,
-                weights_in_place=built) if not built or whole else stages.not_whole(progress, f"{spec.name}.trt", tc, dtype)
+                weights_in_place=built) if not built or whole else stages.not_whole(progress, f"{spec.name}.trt", tc,
+                                                                                   dtype, not_whole_dc, nbytes)
             trt_io = tr.io_spec(tmp / files["tensorrt"])
             tensorrt_io = mf.GraphIo(inputs=[mf.IoSpec(**d) for d in trt_io["inputs"]],
                                      outputs=[mf.IoSpec(**d) for d in trt_io["outputs"]])
         if quantize is not None and spec.name in quantize.graphs():
-            with progress.step(f"{spec.name}.onnx: {quantize.method} weights, deviation from PyTorch"):
+            unbounded = (f" (ModelOpt's ONNX quantizer holds the whole fp32 graph, "
+                         f"{stages.weight_bytes(tc, 'float32') / 2**30:.2f} GiB, and calibrates it whole: this stage "
+                         f"is not memory-bounded)" if isinstance(quantize, qdq.TrtQuant) else "")
+            with progress.step(f"{spec.name}.onnx: {quantize.method} weights, deviation from PyTorch{unbounded}"):
                 quantizer = stages.qdq_graph if isinstance(quantize, qdq.TrtQuant) else stages.quantize_graph
                 fixed_file = files.get("tensorrt") if spec.tensorrt is not None else None
                 files, quantized[spec.name], validation[spec.name] = quantizer(tmp, spec, files, quantize)

@@ -36,16 +36,68 @@ def weight_bytes(tc, dtype: str) -> int:
     return _fp32_weight_bytes(tc) // 4 * dtypes.BY_NAME[dtype].itemsize
 
 
-def not_whole(progress: Progress, name: str, tc, dtype: str) -> mf.Validation:
-    """The record of a graph not run whole (WHOLE_GRAPH_BYTES): said, and never reported validated."""
-    why = (f"not run whole here: {weight_bytes(tc, dtype) / 2**30:.2f} GiB of {dtype} weights, past the "
+def not_whole(progress: Progress, name: str, tc, dtype: str, dc=None, nbytes: int | None = None) -> mf.Validation:
+    """The record of a graph not run whole (WHOLE_GRAPH_BYTES): said, and never reported validated.
+    dc: the drafter's config for a drafter graph (nbytes its weights), else the target's."""
+    graph, rest = name.split(".", 1) if "." in name else (name, "")
+    instead = f"{graph}.truncated" + (f".{rest}" if rest else "")
+    depth = (f"{truncated_drafter(dc).num_layers} of {dc.num_layers} layers, the real head and selector" if dc else
+             f"{truncated_depth(tc)} layers, the real embedding and head")
+    nbytes = weight_bytes(tc, dtype) if nbytes is None else nbytes
+    why = (f"not run whole here: {nbytes / 2**30:.2f} GiB of {dtype} weights, past the "
            f"{WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory validation maps; the same templates validated end "
-           f"to end as {name.replace('target', 'target.truncated')} ({truncated_depth(tc)} layers, the real embedding "
-           f"and head); no "
-           f"replay files for the whole graph (its reference would stream every layer per feed)")
+           f"to end as {instead} ({depth}); no replay files for the whole graph (its reference would stream every "
+           f"layer per feed)")
     with progress.step(f"{name}.onnx: validation") as step:
         step.outcome = f"NOT validated whole ({why})"
     return mf.Validation(ok=False, failures=[], skipped=why)
+
+
+def drafter_weight_bytes(dc, tc, draft_ids, fuse_context: bool, dtype: str) -> int:
+    return _drafter_fp32_bytes(dc, tc, draft_ids, fuse_context) // 4 * dtypes.BY_NAME[dtype].itemsize
+
+
+def truncated_drafter(dc):
+    """The drafter's first layers, as few as show every kind it has: its first layer, and up to the first whose
+    attention differs from it (causal / sliding window) where one does."""
+    kinds = list(zip(dc.layer_causal, dc.layer_window))
+    k = next((i + 1 for i, kind in enumerate(kinds) if kind != kinds[0]), 1)
+    return dataclasses.replace(dc, num_layers=k, layer_causal=dc.layer_causal[:k], layer_window=dc.layer_window[:k])
+
+
+def drafter_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context: bool, dtype: str,
+                      progress: Progress) -> dict[str, mf.Validation]:
+    """The plain drafter's templates end to end at bounded memory (the drafter past WHOLE_GRAPH_BYTES: its LM head
+    alone is 1.2 GB fp16 at a 151,936 x 4096 vocabulary, and ONNX Runtime's CPU kernels run fp16 MatMuls on fp32
+    copies): a build of its first layers (truncated_drafter) with the real context projection, embedding, head and
+    selector, both flavours, validated against the layer-streamed reference; its files removed once checked."""
+    from dflash2.checkpoint import drafter_tensor_shapes
+    from dflash2.reference.streamed import StreamedDrafter
+
+    dw, tw = Weights(sources[0]), Weights(sources[1])
+    short_dc = truncated_drafter(dc)
+    short = StreamedDrafter(short_dc, target, dw, list(drafter_tensor_shapes(short_dc, tc.hidden_size)))
+    short.set_draft_vocab(None if drafter.draft_ids is None else drafter.draft_ids.tolist())
+    spec = graph_specs(target, short, fuse_context)[1]
+    name = "drafter.truncated"
+    ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
+    with progress.step(f"{name}.onnx + {name}.trt.onnx: the drafter's templates end to end ({short_dc.num_layers} "
+                       f"of {dc.num_layers} layers, the real head and selector), {dtype}") as step:
+        with W.DataFile(tmp / f"{name}.onnx.data") as data:
+            model, fixed = fused_drafter.build_plain(short_dc, tc, dw, tw, fuse_context, dtype, ids, data,
+                                                     progress=step.layer)
+        files = tr.write_graph(model, tmp, dataclasses.replace(spec, name=name), dc.num_drafts, fixed)
+        del model, fixed
+    S = dc.num_drafts if spec.has_selector else None
+    checked = {name: validated(progress, f"{name}.onnx: validating against PyTorch on ONNX Runtime", spec,
+                               tmp / files["portable"], dtype, tmp, name, weights_in_place=True),
+               f"{name}.trt": validated(progress, f"{name}.trt.onnx: fixed step shapes, validating on ONNX Runtime",
+                                        spec.tensorrt, tmp / files["tensorrt"], dtype, tmp, f"{name}.trt",
+                                        selector_drafts=S, weights_in_place=True)}
+    for f in (*files.values(), f"{name}.onnx.data", f"{name}.inputs.json", f"{name}.reference.json",
+              f"{name}.trt.inputs.json", f"{name}.trt.reference.json"):
+        (tmp / f).unlink(missing_ok=True)
+    return checked
 
 
 def plain_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context: bool, dtype: str,
