@@ -126,8 +126,11 @@ def test_few_nodes(tmp_path):
     L = drafter.config.num_layers
     assert len(m.graph.node) <= 45 + 70 * L, ops
     assert ops["RotaryEmbedding"] == 1 + 2 * L and ops["SkipSimplifiedLayerNormalization"] == 2 * L
-    # context K|V; per layer qkv, o, gate_up, down, the two convolutions' projections, scores, attend; head; gate
-    assert ops["MatMul"] == 1 + 8 * L + 2
+    # context K|V; per layer qkv, o, gate_up, down, the two convolutions' projections, scores, attend; gate; the
+    # head one Gemm (transB: no transposed copy of the vocabulary matrix)
+    assert ops["MatMul"] == 1 + 8 * L + 1 and ops["Gemm"] == 1
+    inits = {t.name for t in m.graph.initializer}
+    assert not any(n.op_type == "Transpose" and n.input[0] in inits for n in m.graph.node)
     assert ops["DFlash2Selector"] == 1
 
 

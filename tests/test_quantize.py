@@ -120,9 +120,9 @@ def test_tied_head_and_kept_head(tmp_path):
     assert rep["kept_fp32"] == rep["lm_heads"] and rep["quantized"] == rep["weight_matmuls"] - 1
     g = onnx.load(str(tmp_path / "q" / "target.onnx"), load_external_data=False).graph
     head = next(n for n in g.node if n.name == rep["lm_heads"][0])
-    transposed = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Transpose"}
-    # fp32: the embedding itself through a Transpose (the gqa graph streams it: no [K, V] copy on disk)
-    assert head.op_type == "MatMul" and transposed.get(head.input[1]) == "embed_tokens.weight"
+    # fp32: the embedding itself as a Gemm's transposed operand (no [K, V] copy on disk, none made at run time)
+    assert head.op_type == "Gemm" and head.input[1] == "embed_tokens.weight"
+    assert next(a.i for a in head.attribute if a.name == "transB") == 1
     assert ops(tmp_path / "q" / "target.onnx")["Gather"] >= 1  # the embedding lookup stays a plain Gather
     assert "MatMulNBits" not in ops(tmp_path / "q" / "drafter.onnx")
     assert (tmp_path / "q" / "drafter.onnx").exists() and "LM heads kept fp32" in describe(typed)

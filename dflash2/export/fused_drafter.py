@@ -215,7 +215,11 @@ def _body(b: Builder, ops, dc, tc, dsrc, tsrc, fuse_context: bool, draft_ids, qu
             rows = embed  # the embedding itself, read through a Transpose: no second copy on disk
         else:
             rows = b.chunked("draft_head.weight", head_rows(tsrc, head_name, draft_ids), (Nv, H))
-        logits = b.op("MatMul", [hidden, b.op("Transpose", [rows], "draft_head.t", perm=[1, 0])[0]], "draft_head")[0]
+        if v2:  # [1, S, H] -> [S, H]: Gemm takes matrices
+            flat = b.op("Squeeze", [hidden, ax0], "draft_head.rows")[0]
+            logits = b.op("Unsqueeze", [b.head(flat, rows, "draft_head"), ax0], "draft_head.batch")[0]
+        else:
+            logits = b.head(hidden, rows, "draft_head")
         logits = ops.f32(logits, "draft_head")  # [.., S, Nv] fp32: top-K and the selector read fp32 logits
     id_map = None if draft_ids is None else b.weight("draft_vocab.ids", np.asarray(draft_ids, np.int32))
     if v2:

@@ -147,8 +147,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data: W.DataFi
     else:
         head = embed if c.tie_word_embeddings else b.chunked("lm_head.weight", src.row_chunks("lm_head.weight"),
                                                               (c.vocab_size, H))
-        head_t = b.op("Transpose", [head], "lm_head.t", perm=[1, 0])[0]
-        logits = b.op("MatMul", [y, head_t], "lm_head")[0]  # [n, V] fp32
+        logits = b.head(y, head, "lm_head")  # [n, V] fp32
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
     b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
     b.op("Slice", [logits, b.const("last_b", [-B]), end, "axis0"], N.LOGITS,

@@ -111,8 +111,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
     y = ops.norm(h, src.get("norm.weight"), "norm")
     head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
-    head_t = b.op("Transpose", [head], "lm_head.t", perm=[1, 0])[0]
-    logits = ops.f32(b.op("MatMul", [y, head_t], "lm_head")[0], "logits")  # [n, V] fp32
+    logits = ops.f32(b.head(y, head, "lm_head"), "logits")  # [n, V] fp32
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
     b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
     b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), ax0], N.LOGITS,

@@ -148,8 +148,8 @@ def _drop_dead(model: onnx.ModelProto) -> None:
 
 
 def head_nodes(model: onnx.ModelProto) -> list[str]:
-    """Names of the MatMuls whose output feeds an ArgMax or TopK (through elementwise scaling or a
-    cast): the target's and the drafter's LM heads."""
+    """Names of the MatMuls whose output feeds an ArgMax or TopK (through elementwise scaling, a cast or a
+    reshape): the target's and the drafter's LM heads."""
     producers = {o: n for n in model.graph.node for o in n.output}
     inits = _initializers(model)
     heads = []
@@ -157,7 +157,7 @@ def head_nodes(model: onnx.ModelProto) -> list[str]:
         if node.op_type not in ("ArgMax", "TopK"):
             continue
         p = producers.get(node.input[0])
-        while p is not None and p.op_type in ("Cast", "Mul", "Div", "Tanh"):
+        while p is not None and p.op_type in ("Cast", "Mul", "Div", "Tanh", "Unsqueeze", "Squeeze", "Reshape"):
             p = next((producers[i] for i in p.input if i in producers and i not in inits), None)
         if p is not None and p.op_type == "MatMul":
             heads.append(p.name)

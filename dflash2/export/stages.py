@@ -328,11 +328,11 @@ def _fp32_weight_bytes(tc) -> int:
 
 
 def _weight_matmuls(model) -> int:
-    """MatMulNBits, and MatMuls whose second input is an initializer or the Transpose of one (the LM head kept
+    """MatMulNBits, and MatMuls / Gemms whose second input is an initializer or the Transpose of one (the LM head kept
     fp32 reads the embedding through a Transpose: no second copy on disk)."""
     inits = {t.name for t in model.graph.initializer}
     weights = inits | {n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in inits}
-    return sum(n.op_type == "MatMulNBits" or (n.op_type == "MatMul" and n.input[1] in weights)
+    return sum(n.op_type == "MatMulNBits" or (n.op_type in ("MatMul", "Gemm") and n.input[1] in weights)
                for n in model.graph.node)
 
 

@@ -97,6 +97,11 @@ class Builder:
             return self.matmul_nbits(x, name, w.shape, [w])
         return self.op("MatMul", [x, self.fw(f"{name}.weight", w)], name)[0]
 
+    def head(self, x: str, rows: str, name: str) -> str:
+        """x [n, H] @ rows [V, H]^T as one Gemm (transB): a MatMul over a Transpose of the vocabulary-sized matrix
+        makes ONNX Runtime compute (or fold) a transposed copy of it, 1.16 GiB at 151,936 x 4,096 fp16."""
+        return self.op("Gemm", [x, rows], name, transB=1)[0]
+
     def native_blocks(self, names: list[str], src):
         """The native blocks of these weights concatenated by rows (q|k|v, gate|up), each checked to dequantize to
         the checkpoint's tensor; None unless the builder quantizes and every one has blocks of one bit width."""
