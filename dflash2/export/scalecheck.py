@@ -261,10 +261,14 @@ def measure(shape: Shape, mode: str, out_root: Path, max_rss_gib: float, timeout
     rc = proc.wait()
     text = "\n".join(lines)
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
-    steps = [{"step": m.group(2), "seconds": float(m.group(3)),
-              "peak_rss_gib": round(peaks.get(m.group(2), 0) / 2**30, 2)}
-             for m in re.finditer(r"^\[(\d+)/\d+\] (.*?): (?:done|NOT validated.*?|\d+ tensors shared.*?) in "
-                                  r"([\d.]+) s$", text, re.M)]
+    # a step's closing line is "[i/n] <its opening title>: <outcome> in S s" (titles and outcomes may hold ": ")
+    titles = [m.group(1) for m in re.finditer(r"^\[\d+/\d+\] (.*) \.\.\.$", text, re.M)]
+    steps = []
+    for m in re.finditer(r"^\[\d+/\d+\] (.*) in ([\d.]+) s$", text, re.M):
+        title = next((t for t in titles if m.group(1).startswith(f"{t}: ")), None)
+        if title is not None:
+            steps.append({"step": title, "seconds": float(m.group(2)),
+                          "peak_rss_gib": round(peaks.get(title, 0) / 2**30, 2)})
     size = sum(p.stat().st_size for p in out.iterdir()) / 1e9 if out.is_dir() and rc == 0 else None
     err = next((ln for ln in reversed(lines) if "error" in ln.lower() and "Command" not in ln), None)
     return Measured(shape.name, mode, rc, int(rss.group(1)) / 2**20 if rss else None, time.perf_counter() - t0,
