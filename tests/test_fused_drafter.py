@@ -268,3 +268,22 @@ def test_candidates_are_walked_only_when_they_tie(tmp_path):
     assert walk_tie(row, 0.0, 0.0, 0, 1, 5e-2, 0.0) and not walk_tie(row, 0.0, 0.0, 0, 2, 5e-2, 0.0)
     q0 = float(torch.softmax(row, -1)[0])
     assert walk_tie(row, 1.0, q0 + 0.01, 0, 1, 5e-2, 0.0) and not walk_tie(row, 1.0, q0 + 0.2, 0, 1, 5e-2, 0.0)
+
+
+def test_a_wrong_path_is_not_excused_by_a_tie(tmp_path):
+    """The fp16 rule takes a graph's pick only at a row that ties, and walks on from it itself: a graph path that
+    is wrong after its first row (each later draft a repeat of the first) still fails, whatever the tolerance."""
+    from dflash2.export.validate import _on_graph_candidates, compare, reference_outputs
+
+    target, drafter = load_pair(*_pair(tmp_path, "llama-v2"))
+    spec = next(s for s in graph_specs(target, drafter, True) if s.name == "drafter")
+    feed = spec.feeds()[0]
+    ref = reference_outputs(spec, [feed])[0]
+    got = dict(ref)
+    bad = got["draft_ids"].copy()
+    bad[1:] = bad[0]
+    assert (bad != ref["draft_ids"]).any()
+    got["draft_ids"] = bad
+    judged, taken = _on_graph_candidates(spec, feed, got, "float16")
+    assert taken <= 1 and compare("drafter", got, judged, "float16", 0)[0]
+    assert _on_graph_candidates(spec, feed, ref, "float16")[1] == 0  # the reference itself: nothing taken

@@ -135,6 +135,8 @@ def test_the_truncated_drafter_keeps_every_kind_of_layer():
     mixed = dc([True, True, False], [4, 4, None])
     short = truncated_drafter(_dc(mixed))
     assert short.num_layers == 3 and short.layer_window == (4, 4, None)
+    three = dc([True, False, False, True], [4, None, 8, 4])  # three kinds: the third first appears at layer 2
+    assert truncated_drafter(_dc(three)).num_layers == 3
 
 
 def _dc(ns):

@@ -17,7 +17,7 @@ from dflash2.export import signature as N
 from dflash2.ops import contract as C
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target
-from dflash2.reference.selector import path_confidence, walk_tie
+from dflash2.reference.selector import lattice, walk, walk_tie
 
 
 class TargetGraph(nn.Module):
@@ -95,33 +95,37 @@ class SamplingDrafterGraph(DrafterGraph):
                       temperature, past_len=None):
         """forward's outputs judged on a graph's own choices where rounding alone explains them, or None.
         Its candidates [S, K] walked where they are a top-K of this reference's logits up to rounding
-        (Drafter.candidates_from: fp16 swaps near-equal ones); where its path first leaves this walk at a
-        row whose two picks tie up to rounding (selector.walk_tie), the graph's path from there on is another,
-        equally valid walk: its picks there and its outputs after are taken as they are.
-        Returns (outputs, positions taken from the graph after a tie)."""
+        (Drafter.candidates_from: fp16 swaps near-equal ones); where the graph's path leaves the walk at a row
+        whose two picks tie up to rounding (selector.walk_tie), the reference takes the graph's pick there and
+        walks on from it (every later row, confidence and q still the reference's: a later divergence must be a
+        tie of its own). Returns (outputs, the rows where the graph's tied pick was taken)."""
         hidden, new_kv = self._hidden(context, past_ctx_kv, anchor, past_len)
-        cands = self.drafter.candidates_from(hidden[None], torch.from_numpy(got[N.CAND_IDS])[None], atol, rtol)
+        d, c = self.drafter, self.drafter.config
+        cands = d.candidates_from(hidden[None], torch.from_numpy(got[N.CAND_IDS])[None], atol, rtol)
         if cands is None:
             return None
-        out = {k: v[0] for k, v in self.drafter.propose_batch(
-            hidden[None], anchor.reshape(1), uniforms.reshape(1, -1), temperature.reshape(1), candidates=cands).items()}
-        draft, conf, probs = out[N.DRAFT_IDS].clone(), out[N.CONFIDENCE].clone(), out[N.DRAFT_PROBS].clone()
-        g = torch.from_numpy(got[N.DRAFT_IDS])
-        differ = (g != draft).nonzero()
-        s = int(differ[0]) if len(differ) else None
-        j = None if s is None else (out[N.CAND_IDS][s] == g[s]).nonzero()
-        row = None if s is None else out["path_scores"][s]  # [K]
-        taken = 0
-        if s is not None and len(j) == 1 and walk_tie(row, float(temperature.reshape(-1)[0]), float(uniforms[s]),
-                                                      int(j[0]), int(out["path_index"][s]), atol, rtol):
-            draft[s:] = g[s:]
-            conf[s] = path_confidence(row[None], j[0])[0]
-            if float(temperature.reshape(-1)[0]) <= 0:  # a greedy row's q is one-hot at its pick
-                probs[s] = torch.nn.functional.one_hot(j[0], probs.shape[-1])[0].float()
-            conf[s + 1:] = torch.from_numpy(got[N.CONFIDENCE][s + 1:])
-            probs[s + 1:] = torch.from_numpy(got[N.DRAFT_PROBS][s + 1:])
-            taken = len(draft) - s - 1
-        return (draft, out[N.CAND_IDS], conf, probs, new_kv), taken
+        vals, ids = cands  # [1, S, K]
+        sel = d.candidate_selector
+        gate = hidden[None].to(sel.hidden_projection.weight.dtype) @ sel.hidden_projection.weight.T  # [1, S, R]
+        scores, ids_l = lattice(vals, ids, gate.to(sel.predecessor_codebook.dtype), anchor.reshape(1).int(),
+                                sel.predecessor_codebook, sel.successor_codebook, float(c.output_multiplier),
+                                float(c.logit_softcap))
+        T, u = temperature.reshape(1).float(), uniforms.reshape(1, -1).float()
+        g = torch.from_numpy(got[N.DRAFT_IDS]).long()
+        picks = torch.full((1, g.shape[0]), -1, dtype=torch.long)
+        while True:
+            draft, index, rows, conf, probs = walk(scores, ids_l, u, T, picks)
+            differ = (g != draft[0].long()).nonzero()
+            if not len(differ):
+                break
+            s = int(differ[0])
+            j = (ids_l[0, s] == g[s]).nonzero()
+            if len(j) != 1 or picks[0, s] >= 0 or not walk_tie(rows[0, s], float(T[0]), float(u[0, s]), int(j[0]),
+                                                               int(index[0, s]), atol, rtol):
+                break  # not rounding: the plain comparison judges (and fails) it
+            picks[0, s] = int(j[0])
+        taken = int((picks >= 0).sum())
+        return (draft[0], ids[0], conf[0], probs[0], new_kv), taken
 
 
 class SelectorGraph(nn.Module):

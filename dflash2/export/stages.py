@@ -58,10 +58,10 @@ def drafter_weight_bytes(dc, tc, draft_ids, fuse_context: bool, dtype: str) -> i
 
 
 def truncated_drafter(dc):
-    """The drafter's first layers, as few as show every kind it has: its first layer, and up to the first whose
-    attention differs from it (causal / sliding window) where one does."""
+    """The drafter's first layers, as few as show every kind of attention it has (causal / sliding window): up to
+    the first layer of each kind."""
     kinds = list(zip(dc.layer_causal, dc.layer_window))
-    k = next((i + 1 for i, kind in enumerate(kinds) if kind != kinds[0]), 1)
+    k = 1 + max(kinds.index(kind) for kind in set(kinds))  # up to the first layer of the last kind to appear
     return dataclasses.replace(dc, num_layers=k, layer_causal=dc.layer_causal[:k], layer_window=dc.layer_window[:k])
 
 
@@ -290,7 +290,8 @@ def template_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bo
     dev.judged = f"deviation from fp32 ({q.method} weights)"
     if failures:
         raise ValidationError(failures)
-    heads = [n.name for n in model.graph.node if n.name.startswith("draft_head") and n.op_type != "Transpose"]
+    heads = [n.name for n in model.graph.node if n.name.startswith("draft_head")
+             and n.op_type in ("Gemm", "MatMul", "MatMulNBits")]
     report = mf.QuantizedGraph(weight_matmuls=_weight_matmuls(model),
                                quantized=sum(n.op_type == "MatMulNBits" for n in model.graph.node),
                                lm_heads=heads, kept_fp32=[] if q.lm_head else heads,

@@ -33,6 +33,15 @@ def select_path(
     check_inputs(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, uniforms, temperature,
                  top_k=top_k, rank=rank, output_multiplier=output_multiplier,
                  logit_softcap=logit_softcap, mode=mode)
+    scores, ids = lattice(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, output_multiplier,
+                          logit_softcap)
+    T = temperature.float() if mode == "sample" else torch.zeros(cand_ids.shape[0])  # [B]
+    return walk(scores, ids, uniforms, T)
+
+
+def lattice(cand_logits, cand_ids, gate, anchor, pred_codebook, succ_codebook, output_multiplier: float = 1.0,
+            logit_softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The walk's score lattice [B, S, K(pred), K(cand)] (unary + low-rank pair scores) and the ids [B, S, K]."""
     B, S, K = cand_ids.shape
     unary = cand_logits.float() * output_multiplier  # [B, S, K]
     if logit_softcap > 0:
@@ -43,16 +52,26 @@ def select_path(
     Q = succ_codebook[ids].float()  # [B, S, K, R]
     pair = torch.einsum("bspr,bsr,bscr->bspc", P, gate.float(), Q)  # [B, S, K(pred), K(cand)]
     scores = unary[:, :, None, :] + pair  # [B, S, K, K]
-    scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    return torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")), ids
+
+
+def walk(scores: torch.Tensor, ids: torch.Tensor, uniforms: torch.Tensor, T: torch.Tensor,
+         picks: torch.Tensor | None = None):
+    """The walk over a lattice (select_path's loop). picks [B, S] (-1: walk): rows whose candidate is given (a
+    graph's own choice at a tie, judged by the validation); the walk continues from whatever was chosen."""
+    B, S, K = ids.shape
     draft = torch.empty(B, S, dtype=torch.int32)
     index = torch.empty(B, S, dtype=torch.int32)
     rows = torch.empty(B, S, K, dtype=torch.float32)
     probs = torch.empty(B, S, K, dtype=torch.float32)
     prev = torch.zeros(B, dtype=torch.long)  # row 0: every predecessor is the anchor
-    T = temperature.float() if mode == "sample" else torch.zeros(B)  # [B]
     for s in range(S):
         row = scores[torch.arange(B), s, prev]  # [B, K]
         idx, q = walk_rows(row, T, uniforms[:, s].float())  # [B], [B, K]
+        if picks is not None:
+            forced = picks[:, s] >= 0
+            idx = torch.where(forced, picks[:, s].long(), idx)
+            q = torch.where(forced[:, None] & (T[:, None] <= 0), torch.nn.functional.one_hot(idx, K).float(), q)
         rows[:, s], probs[:, s] = row, q
         index[:, s] = idx.int()
         draft[:, s] = ids[torch.arange(B), s, idx].int()
