@@ -254,13 +254,18 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
             tensorrt_io = mf.GraphIo(inputs=[mf.IoSpec(**d) for d in trt_io["inputs"]],
                                      outputs=[mf.IoSpec(**d) for d in trt_io["outputs"]])
         if quantize is not None and spec.name in quantize.graphs():
-            unbounded = (f" (ModelOpt's ONNX quantizer holds the whole fp32 graph, "
-                         f"{stages.weight_bytes(tc, 'float32') / 2**30:.2f} GiB, and calibrates it whole: this stage "
-                         f"is not memory-bounded)" if isinstance(quantize, qdq.TrtQuant) else "")
+            gib = stages.weight_bytes(tc, "float32") / 2**30
+            unbounded = (f" (ModelOpt's ONNX quantizer holds the whole fp32 graph, {gib:.2f} GiB, and calibrates it "
+                         f"whole: this stage is not memory-bounded)" if isinstance(quantize, qdq.TrtQuant) else
+                         f" (ONNX Runtime's quantizer loads the whole fp32 graph, {gib:.2f} GiB: this stage is not "
+                         f"memory-bounded; --target-attention gqa, the default, quantizes as it writes)")
             with progress.step(f"{spec.name}.onnx: {quantize.method} weights, deviation from PyTorch{unbounded}"):
                 quantizer = stages.qdq_graph if isinstance(quantize, qdq.TrtQuant) else stages.quantize_graph
                 fixed_file = files.get("tensorrt") if spec.tensorrt is not None else None
+                before = validation.get(spec.name)
                 files, quantized[spec.name], validation[spec.name] = quantizer(tmp, spec, files, quantize)
+                if before is not None and before.skipped:  # the float graph's not-run-whole record stays said
+                    validation[f"{spec.name}.float"] = before
             if fixed_file is not None and files.get("tensorrt") != fixed_file:
                 # the fixed-shape flavour shared the float weights: a quantized graph (or none) replaces it
                 validation.pop(f"{spec.name}.trt", None)

@@ -338,7 +338,8 @@ def _weight_matmuls(model) -> int:
 
 
 def quantize_graph(tmp: Path, spec, files: dict, q: qz.OrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:
-    """Quantize the validated fp32 graph in place; the TensorRT flavour (which shared its data file) goes:
+    """Quantize the fp32 graph in place (validated, or its truncated build where it was past the budget; ONNX
+    Runtime's quantizer loads it whole); the TensorRT flavour (which shared its data file) goes:
     TensorRT cannot run MatMulNBits (its quantized path is modelopt's Q/DQ graphs, docs/quantization.md)."""
     report = qz.quantize_file(tmp / files["portable"], q)
     for flavour, name in list(files.items()):
