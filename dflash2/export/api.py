@@ -214,7 +214,7 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
             ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
             nbytes = (stages.weight_bytes(tc, dtype) if spec.name == "target" else
                       stages.drafter_weight_bytes(dc, tc, ids, fuse_context, dtype))
-            whole = nbytes <= stages.WHOLE_GRAPH_BYTES
+            whole = stages.held_bytes(nbytes, dtype) <= stages.WHOLE_GRAPH_BYTES
             if not whole:  # the templates end to end at bounded memory, both flavours
                 progress.total += 3
                 truncated_check = stages.plain_truncated if spec.name == "target" else stages.drafter_truncated

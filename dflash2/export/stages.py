@@ -32,6 +32,12 @@ WHOLE_GRAPH_BYTES = 2 << 30  # a target checked whole when its weights fit (ONNX
 # the reference's layer and the feeds; int4: prepacks them); past it a truncated build of the same templates does
 
 
+def held_bytes(nbytes: int, dtype: str) -> int:
+    """What a validation session holds for `nbytes` of weights: fp16 twice over (ONNX Runtime's CPU provider has no
+    fp16 GEMM on x86 and runs each fp16 MatMul on an fp32 copy of its weights)."""
+    return nbytes * 2 if dtype == "float16" else nbytes
+
+
 def weight_bytes(tc, dtype: str) -> int:
     return _fp32_weight_bytes(tc) // 4 * dtypes.BY_NAME[dtype].itemsize
 
@@ -44,8 +50,9 @@ def not_whole(progress: Progress, name: str, tc, dtype: str, dc=None, nbytes: in
     depth = (f"{truncated_drafter(dc).num_layers} of {dc.num_layers} layers, the real head and selector" if dc else
              f"{truncated_depth(tc)} layers, the real embedding and head")
     nbytes = weight_bytes(tc, dtype) if nbytes is None else nbytes
-    why = (f"not run whole here: {nbytes / 2**30:.2f} GiB of {dtype} weights, past the "
-           f"{WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory validation maps; the same templates validated end "
+    fp32_copies = " (run on fp32 copies by ONNX Runtime's CPU provider)" if dtype == "float16" else ""
+    why = (f"not run whole here: {nbytes / 2**30:.2f} GiB of {dtype} weights{fp32_copies}, past the "
+           f"{WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory validation holds; the same templates validated end "
            f"to end as {instead} ({depth}); no replay files for the whole graph (its reference would stream every "
            f"layer per feed)")
     with progress.step(f"{name}.onnx: validation") as step:
