@@ -235,21 +235,19 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                 model = tr.trace(spec, max_seq_len)
                 fixed = tr.trace(spec.tensorrt, max_seq_len) if spec.tensorrt is not None else None
                 files = tr.write_graph(model, tmp, spec, dc.num_drafts, fixed)
-        not_whole_dc = dc if spec.name == "drafter" else None
-        if not built or whole:
-            validation[spec.name] = stages.validated(progress, f"{spec.name}.onnx: validating against PyTorch on ONNX "
-                                              f"Runtime", spec, tmp / files["portable"], dtype, tmp, spec.name,
-                                              weights_in_place=built)
-        else:
-            validation[spec.name] = stages.not_whole(progress, spec.name, tc, dtype, not_whole_dc, nbytes)
+        def check(name: str, what: str, s, path: Path, **kw) -> mf.Validation:
+            if built and not whole:  # its truncated build was validated above
+                return stages.not_whole(progress, name, tc, dtype, dc if spec.name == "drafter" else None, nbytes)
+            return stages.validated(progress, f"{name}.onnx: {what}", s, path, dtype, tmp, name,
+                                    weights_in_place=built, **kw)
+
+        validation[spec.name] = check(spec.name, "validating against PyTorch on ONNX Runtime", spec,
+                                      tmp / files["portable"])
         tensorrt_io = None
         if spec.tensorrt is not None:
-            validation[f"{spec.name}.trt"] = stages.validated(
-                progress, f"{spec.name}.trt.onnx: fixed step shapes, validating on ONNX Runtime", spec.tensorrt,
-                tmp / files["tensorrt"], dtype, tmp, f"{spec.name}.trt",
-                selector_drafts=dc.num_drafts if spec.has_selector else None,
-                weights_in_place=built) if not built or whole else stages.not_whole(progress, f"{spec.name}.trt", tc,
-                                                                                   dtype, not_whole_dc, nbytes)
+            validation[f"{spec.name}.trt"] = check(f"{spec.name}.trt", "fixed step shapes, validating on ONNX Runtime",
+                                                   spec.tensorrt, tmp / files["tensorrt"],
+                                                   selector_drafts=dc.num_drafts if spec.has_selector else None)
             trt_io = tr.io_spec(tmp / files["tensorrt"])
             tensorrt_io = mf.GraphIo(inputs=[mf.IoSpec(**d) for d in trt_io["inputs"]],
                                      outputs=[mf.IoSpec(**d) for d in trt_io["outputs"]])

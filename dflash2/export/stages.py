@@ -42,14 +42,13 @@ def weight_bytes(tc, dtype: str) -> int:
     return _fp32_weight_bytes(tc) // 4 * dtypes.BY_NAME[dtype].itemsize
 
 
-def not_whole(progress: Progress, name: str, tc, dtype: str, dc=None, nbytes: int | None = None) -> mf.Validation:
+def not_whole(progress: Progress, name: str, tc, dtype: str, dc, nbytes: int) -> mf.Validation:
     """The record of a graph not run whole (WHOLE_GRAPH_BYTES): said, and never reported validated.
     dc: the drafter's config for a drafter graph (nbytes its weights), else the target's."""
     graph, rest = name.split(".", 1) if "." in name else (name, "")
     instead = f"{graph}.truncated" + (f".{rest}" if rest else "")
     depth = (f"{truncated_drafter(dc).num_layers} of {dc.num_layers} layers, the real head and selector" if dc else
              f"{truncated_depth(tc)} layers, the real embedding and head")
-    nbytes = weight_bytes(tc, dtype) if nbytes is None else nbytes
     fp32_copies = " (run on fp32 copies by ONNX Runtime's CPU provider)" if dtype == "float16" else ""
     why = (f"not run whole here: {nbytes / 2**30:.2f} GiB of {dtype} weights{fp32_copies}, past the "
            f"{WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory validation holds; the same templates validated end "
@@ -95,16 +94,7 @@ def drafter_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context:
                                                      progress=step.layer)
         files = tr.write_graph(model, tmp, dataclasses.replace(spec, name=name), dc.num_drafts, fixed)
         del model, fixed
-    S = dc.num_drafts if spec.has_selector else None
-    checked = {name: validated(progress, f"{name}.onnx: validating against PyTorch on ONNX Runtime", spec,
-                               tmp / files["portable"], dtype, tmp, name, weights_in_place=True),
-               f"{name}.trt": validated(progress, f"{name}.trt.onnx: fixed step shapes, validating on ONNX Runtime",
-                                        spec.tensorrt, tmp / files["tensorrt"], dtype, tmp, f"{name}.trt",
-                                        selector_drafts=S, weights_in_place=True)}
-    for f in (*files.values(), f"{name}.onnx.data", f"{name}.inputs.json", f"{name}.reference.json",
-              f"{name}.trt.inputs.json", f"{name}.trt.reference.json"):
-        (tmp / f).unlink(missing_ok=True)
-    return checked
+    return _checked_truncated(tmp, name, spec, files, dtype, progress, dc.num_drafts if spec.has_selector else None)
 
 
 def plain_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context: bool, dtype: str,
@@ -124,13 +114,21 @@ def plain_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context: b
         onnx.save_model(model, str(tmp / f"{name}.onnx"))
         onnx.save_model(fixed, str(tmp / f"{name}.trt.onnx"))
         del model, fixed
+    return _checked_truncated(tmp, name, spec, {"portable": f"{name}.onnx", "tensorrt": f"{name}.trt.onnx"}, dtype,
+                              progress)
+
+
+def _checked_truncated(tmp: Path, name: str, spec, files: dict, dtype: str, progress: Progress,
+                       selector_drafts: int | None = None) -> dict[str, mf.Validation]:
+    """Both flavours of a truncated build validated in the bounded-memory session, then its files removed (a
+    failure raises first and keeps them: keep_failed)."""
     checked = {name: validated(progress, f"{name}.onnx: validating against PyTorch on ONNX Runtime", spec,
-                               tmp / f"{name}.onnx", dtype, tmp, name, weights_in_place=True),
+                               tmp / files["portable"], dtype, tmp, name, weights_in_place=True),
                f"{name}.trt": validated(progress, f"{name}.trt.onnx: fixed step shapes, validating on ONNX Runtime",
-                                        spec.tensorrt, tmp / f"{name}.trt.onnx", dtype, tmp, f"{name}.trt",
-                                        weights_in_place=True)}
-    for f in (f"{name}.onnx", f"{name}.trt.onnx", f"{name}.onnx.data", f"{name}.inputs.json",
-              f"{name}.reference.json", f"{name}.trt.inputs.json", f"{name}.trt.reference.json"):
+                                        spec.tensorrt, tmp / files["tensorrt"], dtype, tmp, f"{name}.trt",
+                                        selector_drafts=selector_drafts, weights_in_place=True)}
+    for f in (*files.values(), f"{name}.onnx.data", f"{name}.inputs.json", f"{name}.reference.json",
+              f"{name}.trt.inputs.json", f"{name}.trt.reference.json"):
         (tmp / f).unlink(missing_ok=True)
     return checked
 

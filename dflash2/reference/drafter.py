@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.config import DrafterConfig
+from dflash2.numerics import magnitude
 from dflash2.reference.layers import (MLP, Fp32Rope, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq,
                                      visibility)
 from dflash2.reference.selector import select_candidates, topk_lowest_index
@@ -202,17 +203,15 @@ class Drafter(Fp32Rope):
         return {k: v[0] for k, v in self.propose_batch(hidden[None], anchor.reshape(1), u, t).items()}
 
     def propose_batch(self, hidden: torch.Tensor, anchor: torch.Tensor, uniforms: torch.Tensor | None = None,
-                      temperature: torch.Tensor | None = None,
-                      candidates: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                      temperature: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """DFlash2: hidden [nb, S, H], anchor [nb] (, uniforms [nb, S], temperature [nb])
-        -> selector outputs [nb, S(, K)]; the op runs in mode "sample" (temperature 0 walks greedily).
-        candidates: the top-K to walk instead of this reference's own (select_candidates)."""
+        -> selector outputs [nb, S(, K)]; the op runs in mode "sample" (temperature 0 walks greedily)."""
         c, sel = self.config, self.candidate_selector
         logits, ids = self.draft_logits(hidden)
         return select_candidates(logits.float(), hidden, anchor, sel.hidden_projection.weight,
                                  sel.predecessor_codebook, sel.successor_codebook, c.selector_top_k,
                                  c.output_multiplier, c.logit_softcap, id_map=ids, uniforms=uniforms,
-                                 temperature=temperature, mode="sample", candidates=candidates)
+                                 temperature=temperature, mode="sample")
 
     def candidates_from(self, hidden: torch.Tensor, cand_ids: torch.Tensor, atol: float, rtol: float
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -231,7 +230,7 @@ class Drafter(Fp32Rope):
             cols = torch.searchsorted(ids, g).clamp(max=len(ids) - 1)
             known = ids[cols] == g
         vals = logits.gather(-1, cols)  # [nb, S, K]
-        scale = max(1.0, float(logits[torch.isfinite(logits)].square().mean().sqrt())) if logits.numel() else 1.0
+        scale = magnitude(logits.detach().numpy())  # the comparison rule's own atol scale
         close = (vals - own).abs() <= atol * scale + rtol * own.abs()
         distinct = all(len(set(r.tolist())) == len(r) for r in g.reshape(-1, g.shape[-1]))
         if not (bool(known.all()) and bool(close.all()) and distinct):

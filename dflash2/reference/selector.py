@@ -173,16 +173,11 @@ def select_candidates(
     uniforms: torch.Tensor | None = None,  # [B, S] fp32; None: zeros
     temperature: torch.Tensor | None = None,  # [B] fp32; None: 0 (greedy)
     mode: str = "greedy",
-    candidates: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([B, S, K] fp32 logits, [B, S, K] token ids)
 ) -> dict[str, torch.Tensor]:
-    """Top-K (stable: equal logits keep the lower token id first, as ONNX TopK) + gate + op.
-    candidates: walk these instead of the top-K (a graph's own near-tie order, judged by the validation)."""
-    if candidates is None:
-        cand_logits, cand_ids = topk_lowest_index(logits.float(), top_k)  # [B, S, K]
-        if id_map is not None:  # ascending ids: the lowest-index tie rule still means the lowest token id
-            cand_ids = id_map[cand_ids]
-    else:
-        cand_logits, cand_ids = candidates
+    """Top-K (stable: equal logits keep the lower token id first, as ONNX TopK) + gate + op."""
+    cand_logits, cand_ids = topk_lowest_index(logits.float(), top_k)  # [B, S, K]
+    if id_map is not None:  # ascending ids: the lowest-index tie rule still means the lowest token id
+        cand_ids = id_map[cand_ids]
     gate = hidden.to(hidden_projection.dtype) @ hidden_projection.T  # [B, S, R]
     B, S = cand_ids.shape[:2]
     uniforms = torch.zeros(B, S) if uniforms is None else uniforms.float()
