@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="int4 / int8: weight-only MatMulNBits graphs for ONNX Runtime (the TensorRT flavour is "
                         "dropped); int4_awq / fp8 / int8_qdq: a Q/DQ TensorRT flavour of the target (nvidia-modelopt)")
     q.add_argument("--quant-block-size", type=int, metavar="N",
-                   help="weights per scale (default 32 for int4/int8, 128 for int4_awq)")
+                   help="weights per scale (default 32 for int4/int8, 128 for int4_awq); the export refuses a "
+                        "size whose ONNX Runtime kernel is not row-invariant on this CPU (int4 64 / 128 on AVX-512 "
+                        "VNNI: not lossless, docs/export.md)")
     q.add_argument("--quant-accuracy-level", type=int, default=4, metavar="L",
                    help="MatMulNBits compute: 4 int8 activations (default, fastest on VNNI CPUs), 1 fp32, 0 unset")
     q.add_argument("--quant-keep-head", action="store_true", help="keep the LM heads fp32")

@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="text prompt ('-': read it from stdin)")
     g.add_argument("--prompt-ids", type=parse_ids, help="comma-separated token ids")
+    g.add_argument("--check-rows", action="store_true",
+                   help="instead of generating: check that this machine's kernels give a k-row verify the bitwise "
+                        "logits of k 1-row decode steps (what losslessness rests on; the export checked its own "
+                        "machine); exit 1 if not")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -107,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         prompt = None if a.prompt is None else read_prompt(a.prompt)
         log = None if a.json else (lambda line: print(f"dflash2-run: {line}", file=sys.stderr))
         rt = Runtime(a.folder, backend=a.backend, log=log, verify="full" if a.verify_files else True)
+        if a.check_rows:
+            return _check_rows(rt)
         start_s = rt.checked_at - t_start  # the imports, the manifest, the checks, the files: before any session
         if a.draft_len is not None and a.no_spec:
             rt.schedule(a.draft_len)  # a value out of range is named first
@@ -141,6 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + stats_table(stats, rt.backend_name, schedule))
     print(describe(rt.manifest))
     return 0
+
+
+def _check_rows(rt) -> int:
+    from dflash2.runtime.invariance import validation
+
+    v = validation(rt.session)
+    s = v.steps
+    print(json.dumps({"folder": str(rt.folder), "backend": rt.backend_name, "row_invariant": v.ok, **s}))
+    for f in v.failures:
+        print(f"dflash2-run: {f}", file=sys.stderr)
+    return 0 if v.ok else 1
 
 
 if __name__ == "__main__":

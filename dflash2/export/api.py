@@ -92,7 +92,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
-    steps = 1 + 2 * specs_count + 2 + 1 + 1  # + the two fixed-shape TensorRT flavours' validations, sharing
+    steps = 1 + 2 * specs_count + 2 + 1 + 1 + 1  # ... + the row-invariance check of the written export  # + the two fixed-shape TensorRT flavours' validations, sharing
     # gqa: the target + its truncated build, validated (+2), neither it nor the drafter has a TensorRT flavour (-2),
     # and both are quantized as they are built (no step of their own)
     steps += len(quantize.graphs()) if quantize and target_attention != "gqa" else 0
@@ -117,9 +117,37 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
         with progress.step("tokenizer, manifest"):
             manifest.tokenizer = mf.Tokenizer(copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp))
             mf.write(tmp, manifest)
+        manifest.validation[ROWS] = rows = _row_invariance(tmp, manifest, progress)
+        mf.write(tmp, manifest)
+        if rows.failures:
+            raise ValidationError(rows.failures, keep_failed(tmp, out, rows.failures))
         replace_folder(tmp, out, force, what="the export")
     mf.remember_hashes(out, manifest)
     return manifest
+
+
+ROWS = "target.rows"  # the manifest's validation record of the row-invariance check
+
+
+def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) -> mf.Validation:
+    """The written export run as generation runs it (dflash2.runtime.invariance): every k-row verify row
+    bitwise equal to the 1-row decode at the same position, or the export fails (not lossless)."""
+    whole = manifest.validation.get("target")
+    with progress.step("target: k-row verify against 1-row decode steps, bitwise (what losslessness rests "
+                       "on), on ONNX Runtime as generation runs it") as step:
+        if manifest.dtype == "bfloat16" or whole is None or whole.skipped:
+            why = ("ONNX Runtime's CPU provider has no bfloat16 kernels" if manifest.dtype == "bfloat16" else
+                   "the target graph is past the whole-graph budget (not run whole here)")
+            step.outcome = f"not checked: {why}; run dflash2-run --check-rows where it deploys"
+            return mf.Validation(ok=False, failures=[], skipped=f"{why}; dflash2-run --check-rows checks it")
+        from dflash2.runtime.api import Runtime  # the runtime's own session: the binding generation uses
+        from dflash2.runtime.invariance import validation
+
+        v = validation(Runtime(tmp, verify=False).session)
+        s = v.steps
+        step.outcome = (f"{s['rows']} rows of k = 2..{manifest.block_size}: "
+                        + ("all bitwise equal" if v.ok else f"{s['differing']} differ (max {s['max_abs']:.3g})"))
+    return v
 
 
 DEFAULT_MAX_SEQ_LEN = 2048

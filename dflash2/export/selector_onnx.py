@@ -158,30 +158,50 @@ def _walk(S: int, mode: str, x: dict, prefix: str, outputs: list[str]) -> list[o
 
     scores, ids, b_1_k, ar_K, prev = x["scores"], x["ids"], x["b_1_k"], x["ar_K"], x["prev"]
     zero, ninf, pinf = x["zero"], x["ninf"], x["pinf"]
-    drafts, idxs, rows, probs = [], [], [], []
+    idxs, rows, probs = [], [], []
+    # only the walk itself is sequential: a row, its pick, the next predecessor (3 nodes a position when
+    # greedy); the draft ids and the greedy one-hot q are gathered for all positions at once after it. ONNX
+    # Runtime spends ~5-10 us a node on the CPU whatever its size, so the drafter's cost is mostly its node count
+    nodes.append(helper.make_node("Split", [scores, const("split1", np.ones(S, np.int64))],
+                                  [prefix + f"sc{s}" for s in range(S)], axis=1))  # S x [B, 1, K, K]
+    sq1 = const("ax1", np.array([1], np.int64))
+    sq = const("ax2c", np.array([2], np.int64))
+    greedy_walk = mode != "sample"
+    if greedy_walk:  # the walk in 4-D ([B, 1, ., K] per position): no reshape between a position and the next
+        prev = n("Unsqueeze", [prev, sq1], "prev0_4d")  # [B, 1, 1, K]
+        b_1_1_k = n("Shape", [prev], "b11k")
     for s in range(S):
-        sc = n("Gather", [scores, const(f"s{s}_i", np.array(s, np.int64))], f"sc{s}", axis=1)  # [B, K, K]
-        row = n("GatherElements", [sc, prev], f"row{s}", axis=1)  # [B, 1, K]
-        greedy = n("ArgMax", [row], f"gidx{s}", axis=2, keepdims=1)  # [B, 1, 1], first max (all -inf: 0)
-        if mode == "sample":
+        if greedy_walk:
+            row = n("GatherElements", [prefix + f"sc{s}", prev], f"row{s}", axis=2)  # [B, 1, 1, K]
+            idx = n("ArgMax", [row], f"gidx{s}", axis=3, keepdims=1)  # [B, 1, 1, 1], first max (all -inf: 0)
+            if s + 1 < S:
+                prev = n("Expand", [idx, b_1_1_k], f"prev{s + 1}")  # the next predecessor: the candidate chosen
+        else:
+            sc = n("Squeeze", [prefix + f"sc{s}", sq1], f"scq{s}")  # [B, K, K]
+            row = n("GatherElements", [sc, prev], f"row{s}", axis=1)  # [B, 1, K]
+            greedy = n("ArgMax", [row], f"gidx{s}", axis=2, keepdims=1)  # [B, 1, 1], first max (all -inf: 0)
             idx, q = _sample_row(n, const, s, row, greedy, x["uniforms"], x["T3"], x["safe_T"], ar_K, zero, ninf,
                                  pinf)
-        else:
-            idx = greedy
-            q = n("Cast", [n("Equal", [ar_K, idx], f"oh{s}")], f"q{s}", to=TensorProto.FLOAT)  # [B, 1, K]
-        ids_s = n("Gather", [ids, const(f"s{s}_j", np.array([s], np.int64))], f"ids{s}", axis=1)  # [B, 1, K]
-        drafts.append(n("GatherElements", [ids_s, idx], f"d{s}", axis=2))  # [B, 1, 1]
+            probs.append(q)
+            if s + 1 < S:
+                prev = n("Expand", [idx, b_1_k], f"prev{s + 1}")  # the next predecessor: the candidate chosen
         idxs.append(idx)
         rows.append(row)
-        probs.append(q)
-        prev = n("Expand", [idx, b_1_k], f"prev{s + 1}")  # the next predecessor: the candidate chosen
-    sq = const("ax2c", np.array([2], np.int64))
     out_d, out_i, out_s, out_c, out_q = outputs
-    n("Cast", [n("Squeeze", [n("Concat", drafts, "d_cat", axis=1), sq], "d_sq")], out_d, to=TensorProto.INT32)
-    i_cat = n("Concat", idxs, "i_cat", axis=1)  # [B, S, 1] int64
+    i_cat = n("Concat", idxs, "i_cat4" if greedy_walk else "i_cat", axis=1)  # [B, S, 1] int64 ([B, S, 1, 1])
+    if greedy_walk:
+        i_cat = n("Squeeze", [i_cat, const("ax3", np.array([3], np.int64))], "i_cat")
+    n("Cast", [n("Squeeze", [n("GatherElements", [ids, i_cat], "d_cat", axis=2), sq], "d_sq")], out_d,
+      to=TensorProto.INT32)  # the walked candidates' ids [B, S]
     n("Cast", [n("Squeeze", [i_cat, sq], "i_sq")], out_i, to=TensorProto.INT32)
-    n("Concat", rows, out_s, axis=1)  # [B, S, K]
-    n("Concat", probs, out_q, axis=1)  # [B, S, K]
+    if greedy_walk:
+        n("Squeeze", [n("Concat", rows, "rows4", axis=1), sq], out_s)  # [B, S, K]
+    else:
+        n("Concat", rows, out_s, axis=1)  # [B, S, K]
+    if mode == "sample":
+        n("Concat", probs, out_q, axis=1)  # [B, S, K]
+    else:  # one-hot at the walked index
+        n("Cast", [n("Equal", [ar_K, i_cat], "oh")], out_q, to=TensorProto.FLOAT)  # [B, S, K]
     # confidence = softmax(row)[walked] at T = 1 = exp(row[idx] - max) / sum_c exp(row_c - max)
     m = n("ReduceMax", [out_s, sq], "row_max", keepdims=1)  # [B, S, 1]
     total = n("ReduceSum", [n("Exp", [n("Sub", [out_s, m], "row_sub")], "row_exp"), sq], "row_sum", keepdims=0)
