@@ -740,6 +740,15 @@ def file_table(folder: Path, names: list[str]) -> dict[str, FileEntry]:
     return {n: FileEntry(sha256(folder / n), (folder / n).stat().st_size) for n in sorted(names)}
 
 
+def reseal(folder: Path, manifest: Manifest) -> Manifest:
+    """Rewrite manifest.json after a change to the manifest alone (a validation record added): the file table
+    and its hashing time stay as `write` made them."""
+    data = manifest.to_dict()
+    manifest.manifest_sha256 = data["manifest_sha256"] = content_sha256(data)
+    write_atomic(folder / NAME, json.dumps(data, indent=2))
+    return manifest
+
+
 def write(folder: Path, manifest: Manifest) -> Manifest:
     """Checksum every file of the folder into manifest.files, seal, then write manifest.json atomically.
     `manifest.hashed_ns` says when the hashing began (remember_hashes)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +43,7 @@ def llama_spec(bin_dir: Path, target: Path, drafter: Path, prompt: str, threads:
     """llama-speculative-simple, greedy: decoded tokens, seconds, tokens/s and acceptance as it prints them."""
     cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-md", str(drafter), "-p", prompt,
            "-n", str(n), "--temp", "0", "-t", str(threads), "-td", str(threads), "--draft-max", str(draft_max),
-           "-c", "2048", "--no-warmup"]
+           "-c", "2048"]  # llama.cpp's own warm-up run: the others are warmed up too
     r = subprocess.run(cmd, capture_output=True, text=True)
     text = r.stdout + r.stderr
     m = _SPEED.search(text)
@@ -72,6 +71,7 @@ def run(a) -> dict:
         accepted = rounds = 0
         for i, prompt in enumerate(prompts):
             ids = rt.prompt_ids(text=prompt, chat=True)
+            rt.session.check_capacity(len(ids), a.max_new_tokens)
             templated = rt.text.render([{"role": "user", "content": prompt}])
             if i == 0:  # untimed warm-up
                 generate(rt.session, ids, 8, rt.eos_ids, speculative=False)
@@ -91,7 +91,8 @@ def run(a) -> dict:
                 tok["genai int4"] += max(len(out) - 1, 0)
                 sec["genai int4"] += s
             if a.llama_cpp:
-                llama_ar.append(llama_bench(a.llama_cpp, a.target_gguf, threads, a.max_new_tokens, len(ids)))
+                llama_ar.append(a.max_new_tokens / llama_bench(a.llama_cpp, a.target_gguf, threads, a.max_new_tokens,
+                                                               len(ids)))  # seconds for the same token count
                 s = llama_spec(a.llama_cpp, a.target_gguf, a.drafter_gguf, templated, threads, a.max_new_tokens,
                                a.draft_max)
                 for k in ("tokens", "seconds"):
@@ -100,12 +101,12 @@ def run(a) -> dict:
                     llama_sp[k] += s[k] or 0
             tps = {k: tok[k] / sec[k] for k in tok if sec[k]}
             print(f"[threads {threads}] [prompt {i + 1}/{len(prompts)}] " + "  ".join(
-                f"{k} {v:.1f}" for k, v in tps.items()) + (f"  llama.cpp AR {statistics.mean(llama_ar):.1f}  "
+                f"{k} {v:.1f}" for k, v in tps.items()) + (f"  llama.cpp AR {a.max_new_tokens * len(llama_ar) / sum(llama_ar):.1f}  "
                 f"llama.cpp spec {llama_sp['tokens'] / llama_sp['seconds']:.1f}" if llama_ar else ""),
                 file=sys.stderr, flush=True)
         tps = {k: tok[k] / sec[k] for k in tok if sec[k]}
         if llama_ar:
-            tps["llama.cpp AR (Q4_1)"] = statistics.mean(llama_ar)
+            tps["llama.cpp AR (Q4_1)"] = a.max_new_tokens * len(llama_ar) / sum(llama_ar)  # pooled, as the others
             tps["llama.cpp speculative"] = llama_sp["tokens"] / llama_sp["seconds"]
         results[str(threads)] = {"tokens_per_second": tps, "dflash2_lossless": lossless,
                                  "dflash2_acceptance": accepted / rounds if rounds else None, "llama_cpp_speculative": llama_sp}
@@ -121,7 +122,8 @@ def table(r: dict) -> str:
         ours = max(v for k, v in tps.items() if k.startswith("dflash2"))
         lines.append(f"threads {t}: {'configuration':<26}{'tok/s':>8}{'dflash2 best /':>16}")
         for k, v in tps.items():
-            lines.append(f"           {k:<26}{v:>8.1f}{(ours / v if not k.startswith('dflash2') else 1.0):>15.2f}x")
+            ratio = ours / v if v and not k.startswith("dflash2") else 1.0
+            lines.append(f"           {k:<26}{v:>8.1f}{ratio:>15.2f}x")
         lines.append(f"           dflash2 lossless: {res['dflash2_lossless']}")
     return "\n".join(lines)
 

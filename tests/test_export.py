@@ -224,7 +224,8 @@ def test_portable_selector_function_matches_torch_op():
                  uniforms=rng.random((3, 7), dtype=np.float32), temperature=np.array([0.0, 0.7, 1.5], np.float32))
     feeds["cand_logits"][0, 2, 3] = np.nan
     feeds["cand_logits"][1, 4] = -np.inf
-    for mode in C.MODES:
+    greedy_rows = dict(feeds, temperature=np.zeros(3, np.float32))  # mode sample's greedy branch, B = 3
+    for mode, feeds in [(m, feeds) for m in C.MODES] + [("sample", greedy_rows)]:
         attrs = {"output_multiplier": 0.5, "logit_softcap": 2.0, "mode": mode}
         m = so.selector_model(7, 16, 256, 300, "portable", attrs)
         sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -243,9 +244,13 @@ def test_portable_selector_function_matches_torch_op():
                 assert index == got[1][b, s], (mode, b, s)
                 np.testing.assert_allclose(got[4][b, s], q, rtol=1e-5, atol=1e-7)
                 assert got[3][b, s] == pytest.approx(C.path_confidence(row, index), rel=1e-5, abs=1e-7)
-        if mode == "sample":  # the sampled rows really left the argmax somewhere
+        if mode == "sample" and feeds is greedy_rows:  # all rows greedy: the greedy walk's own outputs
+            for a, b in zip(got, want_greedy):
+                np.testing.assert_array_equal(a, b)
+        elif mode == "sample":  # the sampled rows really left the argmax somewhere
             assert (got[1][1:] != want_greedy[1][1:]).any()
-        want_greedy = got
+        else:
+            want_greedy = got
 
 
 def test_portable_selector_confidence_special_rows():

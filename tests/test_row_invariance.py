@@ -1,65 +1,104 @@
-"""Row invariance (dflash2.runtime.invariance): a k-row verify must give the bitwise logits of k 1-row decode
-steps, or greedy speculative output can differ from target-only output. The export checks it on the written
-export and refuses a graph that fails; `dflash2-run --check-rows` checks a deployment machine."""
+"""Row invariance (dflash2.runtime.invariance): a k-row verify must give the bitwise logits (and argmax ids) of
+k 1-row decode steps, or greedy speculative output can differ from target-only output. The export checks it on
+the written export and refuses a graph that fails; `dflash2-run --check-rows` checks a deployment machine."""
 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from dflash2 import manifest as mf
-from dflash2.errors import ValidationError
+from dflash2.cli import run as run_cli
+from dflash2.errors import Dflash2Error, ValidationError
 from dflash2.export import quantize as qz
 from dflash2.export.api import ROWS, export
 from dflash2.runtime.api import Runtime
-from dflash2.runtime.invariance import check_rows, validation
+from dflash2.runtime.invariance import _prompt, check_rows, sizes, validation
 from dflash2.speculative import generate
 
 
-class Perturbed:
-    """A session whose multi-row calls return logits off by `eps` in one column: what a kernel with another
-    summation order for k > 1 rows looks like to the loop."""
+class Edited:
+    """A session whose target logits are edited on the way out: `multi` for calls of several rows, `every` for
+    all calls (both the 1-row reference and the verifies). What a kernel with another summation order for k > 1
+    rows looks like to the check."""
 
-    def __init__(self, session, eps: float, column: int = 3):
-        self.s, self.eps, self.column = session, eps, column
+    def __init__(self, session, multi=None, every=None):
+        self.s, self.multi, self.every = session, multi, every
 
     def __getattr__(self, name):
         return getattr(self.s, name)
 
-    def verify(self, tokens):
-        v = self.s.verify(tokens)
-        if len(tokens) == 1:
-            return v
+    def _edit(self, v, n):
         logits = v.logits().copy()
-        logits[:, self.column] += self.eps
+        if self.every:
+            self.every(logits)
+        if self.multi and n > 1:
+            self.multi(logits)
         return type(v)(v.ids, lambda: logits)
 
+    def decode(self, token):
+        return self._edit(self.s.decode(token), 1)
 
-def test_check_passes_on_the_real_session_and_catches_any_multirow_difference(exports):
+    def verify(self, tokens):
+        return self._edit(self.s.verify(tokens), len(tokens))
+
+
+def one_ulp(logits):  # the smallest change float32 can make, in one column
+    logits[:, 3] = np.nextafter(logits[:, 3], np.float32(np.inf))
+
+
+def test_check_passes_on_the_real_session_and_catches_a_one_ulp_multirow_difference(exports):
     s = Runtime(exports[("llama", 2)]).session
     r = check_rows(s)
     B = s.block_size
     assert r.ok and r.differing == 0 and r.max_abs == 0.0
     assert sorted(r.per_k) == list(range(2, B + 1)) and r.rows == sum(v["rows"] for v in r.per_k.values()) > 0
-    # the smallest difference float32 can hold at the column's magnitude is caught: the rule is bitwise
-    bad = check_rows(Perturbed(s, eps=1e-3))
-    assert not bad.ok and bad.differing == bad.rows and bad.max_abs == pytest.approx(1e-3, rel=1e-2)
-    v = validation(Perturbed(s, eps=1e-3))
-    assert not v.ok and "not bitwise equal" in v.failures[0] and f"{bad.rows} rows differ" in v.failures[0]
-    assert v.steps["differing"] == bad.rows
-    # a difference large enough to move the argmax is counted as such
-    flips = check_rows(Perturbed(s, eps=1e6))
-    assert flips.argmax_flips == flips.rows
+    bad = check_rows(Edited(s, multi=one_ulp))
+    assert not bad.ok and bad.differing == bad.rows and 0 < bad.max_abs < 1e-3 and bad.argmax_flips == 0
+    v = validation(Edited(s, multi=one_ulp), "target.onnx", "a hint")
+    assert not v.ok and v.failures[0].startswith("target.onnx: expected a k-row verify bitwise equal")
+    assert f"found {bad.rows} of {bad.rows} rows differing" in v.failures[0] and v.failures[0].endswith("a hint")
+    flips = check_rows(Edited(s, multi=lambda x: x.__setitem__((slice(None), 7), 1e9)))
+    assert flips.argmax_flips == 0  # the logits moved, not the graph's own argmax ids: still every row differs
+    assert flips.differing == flips.rows
+
+
+def test_infinities_in_both_do_not_hide_a_difference(exports):
+    s = Runtime(exports[("llama", 2)]).session
+
+    def inf_col(logits):
+        logits[:, 0] = np.inf
+
+    same = check_rows(Edited(s, every=inf_col))
+    assert same.ok and same.max_abs == 0.0  # the same inf in both: equal bits
+    hidden = check_rows(Edited(s, every=inf_col, multi=one_ulp))
+    assert hidden.differing == hidden.rows and np.isfinite(hidden.max_abs)
+
+
+def test_sizes_fit_any_max_seq_len(exports):
+    for T, B in [(4096, 8), (80, 8), (12, 8), (10, 8), (6, 2), (4, 2), (3, 2)]:
+        p, c = sizes(T, B)
+        assert p >= 1 and p + c <= T - 1  # the last call's spare row fits
+        if T - 1 - 1 >= B:
+            assert c >= B  # every k checked once the prompt is down to one token
+    assert sizes(4096, 8) == (24, 40)
+    assert max(_prompt(203, 500)) < 203 and min(_prompt(203, 500)) >= 1  # within any vocabulary
+    s = Runtime(exports[("llama", 2)], max_seq_len=12).session
+    r = check_rows(s)
+    assert r.ok and max(r.per_k) == min(s.block_size, sizes(12, s.block_size)[1])
+    v = validation(Runtime(exports[("llama", 2)], max_seq_len=3).session)
+    assert v.skipped and "no room" in v.skipped and not v.failures
 
 
 def test_export_records_the_check(exports):
     m = mf.load(exports[("qwen3", 2)], check_files=False)
     v = m.validation[ROWS]
-    assert v.ok and not v.failures and v.steps["rule"] == "bitwise equal logits"
+    assert v.ok and not v.failures and v.steps["rule"].startswith("bitwise equal logits")
     assert v.steps["rows"] > 0 and v.steps["differing"] == 0 and v.steps["max_abs"] == 0.0
-    assert sorted(map(int, v.steps["per_k"])) == list(range(2, m.block_size + 1))
+    assert sorted(map(int, v.steps["per_k"])) == list(range(2, m.block_size + 1)) == list(range(2, v.steps["k_max"] + 1))
 
 
 def test_int4_block_32_passes_and_a_larger_block_is_refused_where_its_kernel_is_not_invariant(tmp_path, pairs):
@@ -74,16 +113,17 @@ def test_int4_block_32_passes_and_a_larger_block_is_refused_where_its_kernel_is_
     try:
         export(drafter, target, out, max_seq_len=256, quiet=True, quantize=qz.OrtQuant("int4", 64))
     except ValidationError as e:
-        assert "not bitwise equal" in str(e) and "not lossless" in str(e) and "block 32" in str(e)
+        msg = str(e)
+        assert "target.onnx (validation[\"target.rows\"])" in msg and "not lossless" in msg
+        assert "int4 kernel at block 64, accuracy level 4" in msg and "block 32" in msg
         assert not out.exists()  # nothing written where the export was asked for
         failed = tmp_path / "b64.failed"
-        assert "not bitwise equal" in (failed / "VALIDATION_FAILED.txt").read_text()
-        # the kept folder holds the manifest with the failing record: dflash2-run --check-rows says the same
-        r = subprocess.run([sys.executable, "-m", "dflash2.cli.run", str(failed), "--check-rows"],
-                           capture_output=True, text=True)
-        assert r.returncode == 1, r.stderr
-        got = json.loads(r.stdout)
-        assert got["row_invariant"] is False and got["differing"] > 0 and "not bitwise equal" in r.stderr
+        assert "found" in (failed / "VALIDATION_FAILED.txt").read_text()
+        # kept for inspection, not runnable: the manifest is there under another name, with the failing record
+        kept = json.loads((failed / "manifest.rows-failed.json").read_text())
+        assert kept["validation"][ROWS]["failures"] and not (failed / mf.NAME).exists()
+        with pytest.raises(Dflash2Error):
+            Runtime(failed)
     else:
         rt = Runtime(out)
         assert mf.load(out, check_files=False).validation[ROWS].ok
@@ -92,10 +132,20 @@ def test_int4_block_32_passes_and_a_larger_block_is_refused_where_its_kernel_is_
                                                                                   speculative=False).ids
 
 
-def test_run_check_rows_cli(exports):
-    r = subprocess.run([sys.executable, "-m", "dflash2.cli.run", str(exports[("llama", 1)]), "--check-rows"],
+def test_run_check_rows_cli(exports, capsys):
+    folder = exports[("llama", 1)]
+    r = subprocess.run([sys.executable, "-m", "dflash2.cli.run", str(folder), "--check-rows"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
-    assert got["row_invariant"] is True and got["rows"] > 0 and got["differing"] == 0
-    assert np.isclose(got["max_abs"], 0.0)
+    assert got["row_invariant"] is True and got["rows"] > 0 and got["differing"] == 0 and got["max_abs"] == 0.0
+    r = subprocess.run([sys.executable, "-m", "dflash2.cli.run", str(folder), "--check-rows", "--chat", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--check-rows: generates nothing, so --chat, --json would have no effect" in r.stderr
+    # the failing path: exit 1, the JSON line says so, the failure on stderr
+    rt = Runtime(folder)
+    fake = SimpleNamespace(session=Edited(rt.session, multi=one_ulp), folder=folder, backend_name="onnxruntime")
+    capsys.readouterr()
+    assert run_cli._check_rows(fake) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["row_invariant"] is False and "expected a k-row verify bitwise equal" in err

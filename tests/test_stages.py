@@ -25,7 +25,7 @@ STAGES = {
     "runtime": set(),  # export / engine folder -> generation (never torch)
     "cli": {"reference", "train", "export", "engines", "runtime"},  # thin front ends over everything
 }
-# Shared modules that reach a stage, each with why; nothing else may.
+# Modules that reach a stage their rules above do not allow, each with why; nothing else may.
 EXCEPTIONS = {
     ("native.bench", "reference"): "times the CPU twin against the PyTorch op (lazily: dflash2-plugins bench only)",
     ("export.api", "runtime"): "runs the written export once through the runtime's own session, as generation "

@@ -16,6 +16,15 @@ from dflash2.interrupts import interruptible
 
 def check_flags(a: argparse.Namespace) -> None:
     """Flags that would have no effect in this combination are errors, not silently ignored."""
+    if getattr(a, "check_rows", False):
+        used = [f for f, on in (("--chat", a.chat), ("--system", a.system is not None), ("--no-spec", a.no_spec),
+                                ("--draft-len", a.draft_len is not None), ("--stop", bool(a.stop)),
+                                ("--json", a.json), ("--max-new-tokens", a.max_new_tokens != 128),
+                                ("--temperature", a.temperature is not None), ("--top-k", a.top_k is not None),
+                                ("--top-p", a.top_p is not None), ("--seed", a.seed is not None)) if on]
+        if used:
+            raise Dflash2Error(f"--check-rows: generates nothing, so {', '.join(used)} would have no effect; drop "
+                               f"{'it' if len(used) == 1 else 'them'} (it always prints one JSON line)")
     if a.system is not None and not a.chat:
         raise Dflash2Error("--system: only used with --chat (it is the chat template's system message); add --chat")
     if a.chat and a.prompt_ids is not None:
@@ -150,11 +159,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_rows(rt) -> int:
+    """--check-rows: one JSON line; exit 0 invariant, 1 not (the failure on stderr), 2 not checkable."""
     from dflash2.runtime.invariance import validation
 
     v = validation(rt.session)
-    s = v.steps
-    print(json.dumps({"folder": str(rt.folder), "backend": rt.backend_name, "row_invariant": v.ok, **s}))
+    if v.skipped:
+        print(f"dflash2-run: error: --check-rows: not checked: {v.skipped}", file=sys.stderr)
+        return 2
+    print(json.dumps({"folder": str(rt.folder), "backend": rt.backend_name, "row_invariant": v.ok, **v.steps}))
     for f in v.failures:
         print(f"dflash2-run: {f}", file=sys.stderr)
     return 0 if v.ok else 1

@@ -92,7 +92,8 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
-    steps = 1 + 2 * specs_count + 2 + 1 + 1 + 1  # ... + the row-invariance check of the written export  # + the two fixed-shape TensorRT flavours' validations, sharing
+    steps = 1 + 2 * specs_count + 2 + 1 + 1 + 1  # + the two fixed-shape TensorRT flavours' validations, sharing,
+    # + the row-invariance check of the written export
     # gqa: the target + its truncated build, validated (+2), neither it nor the drafter has a TensorRT flavour (-2),
     # and both are quantized as they are built (no step of their own)
     steps += len(quantize.graphs()) if quantize and target_attention != "gqa" else 0
@@ -118,8 +119,9 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
             manifest.tokenizer = mf.Tokenizer(copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp))
             mf.write(tmp, manifest)
         manifest.validation[ROWS] = rows = _row_invariance(tmp, manifest, progress)
-        mf.write(tmp, manifest)
-        if rows.failures:
+        mf.reseal(tmp, manifest)  # the record joins the manifest; no file but manifest.json changed
+        if rows.failures:  # kept for inspection, not runnable: its manifest under another name
+            (tmp / mf.NAME).rename(tmp / "manifest.rows-failed.json")
             raise ValidationError(rows.failures, keep_failed(tmp, out, rows.failures))
         replace_folder(tmp, out, force, what="the export")
     mf.remember_hashes(out, manifest)
@@ -132,20 +134,40 @@ ROWS = "target.rows"  # the manifest's validation record of the row-invariance c
 def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) -> mf.Validation:
     """The written export run as generation runs it (dflash2.runtime.invariance): every k-row verify row
     bitwise equal to the 1-row decode at the same position, or the export fails (not lossless)."""
-    whole = manifest.validation.get("target")
+    g = manifest.graphs["target"]
+    data = sum((tmp / f).stat().st_size for f in g.data.split(", ") if f and (tmp / f).is_file())
     with progress.step("target: k-row verify against 1-row decode steps, bitwise (what losslessness rests "
                        "on), on ONNX Runtime as generation runs it") as step:
-        if manifest.dtype == "bfloat16" or whole is None or whole.skipped:
-            why = ("ONNX Runtime's CPU provider has no bfloat16 kernels" if manifest.dtype == "bfloat16" else
-                   "the target graph is past the whole-graph budget (not run whole here)")
-            step.outcome = f"not checked: {why}; run dflash2-run --check-rows where it deploys"
-            return mf.Validation(ok=False, failures=[], skipped=f"{why}; dflash2-run --check-rows checks it")
-        from dflash2.runtime.api import Runtime  # the runtime's own session: the binding generation uses
-        from dflash2.runtime.invariance import validation
+        why = None
+        if manifest.dtype == "bfloat16":
+            why = "ONNX Runtime's CPU provider has no bfloat16 kernels"
+        elif stages.held_bytes(data, manifest.dtype) > stages.WHOLE_GRAPH_BYTES:
+            why = (f"the target graph's {data / 2**30:.2f} GiB of weights are past the "
+                   f"{stages.WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory check runs whole")
+        if why is None:
+            from dflash2.runtime.api import Runtime  # the runtime's own session: the binding generation uses
+            from dflash2.runtime.invariance import CONTINUATION, FIELD, PROMPT_TOKENS, validation
 
-        v = validation(Runtime(tmp, verify=False).session)
+            q = manifest.quantization
+            hint = (f"ONNX Runtime's {q.method} kernel at block {q.block_size}, accuracy level {q.accuracy_level} "
+                    f"is one that is not; on AVX-512 VNNI CPUs int4 block 32 and int8 are invariant, blocks 64 / "
+                    f"128 are not (docs/quantization.md)" if q is not None and q.backend == "onnxruntime" else
+                    f"{manifest.dtype} graphs are invariant on the CPUs measured (docs/export.md): please report this "
+                    f"CPU")
+            small = min(manifest.max_seq_len, PROMPT_TOKENS + CONTINUATION + manifest.block_size + 2)
+            try:  # buffers for the check's own length, not the export's max_seq_len
+                v = validation(Runtime(tmp, verify=False, max_seq_len=small).session,
+                               f"target.onnx ({FIELD})", hint)
+            except Exception as e:  # noqa: BLE001 - any failure to run is reported, the export is kept
+                why = f"the check could not run ({type(e).__name__}: {e})"
+        if why is not None:
+            step.outcome = f"NOT checked: {why}; dflash2-run OUT --check-rows checks it where it deploys"
+            return mf.Validation(ok=False, failures=[], skipped=f"{why}; dflash2-run OUT --check-rows checks it")
+        if v.skipped:
+            step.outcome = f"NOT checked: {v.skipped}"
+            return v
         s = v.steps
-        step.outcome = (f"{s['rows']} rows of k = 2..{manifest.block_size}: "
+        step.outcome = (f"{s['rows']} rows of k = 2..{s['k_max']}: "
                         + ("all bitwise equal" if v.ok else f"{s['differing']} differ (max {s['max_abs']:.3g})"))
     return v
 

@@ -109,8 +109,10 @@ def selector_function(S: int, opset: int = 18, mode: str = "greedy") -> onnx.Fun
     prev_ids = n("Slice", [ids, const("st0", np.array([0], np.int64)), const("en_1", np.array([-1], np.int64)),
                            one], "prev_ids")
     pred = n("Concat", [anc, prev_ids], "pred_ids", axis=1)  # [B, S, K]
-    P = n("Gather", [n("Cast", [pcb], "P32", to=TensorProto.FLOAT), pred], "P_rows")  # [B, S, K, R]
-    Q = n("Gather", [n("Cast", [scb], "Q32", to=TensorProto.FLOAT), ids], "Q_rows")  # [B, S, K, R]
+    # gather the candidates' rows, then cast them: a Cast of the whole [V, R] codebook made ONNX Runtime fold a
+    # second fp32 copy of both codebooks at session start (and copy them every call where folding is off)
+    P = n("Cast", [n("Gather", [pcb, pred], "P_raw")], "P_rows", to=TensorProto.FLOAT)  # [B, S, K, R]
+    Q = n("Cast", [n("Gather", [scb, ids], "Q_raw")], "Q_rows", to=TensorProto.FLOAT)  # [B, S, K, R]
     g = n("Unsqueeze", [n("Cast", [gate], "g32", to=TensorProto.FLOAT), const("ax2", np.array([2], np.int64))],
           "g_u")  # [B, S, 1, R]
     pair = n("MatMul", [n("Mul", [P, g], "Pg"), n("Transpose", [Q], "QT", perm=[0, 1, 3, 2])], "pair")
