@@ -42,7 +42,8 @@ def llama_spec(bin_dir: Path, target: Path, drafter: Path, prompt: str, threads:
                draft_max: int) -> dict:
     """llama-speculative-simple, greedy: decoded tokens, seconds, tokens/s and acceptance as it prints them."""
     cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-md", str(drafter), "-p", prompt,
-           "-n", str(n), "--temp", "0", "-t", str(threads), "-td", str(threads), "--draft-max", str(draft_max),
+           "-n", str(n), "--temp", "0", "-t", str(threads), "-td", str(threads), "--spec-type", "draft-dflash",
+           "--spec-draft-n-max", str(draft_max),
            "-c", "2048"]  # llama.cpp's own warm-up run: the others are warmed up too
     r = subprocess.run(cmd, capture_output=True, text=True)
     text = r.stdout + r.stderr
