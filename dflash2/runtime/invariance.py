@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash2 import manifest as mf
+from dflash2.runtime.binding import GqaSharedKv
 
 PROMPT_TOKENS, CONTINUATION = 24, 40
 FIELD = 'validation["target.rows"]'  # where the export's manifest records it
@@ -72,7 +73,7 @@ def _poison(kv, start: int) -> None:
     host = getattr(kv.buffer, "host", None)
     if not isinstance(host, np.ndarray) or not np.issubdtype(host.dtype, np.floating):
         return
-    axis = 2 if type(kv).__name__ == "GqaSharedKv" else 0  # [2L, kv, T, hd] or [T, *row]
+    axis = 2 if isinstance(kv, GqaSharedKv) else 0  # [2L, kv, T, hd] or [T, *row]
     index = [slice(None)] * host.ndim
     index[axis] = slice(start, None)
     host[tuple(index)] = np.nan
