@@ -3,6 +3,7 @@ TensorRT). No torch: it moves token ids; the backend owns tensors, caches and wr
 
     t = prefill(prompt).ids[-1]                      # first token + context rows of the prompt
     loop: d = draft(anchor=t) if schedule.wants_draft() else None   # Drafted: ids [S], confidence [S], q
+          (or, greedy, d = the last draft's unverified tail when it still follows the output: `wants_reuse`)
           K = schedule.choose(d.confidence, len(d.ids))  # drafts to verify, 0..S (0: a plain decode step)
           p = verify([t, *d.ids[:K]]).ids            # [K+1] target argmax at start..start+K
           acc = leading matches d[k] == p[k]
@@ -82,6 +83,8 @@ class DraftSchedule(Protocol):
 
     def choose(self, confidence: Sequence[float] | None, available: int) -> int: ...
 
+    def wants_reuse(self) -> bool: ...  # verify the last draft's still-valid tail instead of drafting again
+
     def observe(self, r: Round) -> None: ...
 
 
@@ -100,6 +103,9 @@ class FixedSchedule:
     def choose(self, confidence: Sequence[float] | None, available: int) -> int:
         return min(self.k, available)
 
+    def wants_reuse(self) -> bool:
+        return False  # the drafter runs every round: what --draft-len K measures
+
     def observe(self, r: Round) -> None:
         pass
 
@@ -110,7 +116,8 @@ class Stats:
     prompt_tokens: int = 0
     accepted: list[int] = field(default_factory=list)  # drafts matched per round (before truncation)
     verified: list[int] = field(default_factory=list)  # K: drafts verified per round
-    skipped: list[bool] = field(default_factory=list)  # the drafter did not run this round
+    skipped: list[bool] = field(default_factory=list)  # the drafter did not run this round and nothing was reused
+    reused: list[bool] = field(default_factory=list)  # the drafts verified were the last draft's tail
     emitted: list[int] = field(default_factory=list)  # tokens appended per round (after EOS / limit)
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
                                                               "decode": 0.0, "total": 0.0})
@@ -136,8 +143,9 @@ class Stats:
         return out
 
     def k_histogram(self) -> dict[str, int]:
-        """Rounds per K verified; "skip": rounds whose drafter did not run (K = 0, drafter skipped)."""
-        h = {"skip": sum(self.skipped)}
+        """Rounds per K verified; "skip": rounds whose drafter did not run (K = 0, drafter skipped); "reused":
+        rounds that verified the last draft's tail (also counted by their K)."""
+        h = {"skip": sum(self.skipped), "reused": sum(self.reused)}
         for k, s in zip(self.verified, self.skipped):
             if not s:
                 h[str(k)] = h.get(str(k), 0) + 1
@@ -236,6 +244,7 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
     sampler = None if sampling is None or sampling.greedy else sampling
     stats, eos, clock = Stats(backend.block_size, len(prompt)), frozenset(eos_ids), time.perf_counter
     out: list[int] = []
+    tail: tuple[list[int], list[float] | None] | None = None  # unverified drafts that still follow the output
     if speculative:
         schedule.start()
     t0 = clock()
@@ -252,9 +261,10 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
         at = len(prompt) + len(out) - 1  # absolute position of the anchor t
         if speculative:
             t1 = clock()
-            d = _draft(backend, t, at, sampler) if schedule.wants_draft() else None
-            drafts = [int(x) for x in d.ids] if d else []  # [S] or none
-            k = schedule.choose(d.confidence if d else None, len(drafts))
+            reuse = tail is not None and schedule.wants_reuse()
+            d = None if reuse else _draft(backend, t, at, sampler) if schedule.wants_draft() else None
+            drafts, conf = tail if reuse else ([int(x) for x in d.ids], d.confidence) if d else ([], None)  # [<=S]
+            k = schedule.choose(conf, len(drafts))
             t2 = clock()
             v = backend.verify([t, *drafts[:k]])
             preds = [int(p) for p in v.ids]  # [k+1] target argmax
@@ -267,12 +277,18 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
                 bonus = preds[acc]
             backend.commit(acc + 1)
             schedule.observe(Round(d is not None, k, acc, t2 - t1, t3 - t2))
+            # greedy: when the k drafts verified and the target's own next token all matched the drafts, the rest
+            # of them proposes exactly the positions that follow: free drafts for the next round (a block drafter
+            # drafts S at once; most rounds verify fewer)
+            tail = (drafts[k + 1:], None if conf is None else [float(c) for c in conf[k + 1:]]) \
+                if sampler is None and acc == k and len(drafts) > k + 1 and bonus == drafts[k] else None
             new, reason = _take([*drafts[:acc], bonus], out, max_new_tokens, eos)
             stats.times["draft"] += t2 - t1
             stats.times["verify"] += t3 - t2
             stats.accepted.append(acc)
             stats.verified.append(k)
-            stats.skipped.append(d is None)
+            stats.skipped.append(d is None and not reuse)
+            stats.reused.append(reuse)
             stats.emitted.append(len(new))
             t = bonus
         else:

@@ -33,6 +33,21 @@ def verified_record(tmp_path_factory):
         os.environ["DFLASH2_VERIFIED_DIR"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cold_schedules():
+    """Every runtime session in the tests starts cold (calibrates), whatever earlier runs saved: the schedule
+    cache (dflash2.runtime.schedule_cache) is off unless a test turns it on with its own DFLASH2_CACHE."""
+    import os
+
+    old = os.environ.get("DFLASH2_SCHEDULE_CACHE")
+    os.environ["DFLASH2_SCHEDULE_CACHE"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("DFLASH2_SCHEDULE_CACHE", None)
+    else:
+        os.environ["DFLASH2_SCHEDULE_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")

@@ -14,8 +14,8 @@ class PlannedSchedule:
 
     name = "planned"
 
-    def __init__(self, plan):
-        self.plan, self.i, self.rounds = plan, 0, []
+    def __init__(self, plan, reuse=False):
+        self.plan, self.i, self.rounds, self.reuse = plan, 0, [], reuse
 
     def start(self):
         pass
@@ -27,6 +27,9 @@ class PlannedSchedule:
         k = self.plan[self.i % len(self.plan)]
         self.i += 1
         return 0 if k == "skip" else min(k, available)
+
+    def wants_reuse(self):
+        return self.reuse
 
     def observe(self, r: Round):
         self.rounds.append(r)
@@ -208,3 +211,44 @@ def test_rollback_with_real_models(pairs, family):
     g = generate(b, prompt, 80)
     assert g.ids == truth
     assert {0, 3, 7} <= set(g.stats.accepted)  # zero, partial and full acceptance all happened
+
+
+def _count_drafts(b):
+    called = []
+    draft = b.draft
+    b.draft = lambda anchor: called.append(1) or draft(anchor)
+    return called
+
+
+def test_a_draft_tail_that_still_follows_the_output_is_verified_without_drafting():
+    """Round 1 drafts 4 (all right) and verifies 1: the target's next token equals draft 2, so drafts 3-4
+    propose exactly what follows; round 2 verifies one of them without calling the drafter, and its bonus
+    equals draft 4, which is the last: round 3 drafts again."""
+    b = Scripted(TRUTH, [4] * 40)
+    called = _count_drafts(b)
+    sched = PlannedSchedule([1], reuse=True)
+    g = generate(b, [1], max_new_tokens=25, schedule=sched)
+    assert g.ids == TRUTH[:25]
+    assert g.stats.reused[:6] == [False, True] * 3 and g.stats.accepted[:6] == [1] * 6
+    assert len(called) == g.stats.rounds - sum(g.stats.reused) and not any(g.stats.skipped)
+    assert [r.drafted for r in sched.rounds[:4]] == [True, False, True, False]  # the schedule sees no draft call
+    assert g.stats.k_histogram()["reused"] == sum(g.stats.reused)
+    again = generate(Scripted(TRUTH, [4] * 40), [1], max_new_tokens=25, schedule=PlannedSchedule([1]))
+    assert again.ids == g.ids and not any(again.stats.reused)  # a schedule that declines drafts every round
+
+
+def test_a_tail_after_a_mismatch_is_never_reused():
+    """Draft 2 wrong (the bonus differs from it), or the verified draft rejected: the rest of the block was
+    drafted after a token that is not the output's, so the next round drafts afresh."""
+    for good in (1, 0):
+        b = Scripted(TRUTH, [good] * 40)
+        called = _count_drafts(b)
+        g = generate(b, [1], max_new_tokens=20, schedule=PlannedSchedule([1], reuse=True))
+        assert g.ids == TRUTH[:20] and not any(g.stats.reused) and len(called) == g.stats.rounds
+
+
+def test_a_k0_round_whose_bonus_matches_draft_1_leaves_the_rest_as_the_tail():
+    b = Scripted(TRUTH, [4] * 40)
+    sched = PlannedSchedule([0, 2], reuse=True)  # K = 0: a decode step after a draft; then 2 of the tail
+    g = generate(b, [1], max_new_tokens=12, schedule=sched)
+    assert g.ids == TRUTH[:12] and g.stats.reused[:2] == [False, True] and g.stats.accepted[:2] == [0, 2]

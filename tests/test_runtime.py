@@ -125,7 +125,7 @@ def test_scripted_cost_model_drives_auto_through_onnxruntime(exports, verify_ms,
     if expect == "full":
         assert h.get("7", 0) == g.stats.rounds and h["skip"] == 0
     else:
-        assert h.get("0", 0) >= 1 and h["skip"] > g.stats.rounds / 2 and set(h) <= {"skip", "0"}
+        assert h.get("0", 0) >= 1 and h["skip"] > g.stats.rounds / 2 and set(h) <= {"skip", "reused", "0"}
 
 
 def test_no_allocation_per_step(exports):
@@ -253,7 +253,7 @@ def test_bench_reports(tmp_path, exports):
     assert r["best_of_ar_and_fixed"] in {"ar", "2", "7"} and r["auto_vs_best"] > 0
     assert r["calibration"]["calibrated"] and len(r["calibration"]["verify_ms"]) == 8
     assert len(r["per_prompt"]) == r["prompts"] and sum(r["per_prompt"][0]["k_histogram"].values()) > 0
-    assert r["modes"]["7"]["k_histogram"] == {"skip": 0, "7": r["modes"]["7"]["rounds"]}
+    assert r["modes"]["7"]["k_histogram"] == {"skip": 0, "reused": 0, "7": r["modes"]["7"]["rounds"]}
     from dflash2.runtime.bench_result import BenchResult
 
     typed = BenchResult.from_dict(r, out)  # the JSON is the typed result's fields, read back whole

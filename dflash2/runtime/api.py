@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
+from dflash2.runtime import schedule_cache as schedule_cache_mod
 from dflash2.runtime.schedule import AutoSchedule
 from dflash2.runtime.session import SpecSession
 from dflash2.runtime.text import Stream, Text
@@ -68,8 +69,10 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
 class Runtime:
     def __init__(self, folder: str | Path, backend: str | None = None, verify: bool | str = True,
                  max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, schedule_cache: bool | None = None):
         """log: where a line about what is allocated goes before allocating (dflash2-run: stderr).
+        schedule_cache: start `--draft-len auto` from what it learned about this export on this machine
+        (dflash2.runtime.schedule_cache; default on unless DFLASH2_SCHEDULE_CACHE=0).
         verify: True checks every file's size and sha256, hashing only files changed since their last check
         (dflash2.verified); "full" hashes every file; False checks nothing."""
         self.folder = Path(folder)
@@ -83,6 +86,9 @@ class Runtime:
                                                                provider, threads), max_seq_len, log)
         self._text: Text | None = None
         self._auto: AutoSchedule | None = None
+        self._cache_key = None
+        if schedule_cache if schedule_cache is not None else schedule_cache_mod.enabled():
+            self._cache_key = schedule_cache_mod.key(self.manifest.manifest_sha256, self.backend_name, provider, threads)
         # the target's generation_config.json gives the sampling defaults: the export copied it, and an engine
         # folder carries its own copy (it may be deployed without the export it was built from)
         self.sampling_defaults = defaults_from(self.folder)
@@ -99,8 +105,16 @@ class Runtime:
         """The session's draft-length policy: its first rounds measure the cost model (no separate
         engine calls), and it then learns from every round this runtime generates."""
         if self._auto is None:
-            self._auto = AutoSchedule(self.session.block_size)
+            B = self.session.block_size
+            saved = schedule_cache_mod.load(self._cache_key) if self._cache_key else None
+            self._auto = (AutoSchedule.from_state(B, saved) if saved else None) or AutoSchedule(B)
         return self._auto
+
+    @property
+    def schedule_from_cache(self) -> bool:
+        """The auto schedule started from a saved state (no calibration rounds)."""
+        s = self.auto_schedule
+        return s.calibration.rounds == 0 and not s.calibration.active
 
     def schedule(self, draft_len: int | str | None = "auto") -> DraftSchedule:
         """"auto" (or None): the session's AutoSchedule; an int K: K drafts every round."""
@@ -158,6 +172,8 @@ class Runtime:
 
         gen = generate(self.session, ids, max_new_tokens, self.eos_ids, speculative, on_tokens, schedule=schedule,
                        sampling=sampling)
+        if self._cache_key and schedule is self._auto and self._auto is not None:  # what it learned, for next time
+            schedule_cache_mod.save(self._cache_key, self._auto.state())
         if gen.stop_reason == "stop":
             gen.ids = _trim_at_stop(gen.ids, stop, self.text)
         if stream is not None:

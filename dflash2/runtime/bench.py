@@ -66,6 +66,7 @@ def _merge(all_stats: list[Stats]) -> Stats:
         out.accepted += s.accepted
         out.verified += s.verified
         out.skipped += s.skipped
+        out.reused += s.reused
         out.emitted += s.emitted
         out.new_tokens += s.new_tokens
         for k, v in s.times.items():
@@ -89,7 +90,7 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     At T > 0 every mode samples with the same options and seed, the baseline is target-only
     sampling; ids then differ between modes by design (the same distribution, not the same draws: the
     statistical tests prove it), so "lossless" is None and only the selector's acceptance is measured."""
-    rt = Runtime(folder)
+    rt = Runtime(folder, schedule_cache=False)  # a cold session: calibration is part of what it measures
     sampling = rt.sampling(**(sampling or {}))
     if not sampling.greedy:
         policies = ("none",)

@@ -96,7 +96,7 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
     log: gets a progress line after every prompt (running tokens/s of each configuration)."""
     if not folders:
         raise Dflash2Error("give at least one export folder")
-    runtimes = [Runtime(f, threads=threads) for f in folders]
+    runtimes = [Runtime(f, threads=threads, schedule_cache=False) for f in folders]  # cold sessions
     labels = _labels(runtimes)
     ref = runtimes[0]
     for rt, f in zip(runtimes[1:], folders[1:]):

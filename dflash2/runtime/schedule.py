@@ -14,7 +14,7 @@ Per runtime session (one opened export or engine folder):
   (each extra draft must earn its verify time at the rate the session already gets; K = 0 is a plain
   decode step). Before drafting: if recent drafted rounds were expected to yield fewer tokens than
   plain decoding yields in the same time (draft + verify), skip the drafter; probe again after a
-  back-off that doubles while probes keep failing.
+  back-off that doubles while probes keep failing (how fast it ends: `AutoSchedule`).
 No torch, no numpy in the hot path: S <= 16 floats per round.
 """
 
@@ -58,18 +58,21 @@ class CostModel:
         entry alone followed the machine would, after a slow spell, think the one K it keeps using
         cheaper than a decode step (measured: verify of 6 rows at 37 ms beside a stale 56 ms decode)."""
         n = r.verified + 1
-        predicted = self.verify[n] if r.drafted else self.decode
+        plain = n == 1 and not r.drafted  # a decode step (a verify of reused drafts is a verify)
+        predicted = self.decode if plain else self.verify[n]
         if predicted <= 0:
             return
         ratio = min(max(r.verify_seconds / predicted, 0.5), 2.0)  # a stall moves it 2x at most
         g, local = ratio ** SPEED, ratio ** SHAPE
         self.verify = [v * g for v in self.verify]
         self.decode *= g
-        if r.drafted:
+        if plain:
+            self.decode *= local
+        else:
             self.verify[n] *= local
+        if r.drafted:
             self.draft += EMA * (min(r.draft_seconds, 2.0 * self.draft) - self.draft)
         else:
-            self.decode *= local
             self.draft *= g
 
     def to_dict(self) -> dict:
@@ -188,10 +191,22 @@ class AcceptanceModel:
 class AutoSchedule:
     """The per-session draft-length policy (implements `dflash2.speculative.DraftSchedule`).
     costs: a known cost model (tests, a scripted machine); without one the session's first rounds
-    measure it (`Calibration`)."""
+    measure it (`Calibration`).
+
+    Two time scales decide whether the drafter runs at all. `surplus` (fast: ~3 drafted rounds) follows
+    the gain the acceptance model expects of each drafted round: text turns predictable and back within
+    an answer. `value` (slow: ~25 drafted rounds, across answers) follows the gain drafted rounds REALLY
+    made, (accepted + 1) - (draft + verify[K+1]) / decode: whether drafting pays in this session at all.
+    Where it does (fp32 here: 1.16x), a skipped stretch ends at the first promising probe and every new
+    answer starts drafting. Where it does not (the int4 target: a draft ~0.4 of a decode step, a 2-row
+    verify 1.14x), one promising-looking probe was not evidence: every confident-but-wrong probe reset
+    the back-off to one round and 131 probes over 8 answers cost 4.5% against plain decoding; there a
+    probe must really win, a win halves the back-off instead of ending it, and a new answer gets one
+    probe (`scripts/bench_schedules.py`, docs/draft_len.md)."""
 
     name = "auto"
     MAX_BACKOFF = 64  # rounds skipped between probes at most: a failed probe costs ~one draft call
+    LONG = 0.04  # weight of a drafted round's real gain in `value`
 
     def __init__(self, block_size: int, costs: CostModel | None = None, acceptance: AcceptanceModel | None = None):
         self.block_size = block_size
@@ -199,6 +214,7 @@ class AutoSchedule:
         self.costs = costs or CostModel([0.0] * (block_size + 1), 0.0, 0.0)
         self.acceptance = acceptance or AcceptanceModel()
         self.surplus = 0.5  # EMA of expected tokens over plain decoding per drafted round; > 0: draft first
+        self.value = 0.5  # slow EMA of the real tokens over plain decoding per drafted round; > 0: drafting pays
         self.skip_left, self.backoff, self.probing = 0, 1, False
         self.expected = 0.0  # surplus the last choose() predicted
         self.confidence: Sequence[float] | None = None
@@ -212,11 +228,19 @@ class AutoSchedule:
         return max(ar, self.tokens / self.seconds if self.seconds > 0 else 0.0)
 
     def start(self) -> None:
-        """A new answer: the drafter may do better on it than on the last one, so a back-off carried
-        over ends and the first round probes (measured: three ShareGPT prompts where K = 2-3 paid
-        1.03-1.47x stayed skipped for all 125 rounds behind the previous prompt's 64-round back-off)."""
+        """A new answer: the drafter may do better on it than on the last one, so its first round probes
+        (measured: three ShareGPT prompts where K = 2-3 paid 1.03-1.47x stayed skipped for all 125 rounds
+        behind the previous prompt's 64-round back-off); where drafting pays in this session the back-off
+        ends too, where it does not the back-off stays (one probe per answer, not a restart)."""
         if self.probing:
-            self.skip_left, self.backoff = 0, 1
+            self.skip_left = 0
+            if self.value > 0:
+                self.backoff = 1
+
+    def wants_reuse(self) -> bool:
+        """Verify the last draft's unverified tail instead of drafting (the loop offers it only when every
+        verified draft and the target's next token matched that draft, greedy): free drafts, once calibrated."""
+        return not self.calibration.active
 
     def wants_draft(self) -> bool:
         if self.calibration.active:
@@ -245,11 +269,17 @@ class AutoSchedule:
         self.expected = best_t - (c.draft + c.verify[best_k + 1]) / c.decode
         return best_k
 
+    def gain(self, r: Round) -> float:
+        """Tokens a drafted round made beyond what plain decoding makes in its time, at the cost model's
+        prices (not the round's own timings: one stall on a shared machine would swamp the signal)."""
+        c = self.costs
+        return r.accepted + 1 - (c.draft + c.verify[min(r.verified + 1, c.block_size)]) / c.decode
+
     def observe(self, r: Round) -> None:
         spent = r.verify_seconds + (r.draft_seconds if r.drafted else 0.0)
         self.tokens += EMA * (r.accepted + 1 - self.tokens)
         self.seconds += EMA * (spent - self.seconds)
-        if r.drafted:
+        if r.verified:  # fresh or reused drafts: the confidences choose() saw
             self.acceptance.observe(self.confidence, r.verified, r.accepted)
         if self.calibration.active:
             self.calibration.observe(r, self.block_size - 1)
@@ -259,9 +289,13 @@ class AutoSchedule:
         self.costs.observe(r)
         if not r.drafted:
             return
+        gain = self.gain(r)
+        self.value += self.LONG * (gain - self.value)
+        pays = self.value > 0  # drafting pays in this session: a promising probe ends a skipped stretch
         if self.probing:
-            if self.expected > 0:  # the probe says drafting pays again
-                self.surplus, self.backoff, self.probing = self.expected, 1, False
+            if self.expected > 0 and (pays or gain > 0):
+                self.surplus, self.probing = self.expected, False
+                self.backoff = 1 if pays else max(1, self.backoff // 2)
             else:
                 self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
                 self.skip_left = self.backoff
@@ -270,8 +304,47 @@ class AutoSchedule:
         if self.surplus < 0:
             self.probing, self.skip_left = True, self.backoff
 
+    STATE_VERSION = 1
+
+    def state(self) -> dict:
+        """What the next session on this machine may start from (`dflash2.runtime.schedule_cache`): the cost
+        model, the acceptance history, whether drafting pays and the back-off; none of one answer's state."""
+        a = self.acceptance
+        return {"version": self.STATE_VERSION, "block_size": self.block_size, "calibrated": not self.calibration.active,
+                "costs": {"verify": self.costs.verify, "decode": self.costs.decode, "draft": self.costs.draft},
+                "acceptance": {"bins": a.bins, "hits": {str(k): v for k, v in a.hits.items()},
+                               "trials": {str(k): v for k, v in a.trials.items()}},
+                "value": self.value, "backoff": self.backoff}
+
+    @classmethod
+    def from_state(cls, block_size: int, state: dict) -> "AutoSchedule | None":
+        """A schedule that starts where a saved session stopped: calibrated, its acceptance and `value` learned
+        (a session where drafting did not pay starts skipping, with one probe). None when the state is not one
+        this version wrote for this block size (a cache is never an error: it only saves time)."""
+        try:
+            if state["version"] != cls.STATE_VERSION or state["block_size"] != block_size or not state["calibrated"]:
+                return None
+            c, a = state["costs"], state["acceptance"]
+            verify = [float(v) for v in c["verify"]]
+            costs = CostModel(verify, float(c["decode"]), float(c["draft"]))
+            if len(verify) != block_size + 1 or not all(x > 0 for x in (*verify[1:], costs.decode, costs.draft)):
+                return None
+            acc = AcceptanceModel(bins=int(a["bins"]))
+            acc.hits = {int(k): float(v) for k, v in a["hits"].items()}
+            acc.trials = {int(k): float(v) for k, v in a["trials"].items()}
+            if set(acc.hits) != set(acc.trials) or any(acc.hits[k] > acc.trials[k] + 1e-9 for k in acc.hits):
+                return None
+            s = cls(block_size, costs, acc)
+            s.value, s.backoff = float(state["value"]), max(1, min(int(state["backoff"]), cls.MAX_BACKOFF))
+            if s.value <= 0:  # drafting did not pay here: start skipping (start() makes the first round a probe)
+                s.surplus, s.probing = s.value, True
+            return s
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
     def to_dict(self) -> dict:
         """costs: the cost model and what its calibration took (rounds, their wall time, and the seconds
         they cost beyond the tokens they produced at the session's rate)."""
         return {"costs": {**self.costs.to_dict(), **self.calibration.to_dict(self.rate)},
-                "acceptance": self.acceptance.to_dict(), "backoff": self.backoff, "surplus": round(self.surplus, 4)}
+                "acceptance": self.acceptance.to_dict(), "backoff": self.backoff, "surplus": round(self.surplus, 4),
+                "value": round(self.value, 4)}

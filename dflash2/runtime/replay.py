@@ -1,0 +1,186 @@
+"""Draft-length schedules compared without timing noise (`scripts/replay_schedules.py` is the command).
+
+`record` runs each answer once with the drafter at EVERY position (verifying none of its drafts) and keeps per
+position the drafter's confidences and how many of its drafts match the output; `replay` drives a schedule
+through the rounds the runtime loop would run over those positions and prices each round from one measured cost
+table (`cost_table`). Why it is exact: greedy speculative output is the target's own greedy output, and the
+export's row-invariance check makes a verified row bitwise a decoded one, so the drafter's context (the committed
+tokens' taps) is the same whatever the schedule did before: what it drafts at position i, and so how many of K
+drafts the target accepts there (min(K, the matching prefix)), depends only on i. A wall-clock A/B on this shared
+2-core machine moves one prompt by up to 30%; a replay of 32 answers takes a second and is the same every time.
+What it leaves out: host time per round, and how a draft call disturbs the target's caches (wall-clock A/Bs:
+`scripts/bench_schedules.py`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dflash2.speculative import DraftSchedule, Round, generate
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def cost_table(s, repeats: int = 40, context: int = 100) -> dict:
+    """ms: decode, verify[n] for n = 1..B (1 = decode), draft_base + draft_per_row * rows caught up."""
+    B = s.block_size
+    prompt = [(7 * i + 3) % 1000 + 10 for i in range(context)]
+    s.prefill(prompt)
+    rows = (1, 16, 64)
+    samples = {"decode": [], **{f"draft{r}": [] for r in rows}, **{f"verify{k}": [] for k in range(2, B + 1)}}
+    for _ in range(repeats):
+        s.pos = s.ctx_pos = context
+        s.pending = 1
+        samples["decode"].append(_timed(lambda: s.decode(prompt[-1])))
+        for r in rows:
+            s.pos, s.ctx_pos, s.pending = context, context - r, r
+            samples[f"draft{r}"].append(_timed(lambda: s.draft(prompt[-1])))
+        for k in range(2, B + 1):
+            s.pos = context
+            samples[f"verify{k}"].append(_timed(lambda: s.verify(prompt[-k:])))
+    ms = {k: 1e3 * statistics.median(v) for k, v in samples.items()}
+    per_row = max((ms["draft64"] - ms["draft1"]) / 63, 0.0)
+    return {"decode": ms["decode"], "verify": [0.0, ms["decode"], *(ms[f"verify{k}"] for k in range(2, B + 1))],
+            "draft_base": ms["draft1"] - per_row, "draft_per_row": per_row, "measured_ms": ms}
+
+
+class _EveryPosition:
+    """Draft at every position, verify none of the drafts: the anchors walk the whole answer."""
+
+    name = "record"
+
+    def start(self) -> None: ...
+
+    def wants_draft(self) -> bool:
+        return True
+
+    def wants_reuse(self) -> bool:
+        return False
+
+    def choose(self, confidence, available: int) -> int:
+        return 0
+
+    def observe(self, r: Round) -> None: ...
+
+
+def record(rt, prompts: Sequence, max_new_tokens: int = 128, log: Callable[[str], None] | None = None) -> list[dict]:
+    """Per prompt: tokens, and per anchor position p (ids[p] the last token out) the drafts' matching prefix,
+    the drafter's confidences and the target's top-1 probability of ids[p + 1]."""
+    s = rt.session
+    drafted, target_p = [], []  # per call, copied: the session's output buffers are reused
+    real_draft, real_verify = s.draft, s.verify
+
+    def draft(*args, **kw):
+        d = real_draft(*args, **kw)
+        drafted.append(([int(x) for x in d.ids], [round(float(c), 4) for c in d.confidence]))
+        return d
+
+    def verify(tokens):
+        v = real_verify(tokens)
+        z = v.logits()[-1].astype(np.float64)
+        target_p.append(round(float(1.0 / np.exp(z - z.max()).sum()), 4))
+        return v
+
+    s.draft, s.verify = draft, verify
+    answers = []
+    try:
+        for i, prompt in enumerate(prompts):
+            ids = rt.prompt_ids(text=prompt, chat=True) if isinstance(prompt, str) else list(prompt)
+            ar = generate(s, ids, max_new_tokens, rt.eos_ids, speculative=False).ids
+            drafted.clear()
+            target_p.clear()
+            g = generate(s, ids, max_new_tokens, rt.eos_ids, schedule=_EveryPosition())
+            if g.ids != ar:
+                raise RuntimeError(f"prompt {i}: the drafting run's output differs from the autoregressive one")
+            positions = []
+            for p, (d_ids, conf) in enumerate(drafted):  # anchor ar[p]; its drafts propose ar[p + 1 ...]
+                truth, m = ar[p + 1:], 0
+                while m < len(d_ids) and m < len(truth) and d_ids[m] == truth[m]:
+                    m += 1
+                positions.append({"match": m, "confidence": conf, "target_p": target_p[p]})
+            answers.append({"prompt": i, "prompt_tokens": len(ids), "tokens": len(ar), "positions": positions})
+            if log is not None:
+                log(f"[{i + 1}/{len(prompts)}] {len(ar)} tokens, mean match "
+                    f"{statistics.mean(x['match'] for x in positions):.2f}")
+    finally:
+        del s.draft, s.verify  # the instance attributes go: the class's methods are back
+    return answers
+
+
+def replay(schedule: DraftSchedule | None, trace: dict) -> dict:
+    """One session: every answer of the trace in turn through one schedule instance. Priced in ms.
+    schedule None: the oracle bound (drafts exactly where the drafts that will match pay, verifies those).
+    A schedule whose `wants_reuse()` says so verifies the unverified tail of the last draft instead of
+    drafting again, when every verified draft and the target's own next token matched it (greedy: the tail
+    then proposes exactly the positions that follow)."""
+    c = trace["costs_ms"]
+    S = trace["block_size"] - 1
+    ms = ar_ms = 0.0
+    tokens = drafted = rounds = reused = accepted = 0
+    reuse = schedule is not None and getattr(schedule, "wants_reuse", lambda: False)
+    for ans in trace["answers"]:
+        pos, n, pending = ans["positions"], ans["tokens"], 1
+        if schedule is not None:
+            schedule.start()
+        p, tail = 0, None  # p: index of the anchor (ids[p] is the last token out); tail: (q, o) = drafts[q][o:]
+        while p < n - 1:
+            from_tail = tail is not None and bool(reuse())
+            if from_tail:
+                q, o = tail
+                conf, match, d = pos[q]["confidence"][o:], max(pos[q]["match"] - o, 0), False
+                k = schedule.choose(conf, S - o)
+            elif schedule is None:  # the bound: knows the match, drafts only where verifying it beats decoding
+                q, o, match = p, 0, pos[p]["match"]
+                m = min(match, n - 2 - p)
+                cost = c["draft_base"] + c["draft_per_row"] * pending + c["verify"][m + 1]
+                d = m > 0 and (m + 1) * c["decode"] > cost
+                k = m if d else 0
+            else:
+                q, o, match = p, 0, pos[p]["match"]
+                d = schedule.wants_draft()
+                k = schedule.choose(pos[p]["confidence"], S) if d else 0
+            draft_ms = c["draft_base"] + c["draft_per_row"] * pending if d else 0.0
+            acc = min(k, match)  # as the loop counts it: the answer's end truncates what is emitted, not this
+            verify_ms = c["verify"][k + 1]
+            if schedule is not None:
+                schedule.observe(Round(d, k, acc, draft_ms / 1e3, verify_ms / 1e3))
+            pending = acc + 1 + (0 if d else pending)
+            ms += draft_ms + verify_ms
+            reused += from_tail
+            # the tail stays valid when all k drafts and the bonus (the target's next token) matched it
+            tail = (q, o + k + 1) if (d or from_tail) and acc == k and match >= k + 1 \
+                and o + k + 1 < S else None
+            p, rounds, drafted, accepted = p + acc + 1, rounds + 1, drafted + d, accepted + acc
+        tokens += n - 1
+        ar_ms += (n - 1) * c["decode"]
+    return {"speed": ar_ms / ms, "rounds": rounds, "drafted": drafted, "reused": reused, "accepted": accepted,
+            "tokens": tokens}
+
+
+def load_schedule_class(name: str, path: str | Path):
+    """`AutoSchedule` of another version of dflash2/runtime/schedule.py (e.g. `git show REV:...`), to compare
+    schedules in one process; a version from before draft tails were reused gets a `wants_reuse` that declines."""
+    spec = importlib.util.spec_from_file_location(f"_schedule_{name}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--schedule {name}={path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    cls = getattr(mod, "AutoSchedule", None)
+    if cls is None:
+        raise ValueError(f"--schedule {name}={path}: expected a class AutoSchedule in it, found none")
+    if not hasattr(cls, "wants_reuse"):
+        cls.wants_reuse = lambda self: False
+    return cls
+

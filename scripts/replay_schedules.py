@@ -1,0 +1,126 @@
+"""Draft-length schedules compared without timing noise (dflash2/runtime/replay.py says why it is exact):
+
+    python scripts/replay_schedules.py record EXPORT --prompts default --out int4_shipped.json [--threads 1]
+    python scripts/replay_schedules.py costs EXPORT --into int4_shipped.json ...   # re-measure, machine quiet
+    python scripts/replay_schedules.py replay int4_shipped.json [more traces] \
+        --schedule before=/tmp/schedule_before.py --schedule now=dflash2/runtime/schedule.py [--json out.json]
+
+`record` runs each answer once with the drafter at every position (traces: JSON, `.gz` compressed) and measures
+the export's cost table (decode, verify of 2..B rows, the draft and what each context row it catches up after
+skipped rounds adds). `costs` re-measures that table into traces (a table taken while the machine was busy prices
+every round wrong; the drafts do not depend on timing). `replay` loads `AutoSchedule` from each FILE (another
+version of dflash2/runtime/schedule.py, e.g. `git show HEAD~1:dflash2/runtime/schedule.py > /tmp/before.py`),
+keeps one instance per trace (a session) and prints each one's speed over plain decoding and the share of
+rounds that ran the drafter, beside the oracle bound (drafts exactly where the drafts that will match pay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+
+def read_trace(path: str) -> dict:
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
+
+
+def write_trace(path: str, trace: dict) -> None:
+    raw = json.dumps(trace).encode()
+    Path(path).write_bytes(gzip.compress(raw, mtime=0) if path.endswith(".gz") else raw)
+
+
+def _table_line(t: dict) -> str:
+    return (f"cost table (ms): decode {t['decode']:.2f}, draft {t['draft_base']:.2f} + {t['draft_per_row']:.3f} per "
+            f"caught-up row, verify / decode {[round(v / t['decode'], 2) for v in t['verify'][1:]]}")
+
+
+def record(a) -> int:
+    from dflash2.prompts import parse_spec
+    from dflash2.runtime.api import Runtime
+    from dflash2.runtime.replay import cost_table, record as record_answers
+
+    rt = Runtime(a.export, threads=a.threads)
+    print("measuring the cost table ...", file=sys.stderr, flush=True)
+    table = cost_table(rt.session)
+    print(_table_line(table), file=sys.stderr, flush=True)
+    answers = record_answers(rt, parse_spec(a.prompts, default_split="eval"), a.max_new_tokens,
+                             log=lambda m: print(m, file=sys.stderr, flush=True))
+    write_trace(a.out, {"export": a.export, "prompts": a.prompts, "threads": a.threads,
+                        "block_size": rt.session.block_size, "costs_ms": table, "answers": answers})
+    return 0
+
+
+def costs(a) -> int:
+    from dflash2.runtime.api import Runtime
+    from dflash2.runtime.replay import cost_table
+
+    table = cost_table(Runtime(a.export, threads=a.threads).session, repeats=a.repeats)
+    print(_table_line(table), file=sys.stderr)
+    for path in a.into:
+        write_trace(path, {**read_trace(path), "costs_ms": table})
+    return 0
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """Sessions pooled: speed = total plain-decoding time over total time (as one run over all answers)."""
+    plain = sum(r["tokens"] for r in runs)  # in decode steps
+    spent = sum(r["tokens"] / r["speed"] for r in runs)
+    out = {k: sum(r[k] for r in runs) for k in ("rounds", "drafted", "reused", "accepted", "tokens")}
+    return {**out, "speed": plain / spent}
+
+
+def replay(a) -> int:
+    from dflash2.runtime.replay import load_schedule_class, replay as replay_trace
+
+    classes = {}
+    for item in a.schedule:
+        name, _, path = item.partition("=")
+        if not path:
+            raise SystemExit(f"--schedule {item}: expected NAME=FILE")
+        classes[name] = load_schedule_class(name, path)
+    classes["oracle"] = lambda block_size: None  # knows every position's match: what no schedule can beat
+    rows = {}
+    print(f"{'trace':>34} " + " ".join(f"{n:>15}" for n in classes) + "   (speed over plain decoding, drafted share)")
+    for path in a.traces:
+        t = read_trace(path)
+        if a.fresh:  # one answer per session (the README's main command): a new schedule for each answer
+            rows[path] = {n: _pooled([replay_trace(cls(t["block_size"]), {**t, "answers": [ans]})
+                                      for ans in t["answers"]]) for n, cls in classes.items()}
+        else:
+            rows[path] = {n: replay_trace(cls(t["block_size"]), t) for n, cls in classes.items()}
+        print(f"{Path(path).name[-34:]:>34} " + " ".join(f"{r['speed']:7.3f}x {r['drafted'] / r['rounds']:6.1%}"
+                                                         for r in rows[path].values()))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record")
+    r.add_argument("export")
+    r.add_argument("--prompts", default="default")
+    r.add_argument("--max-new-tokens", type=int, default=128)
+    r.add_argument("--threads", type=int, default=None)
+    r.add_argument("--out", required=True)
+    c = sub.add_parser("costs")
+    c.add_argument("export")
+    c.add_argument("--into", nargs="+", required=True, metavar="TRACE")
+    c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--repeats", type=int, default=40)
+    q = sub.add_parser("replay")
+    q.add_argument("traces", nargs="+")
+    q.add_argument("--schedule", action="append", required=True, metavar="NAME=FILE")
+    q.add_argument("--json", default=None)
+    q.add_argument("--fresh", action="store_true", help="a new schedule (session) per answer, as the main command")
+    a = p.parse_args(argv)
+    return {"record": record, "costs": costs, "replay": replay}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
