@@ -20,6 +20,7 @@ No torch, no numpy in the hot path: S <= 16 floats per round.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -327,15 +328,17 @@ class AutoSchedule:
             c, a = state["costs"], state["acceptance"]
             verify = [float(v) for v in c["verify"]]
             costs = CostModel(verify, float(c["decode"]), float(c["draft"]))
-            if len(verify) != block_size + 1 or not all(x > 0 for x in (*verify[1:], costs.decode, costs.draft)):
+            if len(verify) != block_size + 1 or not all(0 < x < math.inf for x in (*verify[1:], costs.decode, costs.draft)):
                 return None
             acc = AcceptanceModel(bins=int(a["bins"]))
             acc.hits = {int(k): float(v) for k, v in a["hits"].items()}
             acc.trials = {int(k): float(v) for k, v in a["trials"].items()}
-            if set(acc.hits) != set(acc.trials) or any(acc.hits[k] > acc.trials[k] + 1e-9 for k in acc.hits):
+            if set(acc.hits) != set(acc.trials) or not all(0 <= acc.hits[k] <= acc.trials[k] < math.inf for k in acc.hits):
                 return None
             s = cls(block_size, costs, acc)
             s.value, s.backoff = float(state["value"]), max(1, min(int(state["backoff"]), cls.MAX_BACKOFF))
+            if not math.isfinite(s.value):
+                return None
             if s.value <= 0:  # drafting did not pay here: start skipping (start() makes the first round a probe)
                 s.surplus, s.probing = s.value, True
             return s
