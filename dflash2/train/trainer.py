@@ -364,6 +364,10 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
         torch.manual_seed(c.seed + step)
         log(f"resumed at step {step} from the compact state ({out / state.PROGRESS} + {compact['weights']['file']}, "
             f"fp16; AdamW's moments rebuilt during a {c.warmup}-step warm-up)")
+    if world.main and (step or init_weights):  # init_drafter rewrote config.json without the learned unary scale:
+        # put it back now, or the folder pairs the last saved weights with no scale until the next save (a commit
+        # made mid-run, or a run killed before its next save, then exported another drafter)
+        _set_multiplier(d, out, float(log_mult.detach().exp()))
     if teacher is not None:
         for layer in teacher.layers:
             layer.to(dev)
