@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--schedule {item}: expected NAME=FILE")
         schedules[name] = load_schedule_class(name, path)(B)
     modes = ["ar", *schedules]
-    totals = {m: {"tokens": 0, "seconds": 0.0, "priced_ms": 0.0, "drafted": 0, "rounds": 0, "accepted": 0,
-                  "verified": 0}
+    totals = {m: {"tokens": 0, "seconds": 0.0, "priced_ms": 0.0, "drafted": 0, "reused": 0, "rounds": 0,
+                  "accepted": 0, "verified": 0}
               for m in modes}
     per_prompt, lossless = [], True
     for rep in range(a.repeats):
@@ -74,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                 t["tokens"] += st.new_tokens - 1  # as Stats.tokens_per_second: after the first token,
                 t["seconds"] += st.decode_seconds  # over the time after prefill
                 t["rounds"] += st.rounds
+                drew = [not (skip or reuse) for skip, reuse in zip(st.skipped, st.reused)]  # the drafter ran
                 t["priced_ms"] += (price["decode"] * (st.new_tokens - 1) if m == "ar" else  # after the first token
-                                   sum(price["verify"][k + 1] + (0.0 if skip else price["draft"])
-                                       for k, skip in zip(st.verified, st.skipped)))
-                t["drafted"] += st.rounds - sum(st.skipped) if m != "ar" else 0
+                                   sum(price["verify"][k + 1] + (price["draft"] if d else 0.0)
+                                       for k, d in zip(st.verified, drew)))
+                t["drafted"] += sum(drew) if m != "ar" else 0
+                t["reused"] += sum(st.reused) if m != "ar" else 0
                 t["accepted"] += sum(st.accepted)
                 t["verified"] += sum(st.verified)
                 row[m] = st.tokens_per_second
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         tps = t["tokens"] / t["seconds"]
         summary[m] = {"tok_s": round(tps, 2), "vs_ar": round(tps / ar, 4),
                       "priced_vs_ar": round(t["tokens"] / t["priced_ms"] / ar_priced, 4), "rounds": t["rounds"],
+                      "reused_rounds": t["reused"],
                       "drafted_rounds": t["drafted"], "drafts_verified": t["verified"],
                       "drafts_accepted": t["accepted"]}
     result = {"export": a.export, "cost_table_ms": table, "prompts": a.prompts, "n_prompts": len(prompts), "repeats": a.repeats,

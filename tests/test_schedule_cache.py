@@ -34,9 +34,10 @@ def test_state_round_trips():
     lambda st: st["costs"].update(decode=0.0), lambda st: st["costs"].update(verify=[0.0, 1.0]),
     lambda st: st["acceptance"]["hits"].update({"9": 1e9}), lambda st: st.pop("costs"),
     lambda st: st["acceptance"].update(trials="x"), lambda st: st.update(value="much"),
-    lambda st: st.update(value=float("nan")), lambda st: st["costs"].update(draft=float("inf"))],
+    lambda st: st.update(value=float("nan")), lambda st: st["costs"].update(draft=float("inf")),
+    lambda st: st.update(backoff=float("inf")), lambda st: st["acceptance"].update(bins=0)],
     ids=["version", "block-size", "uncalibrated", "zero-cost", "short-curve", "hits>trials", "missing", "garbage",
-         "value", "nan-value", "inf-cost"])
+         "value", "nan-value", "inf-cost", "inf-backoff", "zero-bins"])
 def test_a_state_this_version_did_not_write_is_not_used(edit):
     st = json.loads(json.dumps(_learned().state()))
     edit(st)

@@ -75,15 +75,18 @@ class _EveryPosition:
 
 
 def record(rt, prompts: Sequence, max_new_tokens: int = 128, log: Callable[[str], None] | None = None) -> list[dict]:
-    """Per prompt: tokens, and per anchor position p (ids[p] the last token out) the drafts' matching prefix,
-    the drafter's confidences and the target's top-1 probability of ids[p + 1]."""
+    """Per prompt: the answer's length, and per anchor position p (ids[p] the last token out) the drafts' matching
+    prefix, the drafter's confidences (None: a DFlash v1 drafter without them) and the target's top-1 probability
+    of ids[p + 1]. Matches are counted against the target's own greedy continuation PAST the answer's end (EOS and
+    the length limit cut what the loop emits, not what it counts as accepted), so a replay sees the loop's counts."""
     s = rt.session
+    B = s.block_size
     drafted, target_p = [], []  # per call, copied: the session's output buffers are reused
     real_draft, real_verify = s.draft, s.verify
 
     def draft(*args, **kw):
         d = real_draft(*args, **kw)
-        drafted.append(([int(x) for x in d.ids], [round(float(c), 4) for c in d.confidence]))
+        drafted.append(([int(x) for x in d.ids], None if d.confidence is None else [float(c) for c in d.confidence]))
         return d
 
     def verify(tokens):
@@ -97,22 +100,23 @@ def record(rt, prompts: Sequence, max_new_tokens: int = 128, log: Callable[[str]
     try:
         for i, prompt in enumerate(prompts):
             ids = rt.prompt_ids(text=prompt, chat=True) if isinstance(prompt, str) else list(prompt)
-            ar = generate(s, ids, max_new_tokens, rt.eos_ids, speculative=False).ids
+            answer = generate(s, ids, max_new_tokens, rt.eos_ids, speculative=False).ids
+            n = len(answer)
+            truth = generate(s, ids, n + B, (), speculative=False).ids  # no EOS stop: the target's continuation
             drafted.clear()
             target_p.clear()
-            g = generate(s, ids, max_new_tokens, rt.eos_ids, schedule=_EveryPosition())
-            if g.ids != ar:
+            g = generate(s, ids, n, (), schedule=_EveryPosition())  # the drafter at anchors 0 .. n - 2
+            if truth[:n] != answer or g.ids != answer:
                 raise RuntimeError(f"prompt {i}: the drafting run's output differs from the autoregressive one")
             positions = []
-            for p, (d_ids, conf) in enumerate(drafted):  # anchor ar[p]; its drafts propose ar[p + 1 ...]
-                truth, m = ar[p + 1:], 0
-                while m < len(d_ids) and m < len(truth) and d_ids[m] == truth[m]:
+            for p, (d_ids, conf) in enumerate(drafted):  # anchor answer[p]; its drafts propose truth[p + 1 ...]
+                after, m = truth[p + 1:], 0
+                while m < len(d_ids) and m < len(after) and d_ids[m] == after[m]:
                     m += 1
                 positions.append({"match": m, "confidence": conf, "target_p": target_p[p]})
-            answers.append({"prompt": i, "prompt_tokens": len(ids), "tokens": len(ar), "positions": positions})
+            answers.append({"prompt": i, "prompt_tokens": len(ids), "tokens": n, "positions": positions})
             if log is not None:
-                log(f"[{i + 1}/{len(prompts)}] {len(ar)} tokens, mean match "
-                    f"{statistics.mean(x['match'] for x in positions):.2f}")
+                log(f"[{i + 1}/{len(prompts)}] {n} tokens, mean match {statistics.mean(x['match'] for x in positions):.2f}")
     finally:
         del s.draft, s.verify  # the instance attributes go: the class's methods are back
     return answers
@@ -130,7 +134,7 @@ def replay(schedule: DraftSchedule | None, trace: dict) -> dict:
     tokens = drafted = rounds = reused = accepted = 0
     reuse = schedule is not None and getattr(schedule, "wants_reuse", lambda: False)
     for ans in trace["answers"]:
-        pos, n, pending = ans["positions"], ans["tokens"], 1
+        pos, n, pending = ans["positions"], ans["tokens"], ans.get("prompt_tokens", 1)  # the first draft takes the prompt
         if schedule is not None:
             schedule.start()
         p, tail = 0, None  # p: index of the anchor (ids[p] is the last token out); tail: (q, o) = drafts[q][o:]

@@ -331,6 +331,8 @@ class AutoSchedule:
             if len(verify) != block_size + 1 or not all(0 < x < math.inf for x in (*verify[1:], costs.decode, costs.draft)):
                 return None
             acc = AcceptanceModel(bins=int(a["bins"]))
+            if acc.bins != AcceptanceModel.bins:  # the keys below are bins of this version's layout
+                return None
             acc.hits = {int(k): float(v) for k, v in a["hits"].items()}
             acc.trials = {int(k): float(v) for k, v in a["trials"].items()}
             if set(acc.hits) != set(acc.trials) or not all(0 <= acc.hits[k] <= acc.trials[k] < math.inf for k in acc.hits):
@@ -342,7 +344,7 @@ class AutoSchedule:
             if s.value <= 0:  # drafting did not pay here: start skipping (start() makes the first round a probe)
                 s.surplus, s.probing = s.value, True
             return s
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):  # e.g. "backoff": Infinity
             return None
 
     def to_dict(self) -> dict:

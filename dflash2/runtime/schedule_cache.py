@@ -59,21 +59,23 @@ def load(k: str) -> dict | None:
     try:
         state = json.loads(path(k).read_text())
         return state if isinstance(state, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: Path.home() without a home
         return None
 
 
 def save(k: str, state: dict) -> None:
     """Atomically (a reader never sees half a file); a cache that cannot be written is skipped."""
-    p = path(k)
+    tmp = None
     try:
+        p = path(k)
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(state, f)
         os.replace(tmp, p)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except (OSError, UnboundLocalError):
-            pass
+    except (OSError, RuntimeError, ValueError):  # ValueError: a state json cannot write (never expected)
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
