@@ -11,7 +11,7 @@ runtime session does. Per prompt, autoregressive and every schedule run in turns
 prompt to prompt; this machine's speed drifts between runs, not within one). Prints per prompt and overall
 tok/s, the ratio to autoregressive, drafted / skipped rounds and acceptance, and checks every output equals the
 autoregressive one. Besides wall time, every run is PRICED: its rounds at one cost table measured at the start
-(`bench_round_costs.measure`: median decode / draft / verify-of-k times), which removes this shared machine's
+(`dflash2.runtime.replay.cost_table`: median decode / draft / verify-of-k times), which removes this shared machine's
 noise (one stall moves a prompt's wall-clock ratio by 30%) and keeps what the schedule decided; a draft after
 skipped rounds catches up their context rows and costs more than the table's, so priced ratios flatter a
 schedule that skips a little. This is the measurement behind docs/draft_len.md's "never loses" numbers.
@@ -38,25 +38,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash2.prompts import parse_spec
     from dflash2.runtime.api import Runtime
-    from dflash2.runtime.replay import load_schedule_class
+    from dflash2.runtime.replay import cost_table, load_schedules
     from dflash2.speculative import generate
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_round_costs import measure
-
-    table = measure([a.export], a.threads, repeats=30)[0]["ms"]  # the prices
-    print(f"cost table (ms): {table}", file=sys.stderr)
-    price = {"decode": table["decode"], "draft": table["draft"],
-             "verify": [0.0, table["decode"], *(table[f"verify{k}"] for k in range(2, len(table)))]}
     rt = Runtime(a.export, threads=a.threads)
-    prompts = parse_spec(a.prompts, default_split="eval")
     B = rt.session.block_size
-    schedules = {}
-    for item in a.schedule:
-        name, _, path = item.partition("=")
-        if not path:
-            raise SystemExit(f"--schedule {item}: expected NAME=FILE")
-        schedules[name] = load_schedule_class(name, path)(B)
+    price = cost_table(rt.session, repeats=30)  # ms: decode, verify[n] (n = 1..B), draft_base + per row
+    print(f"cost table (ms): {price['measured_ms']}", file=sys.stderr)
+    prompts = parse_spec(a.prompts, default_split="eval")
+    schedules = {name: cls(B) for name, cls in load_schedules(a.schedule).items()}
     modes = ["ar", *schedules]
     totals = {m: {"tokens": 0, "seconds": 0.0, "priced_ms": 0.0, "drafted": 0, "reused": 0, "rounds": 0,
                   "accepted": 0, "verified": 0}
@@ -76,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 t["rounds"] += st.rounds
                 drew = [not (skip or reuse) for skip, reuse in zip(st.skipped, st.reused)]  # the drafter ran
                 t["priced_ms"] += (price["decode"] * (st.new_tokens - 1) if m == "ar" else  # after the first token
-                                   sum(price["verify"][k + 1] + (price["draft"] if d else 0.0)
+                                   sum(price["verify"][k + 1] + (price["draft_base"] if d else 0.0)
                                        for k, d in zip(st.verified, drew)))
                 t["drafted"] += sum(drew) if m != "ar" else 0
                 t["reused"] += sum(st.reused) if m != "ar" else 0
@@ -102,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                       "reused_rounds": t["reused"],
                       "drafted_rounds": t["drafted"], "drafts_verified": t["verified"],
                       "drafts_accepted": t["accepted"]}
-    result = {"export": a.export, "cost_table_ms": table, "prompts": a.prompts, "n_prompts": len(prompts), "repeats": a.repeats,
+    result = {"export": a.export, "cost_table_ms": price, "prompts": a.prompts, "n_prompts": len(prompts), "repeats": a.repeats,
               "threads": a.threads, "max_new_tokens": a.max_new_tokens, "schedules": dict(
                   s.split("=", 1) for s in a.schedule), "lossless": lossless, "summary": summary,
               "per_prompt": per_prompt, "state_after": {m: s.to_dict() for m, s in schedules.items()}}

@@ -74,14 +74,9 @@ def _pooled(runs: list[dict]) -> dict:
 
 
 def replay(a) -> int:
-    from dflash2.runtime.replay import load_schedule_class, replay as replay_trace
+    from dflash2.runtime.replay import load_schedules, replay as replay_trace
 
-    classes = {}
-    for item in a.schedule:
-        name, _, path = item.partition("=")
-        if not path:
-            raise SystemExit(f"--schedule {item}: expected NAME=FILE")
-        classes[name] = load_schedule_class(name, path)
+    classes = load_schedules(a.schedule)
     classes["oracle"] = lambda block_size: None  # knows every position's match: what no schedule can beat
     rows = {}
     print(f"{'trace':>34} " + " ".join(f"{n:>15}" for n in classes) + "   (speed over plain decoding, drafted share)")

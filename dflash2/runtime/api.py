@@ -172,7 +172,7 @@ class Runtime:
 
         gen = generate(self.session, ids, max_new_tokens, self.eos_ids, speculative, on_tokens, schedule=schedule,
                        sampling=sampling)
-        if self._cache_key and schedule is self._auto and self._auto is not None:  # what it learned, for next time
+        if self._cache_key and schedule is not None and schedule is self._auto:  # what it learned, for next time
             schedule_cache_mod.save(self._cache_key, self._auto.state())
         if gen.stop_reason == "stop":
             gen.ids = _trim_at_stop(gen.ids, stop, self.text)

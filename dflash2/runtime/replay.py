@@ -18,7 +18,6 @@ import importlib.util
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -172,19 +171,20 @@ def replay(schedule: DraftSchedule | None, trace: dict) -> dict:
             "tokens": tokens}
 
 
-def load_schedule_class(name: str, path: str | Path):
-    """`AutoSchedule` of another version of dflash2/runtime/schedule.py (e.g. `git show REV:...`), to compare
-    schedules in one process; a version from before draft tails were reused gets a `wants_reuse` that declines."""
-    spec = importlib.util.spec_from_file_location(f"_schedule_{name}", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"--schedule {name}={path}: not a Python file")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    cls = getattr(mod, "AutoSchedule", None)
-    if cls is None:
-        raise ValueError(f"--schedule {name}={path}: expected a class AutoSchedule in it, found none")
-    if not hasattr(cls, "wants_reuse"):
-        cls.wants_reuse = lambda self: False
-    return cls
-
+def load_schedules(items: Sequence[str]) -> dict:
+    """NAME=FILE -> the `AutoSchedule` class of FILE (another version of dflash2/runtime/schedule.py, e.g. `git show
+    REV:...`), to compare schedules in one process. A version from before draft tails declines them: the loop and
+    `replay` treat a schedule without `wants_reuse` as one that never reuses."""
+    out = {}
+    for item in items:
+        name, _, path = item.partition("=")
+        spec = importlib.util.spec_from_file_location(f"_schedule_{name}", path) if path else None
+        if spec is None or spec.loader is None:
+            raise ValueError(f"--schedule {item}: expected NAME=FILE, FILE a Python file")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(mod)
+        if not hasattr(mod, "AutoSchedule"):
+            raise ValueError(f"--schedule {item}: expected a class AutoSchedule in it, found none")
+        out[name] = mod.AutoSchedule
+    return out
