@@ -6,6 +6,15 @@ No onnx, no torch (the runtime prints it on edge boards).
 from __future__ import annotations
 
 SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# the op types of a quantized ONNX Runtime graph: MatMulNBits (weight-only blocks, int4 / int8), or a drafter's
+# DynamicQuantizeMatMul (--quant-drafter int8-dynamic); written by the export, checked by the runtime
+QUANT_OPS = ("MatMulNBits", "DynamicQuantizeMatMul")
+
+
+def quant_op(q, graph: str) -> str:
+    """The op type graph `graph` of an ONNX Runtime quantization `q` (a manifest Quantization) is written with."""
+    return "DynamicQuantizeMatMul" if graph == "drafter" and getattr(q, "drafter_method", None) == "int8-dynamic" \
+        else "MatMulNBits"
 
 
 def label(manifest) -> str:
@@ -28,6 +37,10 @@ def describe(manifest) -> str:
     if q.calibration:
         parts.append(f"calibrated on {q.calibration}")
     head = "" if q.lm_head else ", LM heads kept fp32"
+    own = [x for x in (getattr(q, "drafter_method", None),
+                       f"block {q.drafter_block_size}" if getattr(q, "drafter_block_size", None) else None) if x]
+    if own and "drafter" in q.graphs:
+        head += f"; the drafter {' '.join(own)}"
     target = (getattr(manifest, "validation", None) or {}).get("target")
     top1 = target.deviation.top1_agreement if target is not None and target.deviation else None
     dev = (f"; top-1 agreement with fp32 {100 * top1:.0f}% on the export's validation feeds (random ids, the "

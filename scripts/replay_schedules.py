@@ -12,6 +12,9 @@ every round wrong; the drafts do not depend on timing). `replay` loads `AutoSche
 version of dflash2/runtime/schedule.py, e.g. `git show HEAD~1:dflash2/runtime/schedule.py > /tmp/before.py`),
 keeps one instance per trace (a session) and prints each one's speed over plain decoding and the share of
 rounds that ran the drafter, beside the oracle bound (drafts exactly where the drafts that will match pay).
+`thresholds` prices, per trace, every schedule that drafts each round and verifies the leading drafts whose
+confidences exceed t1 (the first) and t2 (the rest), on a grid, and prints the best: what a confidence rule could
+reach if its thresholds were chosen knowing the answers (an upper bound for schedules that read confidences only).
 """
 
 from __future__ import annotations
@@ -94,6 +97,48 @@ def replay(a) -> int:
     return 0
 
 
+class _Thresholds:
+    """Draft every round; verify the leading drafts whose confidence exceeds t1 (the first) / t2 (the others)."""
+
+    name = "thresholds"
+
+    def __init__(self, t1: float, t2: float):
+        self.t = (t1, t2)
+
+    def start(self) -> None: ...
+
+    def wants_draft(self) -> bool:
+        return True
+
+    def wants_reuse(self) -> bool:
+        return False
+
+    def choose(self, confidence, available: int) -> int:
+        k = 0
+        while k < available and confidence is not None and confidence[k] > self.t[min(k, 1)]:
+            k += 1
+        return k
+
+    def observe(self, r) -> None: ...
+
+
+def thresholds(a) -> int:
+    from dflash2.runtime.replay import replay as replay_trace
+
+    grid = [round(0.05 * i, 2) for i in range(1, 20)]
+    rows = {}
+    for path in a.traces:
+        t = read_trace(path)
+        runs = {(t1, t2): replay_trace(_Thresholds(t1, t2), t) for t1 in grid for t2 in grid}
+        (t1, t2), best = max(runs.items(), key=lambda kv: kv[1]["speed"])
+        rows[path] = {"t1": t1, "t2": t2, **best}
+        print(f"{Path(path).name:>34}  best thresholds t1 {t1:.2f} t2 {t2:.2f}: {best['speed']:.3f}x "
+              f"({best['drafted'] / best['rounds']:.1%} of rounds drafted)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -113,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--schedule", action="append", required=True, metavar="NAME=FILE")
     q.add_argument("--json", default=None)
     q.add_argument("--fresh", action="store_true", help="a new schedule (session) per answer, as the main command")
+    h = sub.add_parser("thresholds")
+    h.add_argument("traces", nargs="+")
+    h.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    return {"record": record, "costs": costs, "replay": replay}[a.cmd](a)
+    return {"record": record, "costs": costs, "replay": replay, "thresholds": thresholds}[a.cmd](a)
 
 
 if __name__ == "__main__":

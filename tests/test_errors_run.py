@@ -366,6 +366,16 @@ def test_stdout_closed_early_is_one_line_not_a_traceback(exports):
                                                     "--quantize"),
     (["--quantize", "int4", "--quant-block-size", "1048576"], "expected a power of two in 16..256"),
     (["--quantize", "int4", "--quant-block-size", "0"], "expected a power of two in 16..256"),
+    (["--quant-drafter", "int8-dynamic"], "--quant-drafter: no effect without --quantize"),
+    (["--quantize", "int4", "--quant-drafter-block-size", "8"], "--quant-drafter-block-size: expected a power of two"),
+    (["--quantize", "int4", "--quant-target-only", "--quant-drafter", "int8"],
+     "--quant-drafter / --quant-drafter-block-size: expected with --quantize int4 or int8 and a quantized drafter, "
+     "found --quant-target-only"),
+    (["--quantize", "int8_qdq", "--quant-drafter", "int8"], "found --quantize int8_qdq"),
+    (["--out", "\udcff\udcfe"], "--out: expected UTF-8 text, found undecodable bytes at character 0"),  # not a
+    # TypeError from ONNX's checker (argv bytes that are not UTF-8 arrive as lone surrogates)
+    (["--quantize", "int4", "--quant-drafter", "int8-dynamic", "--target-attention", "plain"],
+     "--quant-drafter int8-dynamic: expected the fused-op graphs (--target-attention gqa"),
 ])
 def test_quantization_flags_are_checked_before_loading(tmp_path, capsys, nan_pair, extra, message):
     before = snapshot(tmp_path)

@@ -134,18 +134,23 @@ def test_few_nodes(tmp_path):
     assert ops["DFlash2Selector"] == 1
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_build_deviates_little(tmp_path, bits):
-    """Every weight MatMul as MatMulNBits (the head included); its drafts are not the fp32 ones bit for bit,
-    so the check is the deviation, as for the int4 target; the export stays lossless (test below)."""
+@pytest.mark.parametrize("method", ["int4", "int8", "int8-dynamic"])
+def test_quantized_build_deviates_little(tmp_path, method):
+    """Every weight MatMul as MatMulNBits (int4 / int8) or DynamicQuantizeMatMul (int8-dynamic), the head
+    included; its drafts are not the fp32 ones bit for bit, so the check is the deviation, as for the int4 target;
+    the export stays lossless (test below)."""
     from dflash2.export import deviation
 
     target, drafter = load_pair(*_pair(tmp_path, "llama-v2"))
+    q = qz.OrtQuant("int4", drafter_method=method).for_graph("drafter")
+    assert q.method == method and q.dynamic == (method == "int8-dynamic")
     with W.DataFile(tmp_path / "drafter.onnx.data") as data:
-        m = _build(drafter, target, data=data, quant=qz.OrtQuant(f"int{bits}"))
+        m = _build(drafter, target, data=data, quant=q)
     ops = Counter(n.op_type for n in m.graph.node)
-    assert ops["MatMulNBits"] == 1 + 4 * drafter.config.num_layers + 2 * drafter.config.num_layers + 2
+    op = "DynamicQuantizeMatMul" if q.dynamic else "MatMulNBits"
+    assert ops[op] == 1 + 4 * drafter.config.num_layers + 2 * drafter.config.num_layers + 2
     assert ops["MatMul"] == 2 * drafter.config.num_layers  # only the attention's activations
+    bits = q.bits
     onnx.save(m, str(tmp_path / "drafter.onnx"))
     spec = next(s for s in graph_specs(target, drafter) if s.name == "drafter")
     failures, steps, dev = deviation.measure(spec, tmp_path / "drafter.onnx")
@@ -166,17 +171,23 @@ def test_quantized_build_deviates_little(tmp_path, bits):
 def test_gqa_export_uses_it_and_stays_lossless(tmp_path, pairs, fam, ver):
     d, t = pairs[(fam, ver)]
     prompt = [7, 1, 8, 2, 8, 1, 8]
-    for q in (None, qz.OrtQuant("int4")):
-        out = tmp_path / f"out-{q is not None}"
+    for i, q in enumerate((None, qz.OrtQuant("int4"), qz.OrtQuant("int4", drafter_method="int8-dynamic"))):
+        if q is not None and q.drafter_method and ver == 1:
+            continue  # one drafter method more on one pair is enough
+        out = tmp_path / f"out-{i}"
         m = export(d, t, out, max_seq_len=256, quiet=True, target_attention="gqa", quantize=q)
         g = m.graphs["drafter"]
         assert g.flavours.portable == "drafter.onnx" and g.flavours.tensorrt is None
         assert not (out / "drafter.trt.onnx").exists()
         assert m.validation["drafter"].ok and g.signature.kv.kind == "prefix"
         ops = Counter(n.op_type for n in onnx.load(str(out / "drafter.onnx"), load_external_data=False).graph.node)
-        assert ops["RotaryEmbedding"] >= 1 and (ops["MatMulNBits"] > 0) == (q is not None)
+        dynamic = q is not None and q.drafter_method is not None
+        assert ops["RotaryEmbedding"] >= 1 and (ops["MatMulNBits"] > 0) == (q is not None and not dynamic)
+        assert (ops["DynamicQuantizeMatMul"] > 0) == dynamic
         if q is not None:
-            assert m.quantization.graphs["drafter"].lm_heads == ["draft_head_Q4"]
+            assert m.quantization.graphs["drafter"].lm_heads == ["draft_head_I8" if dynamic else "draft_head_Q4"]
+            assert m.quantization.drafter_method == q.drafter_method
+            assert mf.load(out, mf.ExportManifest).quantization.drafter_method == q.drafter_method
             assert m.validation["drafter"].deviation is not None
         rt = Runtime(out)
         spec = generate(rt.session, prompt, 40)
@@ -187,6 +198,17 @@ def test_gqa_export_uses_it_and_stays_lossless(tmp_path, pairs, fam, ver):
 
             ref = generate(TorchBackend(*load_pair(d, t), 512), prompt, 40)
             assert spec.ids == ref.ids and spec.stats.accepted == ref.stats.accepted
+    if ver == 2:  # the int4 drafter swapped into the int8-dynamic export, the manifest resealed: named when it opens
+        import shutil
+
+        from dflash2.runtime.graphcheck import GraphMismatchError
+        from tests.test_quantize import _swap_in
+
+        shutil.copytree(tmp_path / "out-2", tmp_path / "forged")
+        _swap_in(tmp_path / "out-1", tmp_path / "forged", ["drafter.onnx", "drafter.onnx.data"])
+        with pytest.raises(GraphMismatchError, match="the manifest says DynamicQuantizeMatMul nodes, the graph has "
+                                                     "MatMulNBits"):
+            Runtime(tmp_path / "forged").generate(prompt, 4)
 
 
 def test_export_with_a_draft_vocabulary(tmp_path, pairs):
@@ -287,3 +309,30 @@ def test_a_wrong_path_is_not_excused_by_a_tie(tmp_path):
     judged, taken = _on_graph_candidates(spec, feed, got, "float16")
     assert taken <= 1 and compare("drafter", got, judged, "float16", 0)[0]
     assert _on_graph_candidates(spec, feed, ref, "float16")[1] == 0  # the reference itself: nothing taken
+
+
+def test_dynamic_int8_weights_follow_onnxruntimes_per_channel_rule():
+    """weights.DynamicInt8 against onnxruntime.quantization's own per-channel symmetric QInt8 (quantize_data per
+    column): the same int8 values and scales; a zero column gets scale 1 (not a division by zero)."""
+    from onnxruntime.quantization.quant_utils import quantize_data
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 12)).astype(np.float32) * rng.uniform(0.01, 3, 12).astype(np.float32)
+    w[:, 5] = 0
+    q, scales = W.DynamicInt8().quantize(w)
+    assert q.dtype == np.int8 and scales.shape == (12,)
+    assert scales[5] == 1 and not q[:, 5].any()
+    for c in (0, 3, 11):
+        _, scale, ref = quantize_data(w[:, c], onnx.TensorProto.INT8, symmetric=True)
+        np.testing.assert_allclose(scales[c], np.float32(scale), rtol=1e-6)
+        np.testing.assert_array_equal(q[:, c], ref)
+
+
+def test_a_dynamic_target_is_refused(tmp_path, pairs):
+    """int8-dynamic quantizes activations per tensor: a target so quantized is not row-invariant (not lossless)."""
+    from dflash2.folders import OutputError
+
+    d, t = pairs[("llama", 2)]
+    with pytest.raises(OutputError, match=r"expected int4 or int8 for the target .*\(--quant-drafter int8-dynamic\)"):
+        export(d, t, tmp_path / "out", max_seq_len=256, quiet=True, quantize=qz.OrtQuant("int8-dynamic"))
+    assert not (tmp_path / "out").exists()

@@ -225,3 +225,21 @@ def test_the_target_is_known_by_its_model_fields_not_config_bytes(setup, tmp_pat
     (t2 / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))
     with pytest.raises(Dflash2Error, match="target.model_config_sha256: corpus"):
         grow(t2, folder, log=lambda m: None, **kw)
+
+
+def test_draft_vocabulary_from_the_id_corpus(setup, tmp_path):
+    """dflash2-draft-vocab reads an id corpus (dflash2-corpus) as well as a tap corpus: the ids ranked by how often
+    the corpus's answers hold them (it refused the id corpus's corpus.json as 'format expected 2, found 1')."""
+    import collections
+
+    from dflash2.cli import draft_vocab as cli
+
+    target, _, folder = setup
+    drafter = tiny.make_drafter(tmp_path / "drafter", target)
+    c = IdCorpus(folder)
+    answers = [c.shard(i).row(j)[1].tolist() for i in range(len(c.shards)) for j in range(len(c.shard(i)))]
+    counts = collections.Counter(t for a in answers for t in a)
+    assert cli.main(["--drafter", str(drafter), "--target", str(target), "--corpus", str(folder), "--size", "8"]) == 0
+    ids = json.loads((drafter / "draft_vocab.json").read_text())["ids"]
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:3]
+    assert set(top) <= set(ids) and len(ids) >= 8

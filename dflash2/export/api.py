@@ -77,6 +77,10 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     if quantize is not None and dtype != "float32":
         raise OutputError(f"--quantize {quantize.method}: expected --dtype float32 (weights are quantized from "
                           f"fp32; activations stay fp32), found {dtype}")
+    if isinstance(quantize, qz.OrtQuant) and quantize.dynamic:
+        raise OutputError(f"--quantize {quantize.method}: expected int4 or int8 for the target ({quantize.method} "
+                          f"quantizes activations per tensor, so a row's logits depend on the rows verified with it: "
+                          f"not lossless); it is a drafter method (--quant-drafter {quantize.method})")
     if target_attention == "gqa" and (dtype != "float32" or isinstance(quantize, qdq.TrtQuant)):
         raise OutputError(f"--target-attention gqa: expected --dtype float32 and no TensorRT quantization (it is "
                           f"ONNX Runtime's CPU graph), found --dtype {dtype}"
@@ -89,6 +93,10 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
         raise OutputError("--quant-from-gguf: expected the fused-op target graph (--target-attention gqa, the default "
                           f"with --quantize int4|int8), found --target-attention {target_attention}"
                           + (f" ({gqa.unsupported(tc, dc, max_seq_len)})" if gqa.unsupported(tc, dc, max_seq_len) else ""))
+    if isinstance(quantize, qz.OrtQuant) and quantize.drafter and quantize.for_graph("drafter").dynamic and \
+            target_attention != "gqa":
+        raise OutputError(f"--quant-drafter {qz.DYNAMIC}: expected the fused-op graphs (--target-attention gqa, the "
+                          f"default with --quantize int4|int8), found --target-attention {target_attention}")
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2
@@ -307,11 +315,12 @@ def _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context,
                          f"whole: this stage is not memory-bounded)" if isinstance(quantize, qdq.TrtQuant) else
                          f" (ONNX Runtime's quantizer loads the whole fp32 graph, {gib:.2f} GiB: this stage is not "
                          f"memory-bounded; --target-attention gqa, the default, quantizes as it writes)")
-            with progress.step(f"{spec.name}.onnx: {quantize.method} weights, deviation from PyTorch{unbounded}"):
+            gq = quantize.for_graph(spec.name) if isinstance(quantize, qz.OrtQuant) else quantize
+            with progress.step(f"{spec.name}.onnx: {gq.method} weights, deviation from PyTorch{unbounded}"):
                 quantizer = stages.qdq_graph if isinstance(quantize, qdq.TrtQuant) else stages.quantize_graph
                 fixed_file = files.get("tensorrt") if spec.tensorrt is not None else None
                 before = validation.get(spec.name)
-                files, quantized[spec.name], validation[spec.name] = quantizer(tmp, spec, files, quantize)
+                files, quantized[spec.name], validation[spec.name] = quantizer(tmp, spec, files, gq)
                 if before is not None and before.skipped:  # the float graph's not-run-whole record stays said
                     validation[f"{spec.name}.float"] = before
             if fixed_file is not None and files.get("tensorrt") != fixed_file:

@@ -19,6 +19,7 @@ The defaults were chosen by measurement on SmolLM2-135M (docs/quantization.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from dflash2.errors import Dflash2Error
 from dflash2.export import fuse
 
 ORT_METHODS = {"int4": 4, "int8": 8}
+DYNAMIC = "int8-dynamic"  # DynamicQuantizeMatMul (weights.DynamicInt8): not row-invariant, so the drafter's only
+DRAFTER_METHODS = (*ORT_METHODS, DYNAMIC)
 QUANTIZER = "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer"
 
 
@@ -51,28 +54,52 @@ class OrtQuant:
     drafter: bool = True  # quantize the drafter graph as well as the target
     fuse: bool = True  # merge parallel MatMuls and fuse RMSNorms first (dflash2.export.fuse)
     native: str | None = None  # a GGUF of the target: its quantized blocks as they are (dflash2.gguf_blocks)
+    # The drafter's own method / block size (None: the target's). Only the target must be row-invariant (lossless
+    # verification); the drafter's rows only decide what is proposed, so its kernel is chosen for speed alone: at
+    # the drafter's 8 rows ONNX Runtime's int8-activation kernel costs about the same for 4- and 8-bit weights and
+    # less for larger blocks (docs/quantization.md, "The drafter's own quantization")
+    drafter_method: str | None = None
+    drafter_block_size: int | None = None
 
     def __post_init__(self):
-        if self.method not in ORT_METHODS:
+        if self.method not in DRAFTER_METHODS:  # DYNAMIC only as the drafter's (for_graph); export() refuses it
             raise QuantizeError(f"--quantize: expected one of {list(ORT_METHODS)}, found {self.method!r}")
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise QuantizeError(f"--quant-block-size: expected a power of two >= 16, found {self.block_size}")
+        if self.drafter_method is not None and self.drafter_method not in DRAFTER_METHODS:
+            raise QuantizeError(f"--quant-drafter: expected one of {list(DRAFTER_METHODS)}, found "
+                                f"{self.drafter_method!r}")
+        for flag, size in (("--quant-block-size", self.block_size), ("--quant-drafter-block-size",
+                                                                     self.drafter_block_size)):
+            if size is not None and (size < 16 or size & (size - 1)):
+                raise QuantizeError(f"{flag}: expected a power of two >= 16, found {size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise QuantizeError(f"--quant-accuracy-level: expected one of 0..4, found {self.accuracy_level}")
 
     @property
     def bits(self) -> int:
-        return ORT_METHODS[self.method]
+        return 8 if self.dynamic else ORT_METHODS[self.method]
+
+    @property
+    def dynamic(self) -> bool:
+        """DynamicQuantizeMatMul weights: only ever the drafter's (for_graph), export() refuses it for a target."""
+        return self.method == DYNAMIC
 
     def graphs(self) -> list[str]:
         return ["target", "drafter"] if self.drafter else ["target"]
+
+    def for_graph(self, name: str) -> "OrtQuant":
+        """The quantization graph `name` is written with: the drafter's own method and block size where given."""
+        if name != "drafter":
+            return self
+        return dataclasses.replace(self, method=self.drafter_method or self.method,
+                                   block_size=self.drafter_block_size or self.block_size)
 
     def manifest_entry(self, per_graph: dict[str, mf.QuantizedGraph]) -> mf.Quantization:
         return mf.Quantization(method=self.method, backend="onnxruntime", library=QUANTIZER, bits=self.bits,
                                format="MatMulNBits (weight-only, blockwise)", graphs=per_graph,
                                block_size=self.block_size, accuracy_level=self.accuracy_level,
                                symmetric=self.symmetric, lm_head=self.lm_head, drafter=self.drafter,
-                               fuse=self.fuse, native=self.native)
+                               fuse=self.fuse, native=self.native, drafter_method=self.drafter_method,
+                               drafter_block_size=self.drafter_block_size)
 
 
 def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:

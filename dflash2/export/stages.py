@@ -25,6 +25,7 @@ from dflash2.export.graphs import graph_specs
 from dflash2.export.validate import validate_graph
 from dflash2.folders import OutputError
 from dflash2.progress import Progress
+from dflash2.quantization import QUANT_OPS
 from dflash2.reference.streamed import StreamedTarget, truncated
 
 
@@ -278,7 +279,7 @@ def template_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bo
     """The drafter from the same templates as the fused target (dflash2.export.fused_drafter), weights streamed
     from both checkpoints; fp32: validated like every graph; with --quantize (and the drafter not excluded)
     written as MatMulNBits and its deviation measured. Returns (files, validations, quantization report)."""
-    q = quantize if isinstance(quantize, qz.OrtQuant) and quantize.drafter else None
+    q = quantize.for_graph("drafter") if isinstance(quantize, qz.OrtQuant) and quantize.drafter else None
     draft_ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
     what = f"{q.method} weights quantized as they are written" if q else "fp32"
     with progress.step(f"drafter.onnx: ONNX Runtime's fused ops from the layer templates, {what}") as step:
@@ -296,9 +297,9 @@ def template_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bo
     if failures:
         raise ValidationError(failures)
     heads = [n.name for n in model.graph.node if n.name.startswith("draft_head")
-             and n.op_type in ("Gemm", "MatMul", "MatMulNBits")]
+             and n.op_type in ("Gemm", "MatMul", *QUANT_OPS)]
     report = mf.QuantizedGraph(weight_matmuls=_weight_matmuls(model),
-                               quantized=sum(n.op_type == "MatMulNBits" for n in model.graph.node),
+                               quantized=sum(n.op_type in QUANT_OPS for n in model.graph.node),
                                lm_heads=heads, kept_fp32=[] if q.lm_head else heads,
                                weight_mb_before=round(_drafter_fp32_bytes(dc, tc, draft_ids, fuse_context) / 2**20, 2),
                                weight_mb_after=round((tmp / "drafter.onnx.data").stat().st_size / 2**20, 2))
@@ -338,7 +339,7 @@ def _weight_matmuls(model) -> int:
     fp32 reads the embedding through a Transpose: no second copy on disk)."""
     inits = {t.name for t in model.graph.initializer}
     weights = inits | {n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in inits}
-    return sum(n.op_type == "MatMulNBits" or (n.op_type in ("MatMul", "Gemm") and n.input[1] in weights)
+    return sum(n.op_type in QUANT_OPS or (n.op_type in ("MatMul", "Gemm") and n.input[1] in weights)
                for n in model.graph.node)
 
 

@@ -27,7 +27,7 @@ class Builder:
         self.names: set[str] = set()
         self.data = data
         self.dtype = np.dtype(dtype)  # of the float weights (fw, linear, matmul): the graph dtype
-        self.nbits = None if quant is None else W.NBits(quant)  # quantize as the weights are written
+        self.nbits = None if quant is None else W.weight_quantizer(quant)  # quantize as the weights are written
         self.native = native  # a GgufBlocks: weights it holds go in as its blocks, not requantized
 
     def _name(self, name: str) -> str:
@@ -147,6 +147,8 @@ class Builder:
         MatMulNBitsQuantizer writes them (`W_Q4`, `W_scales`, `W_zero_points`; node `NAME_Q4`)."""
         q, (K, N) = self.nbits, kn
         w = f"{name}.weight"
+        if getattr(q, "dynamic", False):
+            return self._matmul_dynamic(x, name, column_blocks)
         scales, zeros = [], []
 
         def packed():
@@ -165,6 +167,16 @@ class Builder:
         if q.accuracy_level:
             attrs["accuracy_level"] = q.accuracy_level
         return self.op("MatMulNBits", inputs, f"{name}_Q{q.bits}", domain="com.microsoft", **attrs)[0]
+
+    def _matmul_dynamic(self, x: str, name: str, column_blocks) -> str:
+        """DynamicQuantizeMatMul over per-column int8 weights (weights.DynamicInt8). Its B is [K, N], so column
+        blocks are joined in memory: one tensor at a time, as the bound on an export's memory allows."""
+        parts = [self.nbits.quantize(block) for block in column_blocks]
+        w8 = np.concatenate([p[0] for p in parts], axis=1)
+        scales = np.concatenate([p[1] for p in parts])
+        del parts
+        inputs = [x, self.weight(f"{name}.weight_int8", w8), self.weight(f"{name}.weight_scale", scales)]
+        return self.op("DynamicQuantizeMatMul", inputs, f"{name}_I8", domain="com.microsoft")[0]
 
 
 def head_norm(b: Builder, x: str, heads: int, hd: int, weight: np.ndarray, eps: float, name: str) -> str:

@@ -13,12 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.quantization import QUANT_OPS, quant_op
 
 # ONNX Runtime's type strings -> the manifest's dtype names
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
              "tensor(double)": "float64", "tensor(int32)": "int32", "tensor(int64)": "int64", "tensor(int8)": "int8",
              "tensor(uint8)": "uint8", "tensor(bool)": "bool", "tensor(uint16)": "uint16"}
-NBITS = b"MatMulNBits"  # the op type string every weight-only ONNX Runtime graph carries in its proto
 
 
 class GraphMismatchError(Dflash2Error):
@@ -53,27 +53,29 @@ def check_graph(manifest, graph: str, path: Path, session) -> None:
     q = getattr(manifest, "quantization", None)
     if q is None or q.backend == "onnxruntime":
         quantized = q is not None and graph in q.graphs and (q.graphs[graph].quantized or 0) > 0
-        has = _has_nbits(path)
-        if has is not None and has != quantized:
+        found = _quant_ops(path)
+        if found is not None and bool(found) != quantized:
             problems.append(f"weights: the manifest says {'quantized ' + q.method if quantized else 'not quantized'}, "
-                            f"the graph {'has' if has else 'has no'} MatMulNBits nodes")
+                            f"the graph {'has ' + ' / '.join(found) if found else 'has no ' + quant_op(q, graph)} "
+                            f"nodes")
+        elif found and quantized and quant_op(q, graph) not in found:  # e.g. an int4 drafter where int8-dynamic is said
+            problems.append(f"weights: the manifest says {quant_op(q, graph)} nodes, the graph has {' / '.join(found)}")
     if problems:
         raise GraphMismatchError(f"{path}: the manifest does not describe this {graph} graph (a file swapped or "
                                  f"edited after export): " + "; ".join(problems) + "; re-export with dflash2-export")
 
 
-def _has_nbits(path: Path) -> bool | None:
-    """Whether the graph proto names MatMulNBits, read in 8 MiB pieces (weights in external data are not in it;
+def _quant_ops(path: Path) -> list[str] | None:
+    """The quantized op types the graph proto names, read in 8 MiB pieces (weights in external data are not in it;
     a graph with inline weights is read through once). None: unreadable (ONNX Runtime just opened it)."""
+    keep = max(len(o) for o in QUANT_OPS)
+    found: set[str] = set()
     try:
         with open(path, "rb") as f:
             tail = b""
-            while True:
-                piece = f.read(8 << 20)
-                if not piece:
-                    return False
-                if NBITS in tail + piece:
-                    return True
-                tail = piece[-len(NBITS):]
+            while piece := f.read(8 << 20):
+                found |= {o for o in QUANT_OPS if o.encode() in tail + piece}
+                tail = piece[-keep:]
+        return [o for o in QUANT_OPS if o in found]
     except OSError:
         return None

@@ -290,5 +290,12 @@ def load_corpus(folder: str | Path, tap_ids: list[int] | None = None, partial: b
 
 
 def corpus_answers(folder: str | Path) -> list[list[int]]:
-    """The answers (target-generated ids after each prompt) of a complete corpus, without its taps."""
+    """The answers (target-generated ids after each prompt) of a complete corpus, without its taps: a tap corpus
+    (dflash2-train) or an id corpus (dflash2-corpus, dflash2.train.idcorpus: each shard checked against its hash)."""
+    from dflash2.train import idcorpus
+
+    if idcorpus.is_id_corpus(Path(folder)):
+        c = idcorpus.IdCorpus(folder)
+        shards = (c.shard(i) for i in range(len(c.shards)))
+        return [s.row(j)[1].tolist() for s in shards for j in range(len(s))]
     return [r["ids"][r["prompt_len"]:].tolist() for r in Corpus(folder)]
