@@ -65,6 +65,8 @@ def test_a_second_session_starts_from_the_first(exports, tmp_path, monkeypatch):
 
     other = Runtime(folder, threads=1)  # another thread count is another cost model: its own entry
     assert not other.schedule_from_cache and other.auto_schedule.calibration.active
+    own = Runtime(folder, drafter_threads=1)  # and so is the drafter's own
+    assert not own.schedule_from_cache
 
     saved[0].write_text("{ not json")  # damaged: ignored, the session calibrates and writes it afresh
     third = Runtime(folder)
@@ -80,4 +82,27 @@ def test_the_key_names_the_export_backend_threads_and_machine():
     assert k == schedule_cache.key("a" * 64, "onnxruntime", None, None)
     assert len({k, schedule_cache.key("b" * 64, "onnxruntime", None, None),
                 schedule_cache.key("a" * 64, "tensorrt", None, None),
-                schedule_cache.key("a" * 64, "onnxruntime", None, 2)}) == 4
+                schedule_cache.key("a" * 64, "onnxruntime", None, 2),
+                schedule_cache.key("a" * 64, "onnxruntime", None, None, 1)}) == 5
+
+
+def test_the_drafter_gets_its_own_thread_count(exports, monkeypatch):
+    """Runtime(drafter_threads=N) / DFLASH2_DRAFTER_THREADS: the drafter session's intra-op threads, the target's
+    untouched (as ONNX Runtime's own session options report them); a bad value is named."""
+    from dflash2.errors import Dflash2Error
+    from dflash2.runtime.api import Runtime
+
+    folder = exports[("qwen3", 2)]
+
+    def threads(rt, graph):
+        return rt.session.backend.session(graph).get_session_options().intra_op_num_threads
+
+    rt = Runtime(folder, threads=2, drafter_threads=1)
+    assert (threads(rt, "target"), threads(rt, "drafter")) == (2, 1)
+    monkeypatch.setenv("DFLASH2_DRAFTER_THREADS", "1")
+    assert threads(Runtime(folder, threads=2), "drafter") == 1
+    monkeypatch.setenv("DFLASH2_DRAFTER_THREADS", "two")
+    with pytest.raises(Dflash2Error, match="DFLASH2_DRAFTER_THREADS: expected a positive integer .*found 'two'"):
+        Runtime(folder, threads=2)
+    monkeypatch.delenv("DFLASH2_DRAFTER_THREADS")
+    assert threads(Runtime(folder, threads=2), "drafter") == 2

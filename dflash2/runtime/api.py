@@ -50,7 +50,7 @@ def check_runnable(folder: Path, manifest: mf.Manifest, name: str, provider: str
 
 
 def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, drafter_threads: int | None = None):
     check_runnable(folder, manifest, name, provider)
     if name == "tensorrt":
         from dflash2.runtime.trt import TrtBackend
@@ -63,14 +63,17 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
         manifest = mf.load(folder, mf.ExportManifest, check_files=False)  # weights not rehashed at every start
     graphs = {name: g.flavours.portable for name, g in manifest.graphs.items()}
     return OrtBackend(folder, graphs, {name: manifest.signature(name) for name in graphs}, provider, threads,
-                      manifest=manifest)
+                      manifest=manifest, drafter_threads=drafter_threads)
 
 
 class Runtime:
     def __init__(self, folder: str | Path, backend: str | None = None, verify: bool | str = True,
                  max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None,
-                 log: Callable[[str], None] | None = None, schedule_cache: bool | None = None):
+                 log: Callable[[str], None] | None = None, schedule_cache: bool | None = None,
+                 drafter_threads: int | None = None):
         """log: where a line about what is allocated goes before allocating (dflash2-run: stderr).
+        threads: ONNX Runtime's intra-op threads (None: its default, one per core); drafter_threads: the drafter
+        session's own (None: DFLASH2_DRAFTER_THREADS, else as threads; dflash2.runtime.engines says when fewer pay).
         schedule_cache: start `--draft-len auto` from what it learned about this export on this machine
         (dflash2.runtime.schedule_cache; default on unless DFLASH2_SCHEDULE_CACHE=0).
         verify: True checks every file's size and sha256, hashing only files changed since their last check
@@ -82,13 +85,14 @@ class Runtime:
         if verify:
             mf.check_files(self.folder, self.manifest, rehash=verify == "full")
         self.checked_at = time.perf_counter()  # the start before the engine sessions ends here (dflash2-run's start_s)
-        self.session = SpecSession(self.manifest, make_backend(self.folder, self.manifest, self.backend_name,
-                                                               provider, threads), max_seq_len, log)
+        backend = make_backend(self.folder, self.manifest, self.backend_name, provider, threads, drafter_threads)
+        self.session = SpecSession(self.manifest, backend, max_seq_len, log)
         self._text: Text | None = None
         self._auto: AutoSchedule | None = None
         self._cache_key = None
         if schedule_cache if schedule_cache is not None else schedule_cache_mod.enabled():
-            self._cache_key = schedule_cache_mod.key(self.manifest.manifest_sha256, self.backend_name, provider, threads)
+            self._cache_key = schedule_cache_mod.key(self.manifest.manifest_sha256, self.backend_name, provider, threads,
+                                                     getattr(backend, "drafter_threads", None))
         # the target's generation_config.json gives the sampling defaults: the export copied it, and an engine
         # folder carries its own copy (it may be deployed without the export it was built from)
         self.sampling_defaults = defaults_from(self.folder)

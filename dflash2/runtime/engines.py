@@ -92,6 +92,16 @@ class OrtEngine:
         self.session.run_with_iobinding(self.binding)
 
 
+def _env_threads(name: str) -> int | None:
+    """A thread count from the environment (unset or empty: None), named when it is not a positive integer."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise Dflash2Error(f"{name}: expected a positive integer (intra-op threads), found {raw!r}")
+    return int(raw)
+
+
 class OrtBackend:
     """ONNX Runtime on the CPU (host buffers). The CUDA provider, when installed, is used for compute;
     buffers stay in host memory, so ORT copies inputs to the GPU each step: use TensorRT on GPUs.
@@ -101,7 +111,8 @@ class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, folder: Path, graphs: dict[str, str], signatures: dict[str, Signature],
-                 provider: str | None = None, threads: int | None = None, manifest=None):
+                 provider: str | None = None, threads: int | None = None, manifest=None,
+                 drafter_threads: int | None = None):
         import onnxruntime as ort
 
         available = ort.get_available_providers()
@@ -109,7 +120,12 @@ class OrtBackend:
             raise Dflash2Error(f"ONNX Runtime provider {provider!r} is not available; found {available}")
         self.providers = [provider] if provider else ["CPUExecutionProvider"]
         self.folder, self.graphs, self.signatures, self.manifest = folder, graphs, signatures, manifest
-        self.threads = threads or int(os.environ.get("DFLASH2_THREADS", "0")) or None
+        self.threads = threads or _env_threads("DFLASH2_THREADS")
+        # The drafter's own thread count. Its MatMuls are small (block-size rows), and after each verify the target's
+        # spinning worker holds a core: SmolLM2 int4 at 2 threads, in the cost table a draft 2.5-2.7 ms with 1 thread
+        # against 2.8-2.9 with 2, a k = 1 round 5% cheaper; the main command did not gain from it (docs/quantization.md),
+        # so it is a knob, not a default. A large drafter on many cores wants them all.
+        self.drafter_threads = drafter_threads or _env_threads("DFLASH2_DRAFTER_THREADS")
         self._sessions: dict[str, object] = {}
 
     def session(self, graph: str):
@@ -117,7 +133,8 @@ class OrtBackend:
             # Target and drafter alternate every round. Threads spin-waiting after the drafter steal the cores
             # from the verify that follows; the target's spinning speeds up back-to-back steps. SmolLM2, 2 cores,
             # ms per round (verify + draft): both spin 37.6 + 8.6, none 26.0 + 6.4, target only 21.7 + 7.2.
-            session = open_session(self.folder / self.graphs[graph], self.providers, self.threads, graph == "target")
+            threads = self.drafter_threads if graph == "drafter" and self.drafter_threads else self.threads
+            session = open_session(self.folder / self.graphs[graph], self.providers, threads, graph == "target")
             if self.manifest is not None:  # the manifest must describe the file that runs, not a swapped one
                 from dflash2.runtime.graphcheck import check_graph
 

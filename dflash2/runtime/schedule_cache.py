@@ -39,7 +39,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def key(manifest_sha256: str, backend: str, provider: str | None, threads: int | None) -> str:
+def key(manifest_sha256: str, backend: str, provider: str | None, threads: int | None,
+        drafter_threads: int | None = None) -> str:
     try:
         import onnxruntime
 
@@ -48,6 +49,8 @@ def key(manifest_sha256: str, backend: str, provider: str | None, threads: int |
         ort = None
     what = {"export": manifest_sha256, "backend": backend, "provider": provider, "threads": threads,
             "cpus": os.cpu_count(), "cpu": _cpu_model(), "machine": platform.machine(), "onnxruntime": ort}
+    if drafter_threads is not None:  # (absent otherwise: the keys of caches written before stay the same)
+        what["drafter_threads"] = drafter_threads
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
