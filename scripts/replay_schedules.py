@@ -97,39 +97,14 @@ def replay(a) -> int:
     return 0
 
 
-class _Thresholds:
-    """Draft every round; verify the leading drafts whose confidence exceeds t1 (the first) / t2 (the others)."""
-
-    name = "thresholds"
-
-    def __init__(self, t1: float, t2: float):
-        self.t = (t1, t2)
-
-    def start(self) -> None: ...
-
-    def wants_draft(self) -> bool:
-        return True
-
-    def wants_reuse(self) -> bool:
-        return False
-
-    def choose(self, confidence, available: int) -> int:
-        k = 0
-        while k < available and confidence is not None and confidence[k] > self.t[min(k, 1)]:
-            k += 1
-        return k
-
-    def observe(self, r) -> None: ...
-
-
 def thresholds(a) -> int:
-    from dflash2.runtime.replay import replay as replay_trace
+    from dflash2.runtime.replay import Thresholds, replay as replay_trace
 
     grid = [round(0.05 * i, 2) for i in range(1, 20)]
     rows = {}
     for path in a.traces:
         t = read_trace(path)
-        runs = {(t1, t2): replay_trace(_Thresholds(t1, t2), t) for t1 in grid for t2 in grid}
+        runs = {(t1, t2): replay_trace(Thresholds(t1, t2), t) for t1 in grid for t2 in grid}
         (t1, t2), best = max(runs.items(), key=lambda kv: kv[1]["speed"])
         rows[path] = {"t1": t1, "t2": t2, **best}
         print(f"{Path(path).name:>34}  best thresholds t1 {t1:.2f} t2 {t2:.2f}: {best['speed']:.3f}x "

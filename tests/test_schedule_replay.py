@@ -58,3 +58,17 @@ def test_auto_on_the_shipped_pairs_recorded_drafts(name, floor):
     default now, its drafter's weights int8-dynamic (a draft 0.28 of a decode step): 0.995x / 1.026x when recorded."""
     r = replay(AutoSchedule(8), _recorded(name))
     assert r["speed"] >= floor, r
+
+
+def test_threshold_rule_verifies_the_leading_confident_drafts():
+    """replay.Thresholds (scripts/replay_schedules.py thresholds): t1 for the first draft, t2 for the rest, stopping at
+    the first draft below; priced over the committed trace at the thresholds the docs report, the speed they report."""
+    from dflash2.runtime.replay import Thresholds
+
+    t = Thresholds(0.5, 0.8)
+    assert t.wants_draft() and not t.wants_reuse()
+    assert t.choose([0.9, 0.85, 0.7, 0.99], 4) == 2 and t.choose([0.4, 0.99], 2) == 0 and t.choose([0.9, 0.9], 1) == 1
+    best = json.loads((TRACES.parent / "drafter_quant" / "thresholds_int4dyn.json").read_text())
+    for name, row in best.items():
+        r = replay(Thresholds(row["t1"], row["t2"]), _recorded(Path(name).name[:-len(".json.gz")]))
+        assert r["speed"] == pytest.approx(row["speed"], abs=1e-9) and r["drafted"] == row["rounds"]

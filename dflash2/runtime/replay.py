@@ -73,6 +73,26 @@ class _EveryPosition:
     def observe(self, r: Round) -> None: ...
 
 
+    def observe(self, r: Round) -> None: ...
+
+
+class Thresholds(_EveryPosition):
+    """Draft every round; verify the leading drafts whose confidence exceeds t1 (the first) / t2 (the others):
+    priced over a trace with thresholds chosen knowing its answers, the bound of rules that read confidences only
+    (scripts/replay_schedules.py thresholds)."""
+
+    name = "thresholds"
+
+    def __init__(self, t1: float, t2: float):
+        self.t = (t1, t2)
+
+    def choose(self, confidence, available: int) -> int:
+        k = 0
+        while k < available and confidence is not None and confidence[k] > self.t[min(k, 1)]:
+            k += 1
+        return k
+
+
 def record(rt, prompts: Sequence, max_new_tokens: int = 128, log: Callable[[str], None] | None = None) -> list[dict]:
     """Per prompt: the answer's length, and per anchor position p (ids[p] the last token out) the drafts' matching
     prefix, the drafter's confidences (None: a DFlash v1 drafter without them) and the target's top-1 probability
