@@ -311,7 +311,7 @@ class Quantization:
     fuse: bool = False  # ONNX Runtime fusions applied before quantizing (dflash2.export.fuse)
     calibration: str | None = None  # what calibrated activation ranges (Q/DQ methods)
     native: str | None = None  # the GGUF whose quantized blocks the target carries unchanged (not requantized)
-    drafter_method: str | None = None  # the drafter's own "int4" | "int8" (None: method)
+    drafter_method: str | None = None  # the drafter's own "int4" | "int8" | "int8-dynamic" (None: method)
     drafter_block_size: int | None = None  # the drafter's own block size (None: block_size)
     lossless_against: str = "the quantized target: speculative ids == its own greedy ids"
 

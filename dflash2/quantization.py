@@ -9,12 +9,18 @@ SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # the op types of a quantized ONNX Runtime graph: MatMulNBits (weight-only blocks, int4 / int8), or a drafter's
 # DynamicQuantizeMatMul (--quant-drafter int8-dynamic); written by the export, checked by the runtime
 QUANT_OPS = ("MatMulNBits", "DynamicQuantizeMatMul")
+DYNAMIC = "int8-dynamic"  # DynamicQuantizeMatMul's method: activations quantized per tensor, so the drafter's only
+
+
+def graph_method(q, graph: str) -> str:
+    """The method graph `graph` of a quantization `q` (a manifest Quantization) was written with: the drafter's own
+    where the export gave it one (--quant-drafter), else the export's."""
+    return (getattr(q, "drafter_method", None) if graph == "drafter" else None) or q.method
 
 
 def quant_op(q, graph: str) -> str:
-    """The op type graph `graph` of an ONNX Runtime quantization `q` (a manifest Quantization) is written with."""
-    return "DynamicQuantizeMatMul" if graph == "drafter" and getattr(q, "drafter_method", None) == "int8-dynamic" \
-        else "MatMulNBits"
+    """The op type graph `graph` of an ONNX Runtime quantization `q` is written with."""
+    return "DynamicQuantizeMatMul" if graph_method(q, graph) == DYNAMIC else "MatMulNBits"
 
 
 def label(manifest) -> str:

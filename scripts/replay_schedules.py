@@ -104,6 +104,9 @@ def thresholds(a) -> int:
     rows = {}
     for path in a.traces:
         t = read_trace(path)
+        if not any(a["positions"] for a in t["answers"]):
+            print(f"{path}: no rounds to price (an empty trace)", file=sys.stderr)
+            return 2
         runs = {(t1, t2): replay_trace(Thresholds(t1, t2), t) for t1 in grid for t2 in grid}
         (t1, t2), best = max(runs.items(), key=lambda kv: kv[1]["speed"])
         rows[path] = {"t1": t1, "t2": t2, **best}

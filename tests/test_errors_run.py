@@ -367,6 +367,8 @@ def test_stdout_closed_early_is_one_line_not_a_traceback(exports):
     (["--quantize", "int4", "--quant-block-size", "1048576"], "expected a power of two in 16..256"),
     (["--quantize", "int4", "--quant-block-size", "0"], "expected a power of two in 16..256"),
     (["--quant-drafter", "int8-dynamic"], "--quant-drafter: no effect without --quantize"),
+    (["--quantize", "int4", "--quant-drafter", "int8-dynamic", "--quant-drafter-block-size", "64"],
+     "--quant-drafter-block-size: no effect with --quant-drafter int8-dynamic"),
     (["--quantize", "int4", "--quant-drafter-block-size", "8"], "--quant-drafter-block-size: expected a power of two"),
     (["--quantize", "int4", "--quant-target-only", "--quant-drafter", "int8"],
      "--quant-drafter / --quant-drafter-block-size: expected with --quantize int4 or int8 and a quantized drafter, "

@@ -209,6 +209,15 @@ def test_gqa_export_uses_it_and_stays_lossless(tmp_path, pairs, fam, ver):
         with pytest.raises(GraphMismatchError, match="the manifest says DynamicQuantizeMatMul nodes, the graph has "
                                                      "MatMulNBits"):
             Runtime(tmp_path / "forged").generate(prompt, 4)
+        # the fp32 pair's graphs in, the manifest's target entry made fp32 too: only the drafter is misdescribed
+        from tests.exports import edit_manifest
+
+        _swap_in(tmp_path / "out-0", tmp_path / "forged", ["target.onnx", "target.onnx.data", "drafter.onnx",
+                                                           "drafter.onnx.data"])
+        edit_manifest(tmp_path / "forged", lambda d: d["quantization"]["graphs"].pop("target"))
+        with pytest.raises(GraphMismatchError, match="the manifest says quantized int8-dynamic, the graph has no "
+                                                     "DynamicQuantizeMatMul nodes"):  # the drafter's method, not int4
+            Runtime(tmp_path / "forged").generate(prompt, 4)
 
 
 def test_export_with_a_draft_vocabulary(tmp_path, pairs):
@@ -326,6 +335,16 @@ def test_dynamic_int8_weights_follow_onnxruntimes_per_channel_rule():
         _, scale, ref = quantize_data(w[:, c], onnx.TensorProto.INT8, symmetric=True)
         np.testing.assert_allclose(scales[c], np.float32(scale), rtol=1e-6)
         np.testing.assert_array_equal(q[:, c], ref)
+
+
+def test_drafter_methods_without_effect_are_refused():
+    with pytest.raises(qz.QuantizeError, match="expected a quantized drafter, found --quant-target-only"):
+        qz.OrtQuant("int4", drafter=False, drafter_method="int8")
+    with pytest.raises(qz.QuantizeError, match="--quant-drafter-block-size: no effect with --quant-drafter int8-dynamic"):
+        qz.OrtQuant("int4", drafter_method="int8-dynamic", drafter_block_size=64)
+    q = qz.OrtQuant("int4", 32, drafter_method="int8", drafter_block_size=128).for_graph("drafter")
+    assert (q.method, q.block_size, q.bits) == ("int8", 128, 8)
+    assert qz.OrtQuant("int4", drafter_method="int8").for_graph("target").method == "int4"
 
 
 def test_a_dynamic_target_is_refused(tmp_path, pairs):

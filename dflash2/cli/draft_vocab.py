@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-draft-vocab", description=__doc__)
     p.add_argument("--drafter", required=True, type=Path, help="drafter folder to write draft_vocab.json into")
     p.add_argument("--target", required=True, type=Path, help="target folder (vocabulary size, EOS ids)")
-    p.add_argument("--corpus", required=True, type=Path, nargs="+", help="corpus folder(s) from dflash2-train")
+    p.add_argument("--corpus", required=True, type=Path, nargs="+", help="corpus folder(s): a tap corpus from dflash2-train or an id corpus from dflash2-corpus")
     p.add_argument("--size", required=True, type=int, help="number of ids to keep")
     a = p.parse_args(argv)
     from dflash2 import draft_vocab

@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             raise Dflash2Error(f"--taps: expected layer ids < the target's {tc.num_layers} layers, found {max(a.taps)}")
         taps = a.taps or distinct_target_layer_ids(tc.num_layers, 3)
         corpora = a.corpus or [a.out.parent / "corpus"]
-        from dflash2.train.taps import build_taps, is_id_corpus
+        from dflash2.train.idcorpus import is_id_corpus
+        from dflash2.train.taps import build_taps
 
         cfg = TrainConfig(layers=a.layers, block_size=a.block_size, top_k=a.top_k, rank=a.rank, steps=a.steps,
                           lr=a.lr, seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors,
@@ -358,9 +359,9 @@ def _summary(a, r: dict) -> None:
 def _train_live(a, corpus: Path, cfg, tc, taps) -> int:
     """--live-taps: the id corpus as a stream, its taps computed by the target in the loop."""
     from dflash2 import draft_vocab
-    from dflash2.train.idcorpus import IdCorpus
+    from dflash2.train.idcorpus import IdCorpus, is_id_corpus
     from dflash2.train.live import IdStream, TapsModel
-    from dflash2.train.taps import check_answering_target, is_id_corpus
+    from dflash2.train.taps import check_answering_target
     from dflash2.train.trainer import train
 
     if not is_id_corpus(corpus):

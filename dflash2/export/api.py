@@ -96,7 +96,8 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     if isinstance(quantize, qz.OrtQuant) and quantize.drafter and quantize.for_graph("drafter").dynamic and \
             target_attention != "gqa":
         raise OutputError(f"--quant-drafter {qz.DYNAMIC}: expected the fused-op graphs (--target-attention gqa, the "
-                          f"default with --quantize int4|int8), found --target-attention {target_attention}")
+                          f"default with --quantize int4|int8), found --target-attention {target_attention}"
+                          + (f" ({gqa.unsupported(tc, dc, max_seq_len)})" if gqa.unsupported(tc, dc, max_seq_len) else ""))
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     specs_count = 3 if dc.version == 2 else 2

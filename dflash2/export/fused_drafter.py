@@ -16,7 +16,7 @@ the fused target (dflash2.export.templates):
 - the LM head over the draft vocabulary, TopK, the gate, the selector node (its portable function, or the
   TensorRT plugin's bare node) - or, DFlash v1, the scaled argmax and its top-1 probability;
 - with `quant`, every weight MatMul (the head included) as MatMulNBits, or DynamicQuantizeMatMul (per-column int8,
-  `--quant-drafter int8-dynamic`: ~2x faster at the drafter's 8 rows, where the weight MatMuls are most of a draft),
+  `--quant-drafter int8-dynamic`: 2.5-2.9x faster at the drafter's 8 rows, where the weight MatMuls are most of a draft),
   quantized as written.
 
 I/O, KV bindings (prefix; fixed for the TensorRT flavour) and outputs are exactly the traced graph's (graphs.DrafterGraph /

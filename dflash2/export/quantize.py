@@ -33,7 +33,7 @@ from dflash2.errors import Dflash2Error
 from dflash2.export import fuse
 
 ORT_METHODS = {"int4": 4, "int8": 8}
-DYNAMIC = "int8-dynamic"  # DynamicQuantizeMatMul (weights.DynamicInt8): not row-invariant, so the drafter's only
+from dflash2.quantization import DYNAMIC  # DynamicQuantizeMatMul (weights.DynamicInt8): the drafter's only
 DRAFTER_METHODS = (*ORT_METHODS, DYNAMIC)
 QUANTIZER = "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer"
 
@@ -67,6 +67,12 @@ class OrtQuant:
         if self.drafter_method is not None and self.drafter_method not in DRAFTER_METHODS:
             raise QuantizeError(f"--quant-drafter: expected one of {list(DRAFTER_METHODS)}, found "
                                 f"{self.drafter_method!r}")
+        if (self.drafter_method or self.drafter_block_size) and not self.drafter:
+            raise QuantizeError("--quant-drafter / --quant-drafter-block-size: expected a quantized drafter, found "
+                                "--quant-target-only (the drafter kept fp32)")
+        if self.drafter_block_size is not None and self.drafter_method == DYNAMIC:
+            raise QuantizeError(f"--quant-drafter-block-size: no effect with --quant-drafter {DYNAMIC} (per-column "
+                                f"weights, no blocks)")
         for flag, size in (("--quant-block-size", self.block_size), ("--quant-drafter-block-size",
                                                                      self.drafter_block_size)):
             if size is not None and (size < 16 or size & (size - 1)):
@@ -207,6 +213,8 @@ def _quantizer_class():
 
 def quantize_model(model: onnx.ModelProto, q: OrtQuant) -> tuple[onnx.ModelProto, mf.QuantizedGraph]:
     """fp32 graph -> MatMulNBits graph; returns it and a report (what was quantized, sizes)."""
+    if q.dynamic:  # ONNX Runtime's MatMulNBitsQuantizer would write int8 blocks (bits 8) instead
+        raise QuantizeError(f"{DYNAMIC}: written by the fused drafter only (dflash2.export.fused_drafter)")
     MatMulNBitsQuantizer = _quantizer_class()
 
     rewritten = weights_as_matmul(model)

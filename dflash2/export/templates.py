@@ -170,7 +170,8 @@ class Builder:
 
     def _matmul_dynamic(self, x: str, name: str, column_blocks) -> str:
         """DynamicQuantizeMatMul over per-column int8 weights (weights.DynamicInt8). Its B is [K, N], so column
-        blocks are joined in memory: one tensor at a time, as the bound on an export's memory allows."""
+        blocks are joined in memory, each held twice while joined (int8: half an fp32 copy of the tensor; a draft
+        vocabulary's head is small, a whole 152k-row head of an 8B target would be ~1.2 GB at this step)."""
         parts = [self.nbits.quantize(block) for block in column_blocks]
         w8 = np.concatenate([p[0] for p in parts], axis=1)
         scales = np.concatenate([p[1] for p in parts])

@@ -72,8 +72,9 @@ class Runtime:
                  log: Callable[[str], None] | None = None, schedule_cache: bool | None = None,
                  drafter_threads: int | None = None):
         """log: where a line about what is allocated goes before allocating (dflash2-run: stderr).
-        threads: ONNX Runtime's intra-op threads (None: its default, one per core); drafter_threads: the drafter
-        session's own (None: DFLASH2_DRAFTER_THREADS, else as threads; dflash2.runtime.engines says when fewer pay).
+        threads: ONNX Runtime's intra-op threads (None: DFLASH2_THREADS, else ONNX Runtime's default, one per core);
+        drafter_threads: the drafter session's own (None: DFLASH2_DRAFTER_THREADS, else as threads;
+        dflash2.runtime.engines says when fewer pay).
         schedule_cache: start `--draft-len auto` from what it learned about this export on this machine
         (dflash2.runtime.schedule_cache; default on unless DFLASH2_SCHEDULE_CACHE=0).
         verify: True checks every file's size and sha256, hashing only files changed since their last check
@@ -91,7 +92,8 @@ class Runtime:
         self._auto: AutoSchedule | None = None
         self._cache_key = None
         if schedule_cache if schedule_cache is not None else schedule_cache_mod.enabled():
-            self._cache_key = schedule_cache_mod.key(self.manifest.manifest_sha256, self.backend_name, provider, threads,
+            self._cache_key = schedule_cache_mod.key(self.manifest.manifest_sha256, self.backend_name, provider,
+                                                     getattr(backend, "threads", threads),
                                                      getattr(backend, "drafter_threads", None))
         # the target's generation_config.json gives the sampling defaults: the export copied it, and an engine
         # folder carries its own copy (it may be deployed without the export it was built from)

@@ -152,7 +152,7 @@ class CombinedResult:
 class QuantExport:
     folder: str
     describe: str | None
-    quantization: dict[str, Any] | None  # method, bits, block_size, accuracy_level, graphs; None: fp32
+    quantization: dict[str, Any] | None  # method, bits, block_size, accuracy_level, graphs, drafter_method; None: fp32
 
 
 @dataclass

@@ -97,9 +97,13 @@ def _env_threads(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < 1:
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
         raise Dflash2Error(f"{name}: expected a positive integer (intra-op threads), found {raw!r}")
-    return int(raw)
+    return n
 
 
 class OrtBackend:

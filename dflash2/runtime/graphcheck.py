@@ -4,7 +4,8 @@ The seal (manifest_sha256 + every file's sha256) proves the folder is as the exp
 someone edits a file and reseals the manifest. What a resealed forgery can still get wrong is caught
 here, when each graph's session opens (no extra load): its inputs / outputs against the manifest's io
 (names, element types, fixed dims), and its weight format against the manifest's quantization (an
-ONNX Runtime int4 / int8 graph is made of MatMulNBits nodes; a plain fp32 graph has none). A mismatch
+ONNX Runtime int4 / int8 graph is made of MatMulNBits nodes, an int8-dynamic drafter of DynamicQuantizeMatMul;
+a plain fp32 graph has neither). A mismatch
 names the graph, the file and both sides, and says to re-export.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
-from dflash2.quantization import QUANT_OPS, quant_op
+from dflash2.quantization import QUANT_OPS, graph_method, quant_op
 
 # ONNX Runtime's type strings -> the manifest's dtype names
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
@@ -55,7 +56,8 @@ def check_graph(manifest, graph: str, path: Path, session) -> None:
         quantized = q is not None and graph in q.graphs and (q.graphs[graph].quantized or 0) > 0
         found = _quant_ops(path)
         if found is not None and bool(found) != quantized:
-            problems.append(f"weights: the manifest says {'quantized ' + q.method if quantized else 'not quantized'}, "
+            said = f"quantized {graph_method(q, graph)}" if quantized else "not quantized"
+            problems.append(f"weights: the manifest says {said}, "
                             f"the graph {'has ' + ' / '.join(found) if found else 'has no ' + quant_op(q, graph)} "
                             f"nodes")
         elif found and quantized and quant_op(q, graph) not in found:  # e.g. an int4 drafter where int8-dynamic is said

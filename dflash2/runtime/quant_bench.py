@@ -78,6 +78,8 @@ def _labels(runtimes: list[Runtime]) -> list[str]:
         m = rt.manifest
         q = m.quantization  # "target-only": ONNX Runtime's choice; modelopt's Q/DQ covers the target only anyway
         base = label(m) + (" target-only" if q and q.backend == "onnxruntime" and not q.drafter else "")
+        own = getattr(q, "drafter_method", None) if q and q.drafter else None
+        base += f" drafter {own}" if own and own != q.method else ""
         base += " gqa" if m.kv is not None and m.kv.target_attention == "gqa" else ""
         name, k = base, 2
         while name in out:
@@ -170,7 +172,8 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
 def _quantization(m) -> dict | None:
     q = m.quantization
     return None if q is None else {"method": q.method, "bits": q.bits, "block_size": q.block_size,
-                                   "accuracy_level": q.accuracy_level, "graphs": sorted(q.graphs)}
+                                   "accuracy_level": q.accuracy_level, "graphs": sorted(q.graphs),
+                                   "drafter_method": getattr(q, "drafter_method", None)}
 
 
 def table(r: QuantBenchResult) -> str:

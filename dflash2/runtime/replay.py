@@ -73,9 +73,6 @@ class _EveryPosition:
     def observe(self, r: Round) -> None: ...
 
 
-    def observe(self, r: Round) -> None: ...
-
-
 class Thresholds(_EveryPosition):
     """Draft every round; verify the leading drafts whose confidence exceeds t1 (the first) / t2 (the others):
     priced over a trace with thresholds chosen knowing its answers, the bound of rules that read confidences only

@@ -294,7 +294,7 @@ def corpus_answers(folder: str | Path) -> list[list[int]]:
     (dflash2-train) or an id corpus (dflash2-corpus, dflash2.train.idcorpus: each shard checked against its hash)."""
     from dflash2.train import idcorpus
 
-    if idcorpus.is_id_corpus(Path(folder)):
+    if idcorpus.is_id_corpus(folder):
         c = idcorpus.IdCorpus(folder)
         shards = (c.shard(i) for i in range(len(c.shards)))
         return [s.row(j)[1].tolist() for s in shards for j in range(len(s))]

@@ -213,10 +213,10 @@ class IdCorpus:
                 "conversations": [min(c[0] for c in convs), max(c[1] for c in convs)] if convs else None}
 
 
-def is_id_corpus(folder: Path) -> bool:
+def is_id_corpus(folder: str | Path) -> bool:
     """Whether `folder` holds an id corpus (its corpus.json says so) rather than a tap corpus."""
     try:
-        return json.loads((folder / META).read_text()).get("kind") == KIND
+        return json.loads((Path(folder) / META).read_text()).get("kind") == KIND
     except (OSError, ValueError, AttributeError):
         return False
 

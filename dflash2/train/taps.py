@@ -26,17 +26,6 @@ def cache_folder(corpus: IdCorpus, tap_ids: list[int], dtype: str, root: Path | 
     return root / f"{corpus.folder.resolve().name}-{w}-taps{'_'.join(map(str, tap_ids))}-{dtype}"
 
 
-def is_id_corpus(folder: str | Path) -> bool:
-    from dflash2.train.idcorpus import KIND
-
-    p = Path(folder) / "corpus.json"
-    try:
-        import json
-        return p.is_file() and json.loads(p.read_text()).get("kind") == KIND
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        return False
-
-
 def teacher_forced_taps(model, seqs: list[list[int]], tap_ids: list[int], pad: int) -> list:
     """Taps [len(s) - 1, n*H] fp16 of each sequence: the hidden states after the tapped layers at every
     position whose token goes through the target (all but the last), right-padded in one batch."""
