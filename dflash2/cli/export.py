@@ -92,9 +92,6 @@ def main(argv: list[str] | None = None) -> int:
             raise Dflash2Error("--quant-drafter / --quant-drafter-block-size: expected with --quantize int4 or int8 and "
                                "a quantized drafter, found " + ("--quant-target-only" if a.quant_target_only else
                                                                 f"--quantize {a.quantize}"))
-        if a.quant_drafter == "int8-dynamic" and a.quant_drafter_block_size is not None:
-            raise Dflash2Error("--quant-drafter-block-size: no effect with --quant-drafter int8-dynamic (per-column "
-                               "weights, no blocks)")
         if a.quant_from_gguf is not None and a.quantize not in ("int4", "int8"):
             raise Dflash2Error(f"--quant-from-gguf: expected with --quantize int4 or int8, found "
                                f"{'no --quantize' if a.quantize is None else '--quantize ' + a.quantize}")

@@ -147,7 +147,7 @@ class Builder:
         MatMulNBitsQuantizer writes them (`W_Q4`, `W_scales`, `W_zero_points`; node `NAME_Q4`)."""
         q, (K, N) = self.nbits, kn
         w = f"{name}.weight"
-        if getattr(q, "dynamic", False):
+        if q.dynamic:
             return self._matmul_dynamic(x, name, column_blocks)
         scales, zeros = [], []
 

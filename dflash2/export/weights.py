@@ -125,7 +125,7 @@ class NBits:
         from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                       DefaultWeightOnlyQuantizer)
 
-        self.bits, self.block_size = quant.bits, quant.block_size
+        self.bits, self.block_size, self.dynamic = quant.bits, quant.block_size, False
         self.symmetric, self.accuracy_level = quant.symmetric, quant.accuracy_level
         self._q = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
             block_size=quant.block_size, is_symmetric=quant.symmetric, accuracy_level=quant.accuracy_level,
