@@ -190,3 +190,45 @@ def test_finished_rows_leave_the_batch_without_changing_the_others(corpus):
         assert r["ids"][r["prompt_len"]:].tolist() == want
         n = len(r["ids"]) - 1  # taps of every position fed to the target: prompt + answer minus its last token
         assert r["taps"].shape[0] == n and torch.allclose(r["taps"].float(), f["taps"][:n].float(), atol=2e-3)
+
+
+def test_init_weights_grows_a_smaller_drafter_without_changing_what_it_drafts(tmp_path, trained, corpus):
+    """--layers 2 --init-weights <a 1-layer drafter>: the new layer copies the last one with its residual
+    branches' output projections zeroed, so before any update the grown drafter drafts exactly what the
+    smaller one did (lr 0 keeps the weights as initialised)."""
+    from dflash2.checkpoint import load_tensors
+    from dflash2.train.trainer import block_forward
+
+    target_dir, records = corpus
+    c = TrainConfig(layers=2, block_size=6, top_k=4, rank=8, steps=1, lr=0.0, seqs_per_step=1, anchors_per_seq=2,
+                    tap_ids=(1, 2), mask_token_id=3, eval_every=100, save_every=1)
+    logs = []
+    train(target_dir, tmp_path / "grown", records[:20], c, eval_records=records[20:22], init_weights=trained[0],
+          log_fn=logs.append)
+    assert f"initialised from {trained[0]}" in logs
+    w = load_tensors(tmp_path / "grown")
+    assert not w["layers.1.self_attn.o_proj.weight"].any() and not w["layers.1.mlp.down_proj.weight"].any()
+    assert torch.equal(w["layers.1.self_attn.q_proj.weight"], w["layers.0.self_attn.q_proj.weight"])
+    _, small = load_pair(trained[0], target_dir)
+    _, grown = load_pair(tmp_path / "grown", target_dir)
+    assert grown.config.num_layers == 2 and small.config.num_layers == 1
+    for rec in records[20:]:
+        anchors = list(range(rec["prompt_len"] - 1, len(rec["ids"]) - 2, 3))
+        with torch.no_grad():
+            h_small, labels, aid = block_forward(small, rec, anchors)
+            h_grown, _, _ = block_forward(grown, rec, anchors)
+            torch.testing.assert_close(h_grown, h_small, rtol=0, atol=1e-5)
+            assert torch.equal(small.propose_batch(h_small, aid)["draft_ids"], grown.propose_batch(h_grown, aid)["draft_ids"])
+
+
+def test_init_weights_with_other_widths_or_more_layers_is_refused(tmp_path, trained, corpus):
+    target_dir, records = corpus
+    c = TrainConfig(layers=1, block_size=6, top_k=4, rank=16, steps=1, seqs_per_step=1, anchors_per_seq=2,
+                    tap_ids=(1, 2), mask_token_id=3, eval_every=100, save_every=1)
+    with pytest.raises(Dflash2Error, match=r"differing tensors \['candidate_selector"):
+        train(target_dir, tmp_path / "d", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)
+    c.rank, c.layers = 8, 2
+    train(target_dir, tmp_path / "two", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)
+    c.layers = 1
+    with pytest.raises(Dflash2Error, match="expected a drafter with at most this run's 1 layers, found 2"):
+        train(target_dir, tmp_path / "one", records[:20], c, init_weights=tmp_path / "two", log_fn=lambda m: None)

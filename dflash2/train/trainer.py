@@ -269,19 +269,45 @@ def save_drafter(d: Drafter, folder: Path, dtype=torch.float16, max_shard_mb: fl
 
 
 def _warm_start(d: Drafter, folder: Path, log_mult: torch.nn.Parameter) -> None:
-    """Weights (and the learned unary scale) of an existing drafter with the same shapes."""
+    """Weights (and the learned unary scale) of an existing drafter with the same shapes, or with fewer layers:
+    then the drafter grows by `_grow_layers`, starting as exactly the smaller one."""
     from dflash2.checkpoint import load_tensors as load_state_dict
 
     src = load_drafter_config(folder)
     weights = load_state_dict(folder)
     own = d.state_dict()
+    if src.num_layers > d.config.num_layers:  # its first layers alone would draft something else entirely
+        raise Dflash2Error(f"{folder}: --init-weights expected a drafter with at most this run's {d.config.num_layers} "
+                           f"layers, found {src.num_layers} (config.json num_hidden_layers)")
+    if src.num_layers < d.config.num_layers:
+        weights = _grow_layers(weights, src.num_layers, d.config.num_layers)
     bad = sorted(k for k in own if not k.startswith("train_") and (k not in weights or weights[k].shape != own[k].shape))
     if bad:
-        raise Dflash2Error(f"{folder}: --init-weights expected a drafter with this run's shapes; differing tensors "
-                           f"{bad[:6]} (layers, block size, top-K, rank and taps must match)")
+        raise Dflash2Error(f"{folder}: --init-weights expected a drafter with this run's shapes (or fewer layers); "
+                           f"differing tensors {bad[:6]} (block size, top-K, rank, taps and widths must match; "
+                           f"it has {src.num_layers} layers, this run {d.config.num_layers})")
     d.load_state_dict({k: weights[k].float() for k in own if not k.startswith("train_")}, strict=False)
     with torch.no_grad():
         log_mult.fill_(math.log(src.output_multiplier))
+
+
+# a layer whose residual branches end in these writes nothing: zeroed, the layer is the identity
+_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def _grow_layers(weights: dict, have: int, want: int) -> dict:
+    """Depth growth that keeps the function: layers have..want-1 are copies of the last layer (its attention
+    already reads the context) with their residual branches' output projections zeroed, so the grown drafter
+    drafts exactly what the smaller one did and training starts from there, not from noise (zero-initialised
+    residual branches, as in ReZero / Fixup). Gradients reach the zeroed matrices at once: their inputs are not 0."""
+    out = dict(weights)
+    last = f"layers.{have - 1}."
+    for i in range(have, want):
+        for k, v in weights.items():
+            if k.startswith(last):
+                name = k[len(last):]
+                out[f"layers.{i}.{name}"] = torch.zeros_like(v) if name in _BRANCH_OUTPUTS else v.clone()
+    return out
 
 
 class _StepLoss(torch.nn.Module):
