@@ -37,6 +37,8 @@ CASES = [
     (["--kd-weight", "-1"], "--kd-weight: expected a finite number >= 0, found -1.0"),
     (["--holdout", "1"], "--holdout: expected a share in (0, 1), found 1.0"),
     (["--holdout", "1.5"], "--holdout: expected a share in (0, 1), found 1.5"),
+    (["--loss-decay", "0"], "--loss-decay: expected a finite number > 0, found 0.0"),
+    (["--loss-decay", "nan"], "--loss-decay: expected a finite number > 0, found nan"),
     (["--max-shard-mb", "0"], "--max-shard-mb: expected a size in MB > 0, found 0.0"),
     (["--device", "tpu"], "--device: expected cpu, cuda or cuda:N, found 'tpu'"),
     (["--prompts", "templated:0"], "--prompts 'templated:0': expected 'templated[:N]' with an integer N >= 1"),

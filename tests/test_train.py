@@ -232,3 +232,23 @@ def test_init_weights_with_other_widths_or_more_layers_is_refused(tmp_path, trai
     c.layers = 1
     with pytest.raises(Dflash2Error, match="expected a drafter with at most this run's 1 layers, found 2"):
         train(target_dir, tmp_path / "one", records[:20], c, init_weights=tmp_path / "two", log_fn=lambda m: None)
+
+
+def test_loss_decay_weighs_draft_positions(trained, corpus):
+    """--loss-decay GAMMA: position k's cross-entropy weighs exp(-(k-1)/GAMMA); a tiny GAMMA leaves the first
+    draft's cross-entropy alone, a huge one the plain mean over positions (hand-computed here)."""
+    import torch.nn.functional as F
+    from dflash2.train.trainer import block_forward, losses
+
+    target_dir, records = corpus
+    _, d = load_pair(trained[0], target_dir)
+    rec = records[20]
+    with torch.no_grad():
+        hidden, labels, aid = block_forward(d, rec, list(range(rec["prompt_len"] - 1, len(rec["ids"]) - 8, 2)))
+        ce = F.cross_entropy(d.logits(hidden).flatten(0, 1), labels.flatten(), ignore_index=-100,
+                             reduction="none").view_as(labels)  # [nb, S]
+        valid = labels >= 0
+        first, _ = losses(d, hidden, labels, aid, 1e-3, d.config.selector_top_k)
+        flat, _ = losses(d, hidden, labels, aid, 1e9, d.config.selector_top_k)
+    torch.testing.assert_close(first, ce[:, 0][valid[:, 0]].mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat, ce[valid].mean(), rtol=1e-5, atol=1e-6)

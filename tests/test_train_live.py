@@ -181,8 +181,9 @@ def test_a_time_budget_stops_saved_and_the_same_command_continues(live, tmp_path
     assert "stopped at step 1/50: the 0.0001-minute budget is spent" in out
     assert state.progress_step(a) == 1 and (a / "draft_vocab.json").is_file()
     assert json.loads((a / "training.json").read_text())["history"][-1]["step"] == 1
-    assert _train(live, a, "--steps", "50", "--minutes", "0.0001") == 0
+    assert _train(live, a, "--steps", "50", "--minutes", "0.0001", "--loss-decay", "1.5") == 0
     assert "stopped at step 2/50" in capsys.readouterr().out
+    assert json.loads((a / "training.json").read_text())["config"]["gamma"] == 1.5  # the flag reaches the loss
 
 
 @pytest.mark.parametrize("extra, message", [
