@@ -292,7 +292,7 @@ def _warm_start(d: Drafter, folder: Path, log_mult: torch.nn.Parameter) -> None:
 
 
 # a layer whose residual branches end in these writes nothing: zeroed, the layer is the identity
-_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias")
 
 
 def _grow_layers(weights: dict, have: int, want: int) -> dict:
