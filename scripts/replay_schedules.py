@@ -11,7 +11,9 @@ skipped rounds adds). `costs` re-measures that table into traces (a table taken 
 every round wrong; the drafts do not depend on timing). `replay` loads `AutoSchedule` from each FILE (another
 version of dflash2/runtime/schedule.py, e.g. `git show HEAD~1:dflash2/runtime/schedule.py > /tmp/before.py`),
 keeps one instance per trace (a session) and prints each one's speed over plain decoding and the share of
-rounds that ran the drafter, beside the oracle bound (drafts exactly where the drafts that will match pay).
+rounds that ran the drafter, beside the oracle bound (drafts exactly where the drafts that will match pay);
+`--exact-costs` adds each schedule with the trace's own cost table once its calibration rounds are done (what a
+perfect cost model would reach).
 `thresholds` prices, per trace, every schedule that drafts each round and verifies the leading drafts whose
 confidences exceed t1 (the first) and t2 (the rest), on a grid, and prints the best: what a confidence rule could
 reach if its thresholds were chosen knowing the answers (an upper bound for schedules that read confidences only).
@@ -76,15 +78,33 @@ def _pooled(runs: list[dict]) -> dict:
     return {**out, "speed": plain / spent}
 
 
+def _exact_costs(cls, table: dict):
+    """`cls` whose cost model becomes the trace's own table once its calibration rounds are done: what the schedule
+    would reach with a perfect cost model (`replay --exact-costs`)."""
+
+    class Exact(cls):
+        def observe(self, r) -> None:
+            calibrating = self.calibration.active
+            super().observe(r)
+            if calibrating and not self.calibration.active:
+                self.costs = type(self.costs)([v / 1e3 for v in table["verify"]], table["decode"] / 1e3,
+                                              table["draft_base"] / 1e3)
+    return Exact
+
+
 def replay(a) -> int:
     from dflash2.runtime.replay import load_schedules, replay as replay_trace
 
-    classes = load_schedules(a.schedule)
-    classes["oracle"] = lambda block_size: None  # knows every position's match: what no schedule can beat
+    loaded = load_schedules(a.schedule)
+    names = [*loaded, *(f"{n}/exact" for n in loaded if a.exact_costs), "oracle"]
     rows = {}
-    print(f"{'trace':>34} " + " ".join(f"{n:>15}" for n in classes) + "   (speed over plain decoding, drafted share)")
+    print(f"{'trace':>34} " + " ".join(f"{n:>15}" for n in names) + "   (speed over plain decoding, drafted share)")
     for path in a.traces:
         t = read_trace(path)
+        classes = dict(loaded)
+        if a.exact_costs:
+            classes |= {f"{n}/exact": _exact_costs(cls, t["costs_ms"]) for n, cls in loaded.items()}
+        classes["oracle"] = lambda block_size: None  # knows every position's match: what no schedule can beat
         if a.fresh:  # one answer per session (the README's main command): a new schedule for each answer
             rows[path] = {n: _pooled([replay_trace(cls(t["block_size"]), {**t, "answers": [ans]})
                                       for ans in t["answers"]]) for n, cls in classes.items()}
@@ -136,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--schedule", action="append", required=True, metavar="NAME=FILE")
     q.add_argument("--json", default=None)
     q.add_argument("--fresh", action="store_true", help="a new schedule (session) per answer, as the main command")
+    q.add_argument("--exact-costs", action="store_true",
+                   help="also each schedule with the trace's own cost table once calibrated (a perfect cost model)")
     h = sub.add_parser("thresholds")
     h.add_argument("traces", nargs="+")
     h.add_argument("--json", default=None)

@@ -72,3 +72,29 @@ def test_threshold_rule_verifies_the_leading_confident_drafts():
     for name, row in best.items():
         r = replay(Thresholds(row["t1"], row["t2"]), _recorded(Path(name).name[:-len(".json.gz")]))
         assert r["speed"] == pytest.approx(row["speed"], abs=1e-9) and r["drafted"] == row["rounds"]
+
+
+def test_exact_costs_swaps_in_the_traces_table_after_calibration(tmp_path, capsys):
+    """`replay --exact-costs`: the same schedule, its cost model replaced by the trace's own table once its calibration
+    rounds are done (what a perfect cost model reaches). On the hand-built trace the calibrated line and the table
+    differ (verify[2] priced by a line through 1 and 5 rows), and the exact variant holds the table itself."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("replay_schedules", TRACES.parents[2] / "scripts" / "replay_schedules.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    t = _trace(40)
+    t["costs_ms"]["verify"][2] = 10.5  # a 2-row verify cheaper than the line through 1 and 5 rows says
+    exact = script._exact_costs(AutoSchedule, t["costs_ms"])(8)
+    plain = AutoSchedule(8)
+    replay(exact, t), replay(plain, t)
+    assert exact.costs.verify == pytest.approx([v / 1e3 for v in t["costs_ms"]["verify"]])
+    assert exact.costs.decode == pytest.approx(0.010) and exact.costs.draft == pytest.approx(0.002)
+    assert plain.costs.verify[2] != pytest.approx(0.0105)  # calibration alone does not know the 2-row cost
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(t))
+    out = tmp_path / "r.json"
+    assert script.main(["replay", str(path), "--schedule", f"now={Path(__file__).resolve().parents[1]}/dflash2/runtime/"
+                        "schedule.py", "--exact-costs", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())[str(path)]) == ["now", "now/exact", "oracle"]
+    assert "now/exact" in capsys.readouterr().out

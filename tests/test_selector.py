@@ -230,3 +230,22 @@ def test_topk_ties_keep_lower_token_id():
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
     v, i = sel.topk_lowest_index(x, 3)
     assert i.tolist() == [[1, 2, 4]]
+
+
+@pytest.mark.parametrize("levels", [3, 8, 1000, None])  # few distinct values: ties everywhere; None: continuous
+@pytest.mark.parametrize("k", [1, 5, 8, 63, 64])
+def test_topk_lowest_index_equals_the_stable_sort(levels, k):
+    """The topk path (picks reordered, rows whose ties cross the k-th place re-sorted) against sorting every row."""
+    g = torch.Generator().manual_seed(k * 7 + (levels or 0))
+    shape = (3, 5, 64)
+    x = torch.rand(shape, generator=g) if levels is None else torch.randint(0, levels, shape, generator=g).float()
+    x[0, 0, 5] = float("-inf")
+    x[1, 1] = 0.0  # a whole row tied
+    if levels is None:
+        x[2, 2, 3] = float("nan")
+    want_v, want_i = torch.sort(x, dim=-1, descending=True, stable=True)
+    v, i = sel.topk_lowest_index(x, k)
+    assert i.tolist() == want_i[..., :k].tolist()
+    torch.testing.assert_close(v, want_v[..., :k], equal_nan=True)
+    assert sel.topk_lowest_index(x, 64)[1].tolist() == want_i.tolist()  # k = the whole axis: the sort itself
+    assert sel.topk_lowest_index(x[:0], k)[0].shape == (0, 5, min(k, 64))

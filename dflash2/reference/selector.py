@@ -194,8 +194,25 @@ def topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     """Top-k along the last axis, descending, equal values ordered by lower index (ONNX TopK rule).
 
     Eager torch.topk leaves tie order unspecified, so eager uses a stable sort; under export the
-    ONNX TopK node already guarantees the rule (and a stable sort has no ONNX translation)."""
+    ONNX TopK node already guarantees the rule (and a stable sort has no ONNX translation).
+
+    Eager, without sorting every row: torch.topk of k + 1, the first k reordered by (value descending, index
+    ascending). A row whose (k+1)-th value equals its k-th (a tie across the k-th place: which of the tied
+    values made the k is unspecified) or that picks a NaN takes the stable sort. The same answer as sorting
+    every row (tests/test_selector.py); over a 49k vocabulary the sort was ~30 s of the trainer's ~55 s
+    held-out evaluation."""
     if torch.compiler.is_exporting():
         return torch.topk(x, k, dim=-1, largest=True, sorted=True)
-    values, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], order[..., :k]
+    if k >= x.shape[-1] or x.numel() == 0:
+        values, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[..., :k], order[..., :k]
+    top, order = torch.topk(x, k + 1, dim=-1, largest=True, sorted=True)  # [..., k+1]: ties picked arbitrarily
+    # the (k+1)-th value equal to the k-th: tied values cross the k-th place, which of them made the k is open
+    crossing = (top[..., k] == top[..., k - 1]) | top[..., :k].isnan().any(-1)  # [...]
+    order, perm = order[..., :k].sort(dim=-1)  # index ascending, then a stable sort by value: the rule inside the k
+    values, perm2 = top[..., :k].gather(-1, perm).sort(dim=-1, descending=True, stable=True)
+    order = order.gather(-1, perm2)
+    if bool(crossing.any()):  # which of the tied values made the k is unspecified there: sort those rows
+        v, o = torch.sort(x[crossing], dim=-1, descending=True, stable=True)
+        values[crossing], order[crossing] = v[..., :k], o[..., :k]
+    return values, order
