@@ -193,10 +193,8 @@ def select_candidates(
 def topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last axis, descending, equal values ordered by lower index (ONNX TopK rule).
 
-    Eager torch.topk leaves tie order unspecified, so eager uses a stable sort; under export the
-    ONNX TopK node already guarantees the rule (and a stable sort has no ONNX translation).
-
-    Eager, without sorting every row: torch.topk of k + 1, the first k reordered by (value descending, index
+    Under export the ONNX TopK node guarantees the rule (a stable sort has no ONNX translation). Eager torch.topk
+    leaves tie order unspecified, so eager takes torch.topk of k + 1, the first k reordered by (value descending, index
     ascending). A row whose (k+1)-th value equals its k-th (a tie across the k-th place: which of the tied
     values made the k is unspecified) or that picks a NaN takes the stable sort. The same answer as sorting
     every row (tests/test_selector.py); over a 49k vocabulary the sort was ~30 s of the trainer's ~55 s
