@@ -89,10 +89,32 @@ def from_sequences(sequences: Iterable[Iterable[int]], size: int, vocab_size: in
     return sorted(set(ranked) | {int(t) for t in always})
 
 
-def write(drafter_dir: str | Path, ids: list[int], vocab_size: int, source: str) -> Path:
+def read_with_size(drafter_dir: str | Path, vocab_size: int, top_k: int) -> tuple[list[int], int | None]:
+    """The ids of an existing draft_vocab.json and the size it was asked for (None where it records none)."""
+    ids = read(drafter_dir, vocab_size, top_k)
+    if ids is None:
+        raise CheckpointError(path_in(drafter_dir), "file", "a draft vocabulary", "nothing there")
+    asked = json.loads(path_in(drafter_dir).read_text()).get("requested_size")
+    return ids, asked if type(asked) is int else None
+
+
+def coverage(sequences: Iterable[Iterable[int]], ids: list[int]) -> float:
+    """Share of the tokens of `sequences` that are among `ids`."""
+    keep, hit, total = set(ids), 0, 0
+    for seq in sequences:
+        for t in seq:
+            hit, total = hit + (int(t) in keep), total + 1
+    return hit / max(total, 1)
+
+
+def write(drafter_dir: str | Path, ids: list[int], vocab_size: int, source: str,
+          requested_size: int | None = None) -> Path:
+    """`requested_size`: the N of "the N most frequent ids" (the file may hold fewer, plus EOS ids)."""
     check_ids(ids, vocab_size, 1, "draft vocabulary")
     path = path_in(drafter_dir)
     doc = {"format": FORMAT, "version": VERSION, "vocab_size": vocab_size, "size": len(ids), "source": source,
            "ids": ids}
+    if requested_size is not None:
+        doc["requested_size"] = requested_size
     write_atomic(path, json.dumps(doc, separators=(",", ":")))
     return path

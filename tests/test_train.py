@@ -145,6 +145,13 @@ def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus, capsys):
     assert load_drafter_config(tmp_path / "d").block_size == 5
     ids = draft_vocab.read(tmp_path / "d", load_target_config(target_dir).vocab_size, 4)
     assert 4 <= len(ids) <= 20 + len(load_target_config(target_dir).eos_token_ids)
+    code = train_cli.main(["--target", str(target_dir), "--out", str(tmp_path / "v"), "--corpus", str(tmp_path / "c"),
+                           "--taps", "1,2", "--steps", "2", "--block-size", "5", "--top-k", "4", "--rank", "8",
+                           "--seqs-per-step", "2", "--anchors", "3", "--mask-token-id", "3", "--threads", "1",
+                           "--draft-vocab", "20", "--loss-vocab", "draft"])  # the loss over the draft vocabulary
+    assert code == 0 and "loss over the draft vocabulary: wrote" in capsys.readouterr().out
+    assert json.loads((tmp_path / "v" / "draft_vocab.json").read_text())["requested_size"] == 20
+    assert json.loads((tmp_path / "v" / "training.json").read_text())["config"]["loss_vocab"] == "draft"
     # a corpus tapped at other layers is refused, naming both
     code = train_cli.main(["--target", str(target_dir), "--out", str(tmp_path / "d2"), "--corpus",
                            str(tmp_path / "c"), "--taps", "0,2", "--steps", "1"])
@@ -252,3 +259,54 @@ def test_loss_decay_weighs_draft_positions(trained, corpus):
         flat, _ = losses(d, hidden, labels, aid, 1e9, d.config.selector_top_k)
     torch.testing.assert_close(first, ce[:, 0][valid[:, 0]].mean(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(flat, ce[valid].mean(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_over_a_vocabulary_drops_labels_outside_it_and_keeps_their_ids_as_predecessors(trained, corpus):
+    """--loss-vocab draft: the softmax runs over the draft vocabulary only; a label outside it is not trained on
+    (the exported head can never draft it), yet it stays the next row's predecessor in the selector's pair score.
+    Both losses against plain loops over a vocabulary that leaves out labels right before rows the selector trains on."""
+    import math
+
+    import torch.nn.functional as F
+    from dflash2.train.trainer import block_forward, losses
+
+    target_dir, records = corpus
+    _, d = load_pair(trained[0], target_dir)
+    rec, K, m = records[20], d.config.selector_top_k, 1.7
+    sel = d.candidate_selector
+    g = torch.Generator().manual_seed(0)  # pair scores as large as the unary ones: a wrong predecessor shows
+    for cb in (sel.predecessor_codebook, sel.successor_codebook):
+        cb.data = 3 * torch.randn(cb.shape, generator=g)
+    with torch.no_grad():
+        hidden, labels, aid = block_forward(d, rec, list(range(rec["prompt_len"] - 1, len(rec["ids"]) - 3)))
+        every = torch.tensor(sorted(set(labels[labels >= 0].tolist())))
+        top = torch.searchsorted(every, labels.clamp(min=0))[..., None] == (hidden @ d.head_weight[every].T).topk(
+            K, dim=-1).indices  # [nb, S, K]: label among the top-K over every label
+        hit = top.any(-1) & (labels >= 0)
+        hits = set(labels[hit].tolist())  # dropped: labels right before a hit row, never a hit row's own
+        common = {int(labels[n, s - 1]) for n, s in hit[:, 1:].nonzero().add(torch.tensor([0, 1])).tolist()} - hits
+        ids = sorted((set(labels[labels >= 0].tolist()) - common) | {3, 7, 11, 60})
+        vocab = torch.tensor(ids)
+        dl, sl = losses(d, hidden, labels, aid, 2.0, K, vocab, m)
+    head = d.head_weight[vocab]  # [U, H]
+    num = den = sel_num = sel_den = after_dropped = 0.0
+    for n in range(labels.shape[0]):
+        for s in range(labels.shape[1]):
+            y = int(labels[n, s])
+            if y < 0 or y not in ids:
+                continue
+            logits = hidden[n, s] @ head.T  # [U]
+            w = math.exp(-s / 2.0)
+            num, den = num + w * float(F.cross_entropy(logits[None], torch.tensor([ids.index(y)]))), den + w
+            top = torch.topk(logits, K).indices.tolist()  # columns of the vocabulary
+            if ids.index(y) not in top:
+                continue
+            prev = int(aid[n]) if s == 0 else int(labels[n, s - 1])  # the true token, inside the vocabulary or not
+            gate = hidden[n, s] @ sel.hidden_projection.weight.T  # [R]
+            score = torch.stack([logits[c] * m + (sel.predecessor_codebook[prev] * gate
+                                                  * sel.successor_codebook[ids[c]]).sum() for c in top])
+            sel_num += float(F.cross_entropy(score.detach()[None], torch.tensor([top.index(ids.index(y))])))
+            sel_den, after_dropped = sel_den + 1, after_dropped + (prev in common)
+    assert den > 0 and after_dropped > 0  # some selector rows follow a dropped label
+    assert float(dl) == pytest.approx(num / den, rel=1e-4)
+    assert float(sl) == pytest.approx(sel_num / sel_den, rel=1e-4)

@@ -191,6 +191,7 @@ def test_a_time_budget_stops_saved_and_the_same_command_continues(live, tmp_path
     (["--train-records", "4"], "--live-taps: expected without --train-records"),
     (["--minutes", "0"], "--minutes: expected a finite number of minutes > 0, found 0.0"),
     (["--minutes", "inf"], "--minutes: expected a finite number of minutes > 0, found inf"),
+    (["--loss-vocab", "draft", "--draft-vocab", "0"], "--draft-vocab: expected >= 1, found 0"),
 ])
 def test_live_flags_are_checked_before_anything_is_written(live, tmp_path, capsys, extra, message):
     assert _train(live, tmp_path / "d", "--steps", "2", *extra) == 2
@@ -242,3 +243,31 @@ def test_a_full_disk_mid_training_keeps_the_last_save_whole(live, tmp_path, caps
     assert _train(live, out, "--steps", "6") == 0  # from the full state of step 6 (written whole before the failure)
     assert "resumed at step 6" in capsys.readouterr().out
     assert state.progress_step(out) == 6
+
+
+def test_a_loss_over_the_draft_vocabulary_fixes_it_when_the_run_starts(live, tmp_path, capsys):
+    """--loss-vocab draft: draft_vocab.json is written before the first step (with the size asked for) and a resumed
+    run trains over that file, not over a recount; another --draft-vocab on resume is refused, and the flag needs
+    --draft-vocab at all."""
+    out = tmp_path / "d"
+    assert _train(live, out, "--steps", "2", "--loss-vocab", "draft") == 0
+    said = capsys.readouterr().out
+    assert "loss over the draft vocabulary: wrote" in said and "of the training answers' tokens" in said
+    doc = json.loads((out / "draft_vocab.json").read_text())
+    assert doc["requested_size"] == 30 and doc["size"] == len(doc["ids"]) <= 30 + 1  # + EOS
+    hist = json.loads((out / "training.json").read_text())
+    assert hist["config"]["loss_vocab"] == "draft" and hist["history"][-1]["step"] == 2
+    (out / "draft_vocab.json").write_text(json.dumps(doc | {"ids": doc["ids"][:-1], "size": doc["size"] - 1}))
+    assert _train(live, out, "--steps", "4", "--loss-vocab", "draft") == 0  # resumes over the file as it stands
+    assert f"fixed when this run started: {doc['size'] - 1} ids" in capsys.readouterr().out
+    assert json.loads((out / "draft_vocab.json").read_text())["ids"] == doc["ids"][:-1]
+    assert _train(live, out, "--steps", "6", "--loss-vocab", "draft", "--draft-vocab", "31") == 2
+    assert "draft_vocab.json: requested_size expected 31 (--draft-vocab of this run), found 30" in capsys.readouterr().err
+    assert _train(live, tmp_path / "e", "--steps", "2", "--loss-vocab", "draft", "--draft-vocab", "2") == 2
+    assert "--draft-vocab 2 over dflash2-train id corpus" in capsys.readouterr().err  # fewer ids than --top-k 4
+    assert not (tmp_path / "e" / "draft_vocab.json").exists()
+    target, folder = live
+    assert train_cli.main(["--target", str(target), "--out", str(tmp_path / "f"), "--corpus", str(folder),
+                           "--live-taps", "fp32", "--steps", "2", "--loss-vocab", "draft"]) == 2
+    assert "--loss-vocab draft: expected --draft-vocab N" in capsys.readouterr().err
+    assert not (tmp_path / "f").exists()

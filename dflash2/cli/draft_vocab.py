@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = draft_vocab.from_sequences(answers, a.size, tc.vocab_size, tc.eos_token_ids)
         draft_vocab.check_ids(ids, dc.vocab_size, draft_vocab.min_size(dc), str(a.drafter))
         path = draft_vocab.write(a.drafter, ids, tc.vocab_size, f"dflash2-draft-vocab --size {a.size} over "
-                                 f"{len(answers)} answers of {[c.name for c in a.corpus]}")
+                                 f"{len(answers)} answers of {[c.name for c in a.corpus]}", a.size)
     except Dflash2Error as e:
         print(f"dflash2-draft-vocab: error: {e}", file=sys.stderr)
         return 2
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash2-draft-vocab: error: {a.drafter}: could not write draft_vocab.json ({e.strerror}); "
               f"nothing was changed", file=sys.stderr)
         return 1
-    kept = set(ids)
-    covered = sum(t in kept for ans in answers for t in ans) / max(1, sum(map(len, answers)))
+    covered = draft_vocab.coverage(answers, ids)
     print(f"wrote {path}: {len(ids)} ids covering {covered:.1%} of {sum(map(len, answers))} answer tokens")
     return 0
 

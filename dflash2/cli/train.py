@@ -127,6 +127,8 @@ def check_args(a: argparse.Namespace) -> None:
                                f"{len(a.corpus or [])}")
         _generation_flags_unused(a, "--live-taps trains on an id corpus as it stands (dflash2-corpus grow makes "
                                     "its answers)")
+    if a.loss_vocab == "draft" and not a.draft_vocab:
+        raise Dflash2Error("--loss-vocab draft: expected --draft-vocab N (the vocabulary it trains over), found none")
     if a.max_shard_mb is not None and not (math.isfinite(a.max_shard_mb) and a.max_shard_mb > 0):
         raise Dflash2Error(f"--max-shard-mb: expected a size in MB > 0, found {a.max_shard_mb}")
     if a.device != "cpu" and not (a.device == "cuda" or a.device.startswith("cuda:") and a.device[5:].isdigit()):
@@ -230,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, metavar="N",
                    help="also write draft_vocab.json: the N token ids the target emits most in the training "
                         "answers (the exported drafter's LM head then covers only those)")
+    p.add_argument("--loss-vocab", choices=("shortlist", "draft"), default="shortlist",
+                   help="the draft loss's softmax: shortlist = every token of the corpus + 2,048 random negatives "
+                        "(default); draft = the --draft-vocab ids the exported head will cover, fixed when the run "
+                        "starts (its LM head is ~5x cheaper; labels outside it are dropped, as the exported drafter "
+                        "cannot draft them)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (under torchrun: each rank takes its LOCAL_RANK GPU)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="training compute: bf16 autocast (fp32 master weights, fp32 selector math) or fp32")
@@ -282,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                           mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed,
                           init_from=a.init_from or TrainConfig.init_from,
                           learn_multiplier=not a.fixed_multiplier, kd_weight=a.kd_weight, gamma=a.loss_decay,
-                          eval_every=a.eval_every, save_every=a.save_every)
+                          eval_every=a.eval_every, save_every=a.save_every, loss_vocab=a.loss_vocab)
         if a.live_taps:
             return _train_live(a, corpora[0], cfg, tc, taps)
 
@@ -339,21 +346,52 @@ def main(argv: list[str] | None = None) -> int:
             raise Dflash2Error(f"{corpora[-1]}: {len(records)} record(s), all held out for evaluation (--holdout "
                                f"{a.holdout}); expected at least 2 (generate a larger corpus into another --corpus folder)")
         print(f"training on {len(train_records)} records, {n_eval} held out", flush=True)
+        answers = lambda: [rec["ids"][rec["prompt_len"]:].tolist() for rec in train_records]  # noqa: E731
+        source = f"dflash2-train corpus {[str(c) for c in corpora]}"
+        fixed = _fixed_draft_vocab(a, tc, answers, source)
         r = train(a.target, a.out, train_records, cfg, eval_records=records[-n_eval:], device=a.device,
                   dtype=a.dtype, grad_accum=a.grad_accum, init_weights=a.init_weights, max_shard_mb=a.max_shard_mb,
-                  minutes=a.minutes)
+                  minutes=a.minutes, draft_ids=fixed)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0  # under torchrun rank 0 alone writes and reports
-        if a.draft_vocab:
-            answers = [rec["ids"][rec["prompt_len"]:].tolist() for rec in train_records]
-            ids = draft_vocab.from_sequences(answers, a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
-            print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, f'dflash2-train corpus {[str(c) for c in corpora]}')} "
-                  f"({len(ids)} ids)")
+        if a.draft_vocab and fixed is None:
+            ids = draft_vocab.from_sequences(answers(), a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
+            print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, source, a.draft_vocab)} ({len(ids)} ids)")
     except Dflash2Error as e:
         print(f"dflash2-train: error: {e}", file=sys.stderr)
         return 2
     _summary(a, r)
     return 0
+
+
+def _fixed_draft_vocab(a, tc, answers, source: str) -> list[int] | None:
+    """--loss-vocab draft: the draft vocabulary the loss runs over, fixed when the run starts (written into OUT
+    before the first step, read back when a run resumes: a corpus that grew since would otherwise move it under
+    the weights trained on it). None for the shortlist loss (draft_vocab.json is then written at the end)."""
+    from dflash2 import draft_vocab
+    from dflash2.train import state
+
+    if a.loss_vocab != "draft":
+        return None
+    resuming = (a.out / state.PROGRESS).is_file() or state.path(a.out).is_file()
+    if resuming and draft_vocab.path_in(a.out).is_file():
+        ids, asked = draft_vocab.read_with_size(a.out, tc.vocab_size, a.top_k)
+        if asked != a.draft_vocab:
+            raise Dflash2Error(f"{draft_vocab.path_in(a.out)}: requested_size expected {a.draft_vocab} (--draft-vocab "
+                               f"of this run), found {asked}: the run being resumed trained over that vocabulary")
+        print(f"loss over the draft vocabulary fixed when this run started: {len(ids)} ids "
+              f"({draft_vocab.path_in(a.out)})", flush=True)
+        return ids
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 writes the file; the others count the same ids
+        return draft_vocab.from_sequences(answers(), a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
+    seqs = answers()
+    ids = draft_vocab.from_sequences(seqs, a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
+    draft_vocab.check_ids(ids, tc.vocab_size, a.top_k, f"--draft-vocab {a.draft_vocab} over {source}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = draft_vocab.write(a.out, ids, tc.vocab_size, source, a.draft_vocab)
+    print(f"loss over the draft vocabulary: wrote {path} ({len(ids)} ids, {draft_vocab.coverage(seqs, ids):.2%} of "
+          "the training answers' tokens; the others are not trained on)", flush=True)
+    return ids
 
 
 def _summary(a, r: dict) -> None:
@@ -379,14 +417,15 @@ def _train_live(a, corpus: Path, cfg, tc, taps) -> int:
     if not stream.eval_rows:
         print(f"note: {corpus} holds no held-out conversation yet (index = {stream.holdout_mod - 1} mod "
               f"{stream.holdout_mod}): training.json gets no held-out curve", file=sys.stderr)
+    source = f"dflash2-train id corpus {corpus}"
+    fixed = _fixed_draft_vocab(a, tc, stream.answers, source)
     r = train(a.target, a.out, stream, cfg, device=a.device, dtype=a.dtype, grad_accum=a.grad_accum,
-              init_weights=a.init_weights, max_shard_mb=a.max_shard_mb, minutes=a.minutes)
+              init_weights=a.init_weights, max_shard_mb=a.max_shard_mb, minutes=a.minutes, draft_ids=fixed)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    if a.draft_vocab:
+    if a.draft_vocab and fixed is None:
         ids = draft_vocab.from_sequences(stream.answers(), a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
-        print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, f'dflash2-train id corpus {corpus}')} "
-              f"({len(ids)} ids)")
+        print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, source, a.draft_vocab)} ({len(ids)} ids)")
     _summary(a, r)
     return 0
 

@@ -56,7 +56,9 @@ class TrainConfig:
     eval_seqs: int = 48
     init_from: str = "last"  # target layers copied into the drafter: "last" | "first" (measured worse)
     learn_multiplier: bool = True  # learn output_multiplier (unary vs pair balance) from the selector loss
-    shortlist: bool = True  # softmax over corpus tokens + random negatives instead of the whole vocab
+    # the draft loss's softmax: "shortlist" = the corpus's tokens + random negatives (every label inside); "draft" =
+    # the draft vocabulary the exported head will cover (labels outside it are dropped: it can never draft them)
+    loss_vocab: str = "shortlist"
     negatives: int = 2048
     kd_weight: float = 0.0  # + kd_weight * KL(target || drafter) on draft rows (soft labels, see Teacher)
 
@@ -144,17 +146,19 @@ def block_forward(d: Drafter, rec: dict, anchors: list[int]):
 
 def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: torch.Tensor | None = None,
            multiplier: torch.Tensor | float | None = None, teacher: torch.Tensor | None = None, kd_weight: float = 0.0):
-    """vocab: ids the softmax runs over ([U], sorted, must hold every label), or None for all.
+    """vocab: ids the softmax runs over ([U], sorted), or None for all; labels outside it are ignored.
     multiplier: the selector's unary scale (a learnable scalar while training), default the config's.
     teacher: the target's logits for the same rows and vocabulary [nb, S, U] (with kd_weight > 0)."""
     S = hidden.shape[1]
+    prev = torch.cat([anchor_ids[:, None], labels[:, :-1].clamp(min=0)], 1)  # [nb, S] token ids before each row
     if vocab is None:
         logits = d.logits(hidden)  # [nb, S, V]
         to_vocab = None
     else:
         logits = hidden @ d.head_weight[vocab].T  # [nb, S, U]
         to_vocab = vocab
-        labels = torch.where(labels >= 0, torch.searchsorted(vocab, labels.clamp(min=0)), labels)
+        col = torch.searchsorted(vocab, labels.clamp(min=0)).clamp(max=len(vocab) - 1)  # [nb, S]
+        labels = torch.where((labels >= 0) & (vocab[col] == labels), col, -100)  # token ids -> columns of vocab
     w = torch.exp(-torch.arange(S, dtype=torch.float32, device=hidden.device) / gamma)  # position k+1 -> exp(-k/gamma)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none").view_as(labels)
     valid = labels >= 0
@@ -168,14 +172,13 @@ def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: 
     with torch.no_grad():
         unary, cand = logits.detach().float().topk(K, dim=-1)  # [nb, S, K] (shortlist positions)
     with torch.autocast(hidden.device.type, enabled=False):  # the selector's math stays fp32 under bf16
-        sel_loss = _selector_loss(sel, hidden.detach().float(), unary, cand, labels, valid, anchor_ids, to_vocab,
+        sel_loss = _selector_loss(sel, hidden.detach().float(), unary, cand, labels, valid, prev, to_vocab,
                                   d.config.output_multiplier if multiplier is None else multiplier)
     return draft_loss, sel_loss
 
 
-def _selector_loss(sel, hidden, unary, cand, labels, valid, anchor_ids, to_vocab, m):
-    prev_labels = labels[:, :-1].clamp(min=0)  # [nb, S-1]: shortlist positions when `vocab` is given
-    prev = torch.cat([anchor_ids[:, None], prev_labels if to_vocab is None else to_vocab[prev_labels]], 1)  # [nb, S]
+def _selector_loss(sel, hidden, unary, cand, labels, valid, prev, to_vocab, m):
+    """prev [nb, S]: the true previous token ids (a label outside `to_vocab` is still a predecessor)."""
     gate = hidden @ sel.hidden_projection.weight.T  # [nb, S, R]
     cand_vocab = cand if to_vocab is None else to_vocab[cand]
     pair = torch.einsum("nsr,nskr->nsk", sel.predecessor_codebook[prev] * gate, sel.successor_codebook[cand_vocab])
@@ -336,15 +339,22 @@ class _StepLoss(torch.nn.Module):
 def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
           eval_records: list | None = None, log_fn=print, device: str = "cpu", dtype: str = "fp32",
           grad_accum: int = 1, init_weights: str | Path | None = None, max_shard_mb: float | None = None,
-          minutes: float | None = None) -> dict:
+          minutes: float | None = None, draft_ids: list[int] | None = None) -> dict:
     """Train (or resume) a drafter into `out_dir`. Under torchrun every rank calls this with the same
     arguments; rank 0 alone writes. `records`: a sequence of corpus records (lazy taps are fine) or an
     `IdStream` (train/live.py). `minutes`: stop (saved, resumable) after the step that passes this budget.
+
+    `draft_ids`: the draft vocabulary (ascending ids) when c.loss_vocab == "draft"; the held-out evaluation then
+    drafts over it too, as the exported drafter will.
 
     Resumes from OUT/train_state/ (exactly) or, on a machine without it, from the compact state in OUT
     (progress.json + the fp16 drafter: AdamW's moments rebuilt during a fresh warm-up), whichever is further."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if c.loss_vocab not in ("shortlist", "draft"):
+        raise Dflash2Error(f"loss_vocab: expected 'shortlist' or 'draft', found {c.loss_vocab!r}")
+    if c.loss_vocab == "draft" and not draft_ids:
+        raise Dflash2Error("loss_vocab 'draft': expected the draft vocabulary's ids (--draft-vocab N), found none")
     world = distributed.join(device)
     dev = world.device
     log = log_fn if world.main else (lambda m: None)
@@ -369,6 +379,8 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
     if init_weights:
         _warm_start(d, Path(init_weights), log_mult)
         log(f"initialised from {init_weights}")
+    if c.loss_vocab == "draft":
+        d.set_draft_vocab(draft_ids)  # what evaluation drafts over (the loss indexes the head itself)
     d.to(dev)
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -403,6 +415,7 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
     ddp = DDP(module, broadcast_buffers=False) if world.size > 1 else module
     t0, step0, tok_total, blocks_run = time.perf_counter(), step, 0, 0
     corpus_vocab = pool.vocab()
+    fixed_vocab = torch.tensor(draft_ids, dtype=torch.long, device=dev) if c.loss_vocab == "draft" else None
     V = d.config.vocab_size
     autocast = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dtype == "bf16")
     budget_hit = False
@@ -425,8 +438,8 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
             g["lr"] = lr
         d.train()
         opt.zero_grad(set_to_none=True)
-        vocab = None
-        if c.shortlist:
+        vocab = fixed_vocab
+        if c.loss_vocab == "shortlist":
             negatives = torch.randint(0, V, (c.negatives,))  # torch's generator: identical on every rank
             vocab = torch.unique(torch.cat([corpus_vocab, negatives, torch.tensor([c.mask_token_id])])).to(dev)
         batch = pool.draw(c, rng)
