@@ -36,7 +36,7 @@ def main() -> None:
     from dflash2.reference.load import load_pair
     from dflash2.train.idcorpus import IdCorpus
     from dflash2.train.live import IdStream, TapsModel
-    from dflash2.train.trainer import offline_acceptance
+    from dflash2.train.objective import offline_acceptance
 
     torch.set_num_threads(a.threads)
     stream = IdStream(IdCorpus(a.corpus), TapsModel(a.target, [int(t) for t in a.taps.split(",")], "bf16"))

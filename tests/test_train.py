@@ -13,7 +13,8 @@ from dflash2.reference.load import load_pair
 from dflash2.speculative import generate
 from dflash2.train.data import generate_corpus, load_corpus, make_prompts
 from dflash2.train import state
-from dflash2.train.trainer import STATE, Teacher, TrainConfig, accepted_lengths, offline_acceptance, train
+from dflash2.train.objective import Teacher, accepted_lengths, offline_acceptance
+from dflash2.train.trainer import STATE, TrainConfig, train
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +205,7 @@ def test_init_weights_grows_a_smaller_drafter_without_changing_what_it_drafts(tm
     branches' output projections zeroed, so before any update the grown drafter drafts exactly what the
     smaller one did (lr 0 keeps the weights as initialised)."""
     from dflash2.checkpoint import load_tensors
-    from dflash2.train.trainer import block_forward
+    from dflash2.train.objective import block_forward
 
     target_dir, records = corpus
     c = TrainConfig(layers=2, block_size=6, top_k=4, rank=8, steps=1, lr=0.0, seqs_per_step=1, anchors_per_seq=2,
@@ -245,7 +246,7 @@ def test_loss_decay_weighs_draft_positions(trained, corpus):
     """--loss-decay GAMMA: position k's cross-entropy weighs exp(-(k-1)/GAMMA); a tiny GAMMA leaves the first
     draft's cross-entropy alone, a huge one the plain mean over positions (hand-computed here)."""
     import torch.nn.functional as F
-    from dflash2.train.trainer import block_forward, losses
+    from dflash2.train.objective import block_forward, losses
 
     target_dir, records = corpus
     _, d = load_pair(trained[0], target_dir)
@@ -268,7 +269,7 @@ def test_a_loss_over_a_vocabulary_drops_labels_outside_it_and_keeps_their_ids_as
     import math
 
     import torch.nn.functional as F
-    from dflash2.train.trainer import block_forward, losses
+    from dflash2.train.objective import block_forward, losses
 
     target_dir, records = corpus
     _, d = load_pair(trained[0], target_dir)

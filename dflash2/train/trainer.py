@@ -5,7 +5,8 @@ sequence is a target-generated answer with the target's taps; random anchors a (
 give blocks [tok_a, MASK x S] that see the context rows < a and predict tok_{a+1..a+S};
 loss = depth-decayed cross-entropy (weight exp(-k/gamma)) + a K-way cross-entropy for the
 selector with the TRUE previous token as predecessor, counted where the true token is in the top-K.
-Checkpoints are safetensors (weights and optimizer moments), never pickle.
+The losses and the offline acceptance are dflash2/train/objective.py; this module runs the loop, saves and
+resumes. Checkpoints are safetensors (weights and optimizer moments), never pickle.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from dflash2.config import load_drafter_config, load_target_config
@@ -28,11 +28,10 @@ from dflash2.errors import Dflash2Error
 from dflash2.folders import write_atomic
 from dflash2.train import distributed, state
 from dflash2.train.state import STATE  # noqa: F401 (the checkpoint folder's state subfolder)
-from dflash2.train.pool import RecordPool, sample_anchors
+from dflash2.train.objective import Teacher, block_forward, losses, offline_acceptance
+from dflash2.train.pool import RecordPool
 from dflash2.reference.drafter import Drafter
-from dflash2.reference.layers import rope_cos_sin
 from dflash2.reference.load import load_target
-from dflash2.speculative import Stats
 
 
 @dataclass
@@ -100,129 +99,6 @@ def init_drafter(target, cfg_dict: dict, folder: Path, init_from: str = "last") 
     torch.nn.init.normal_(sel.predecessor_codebook, std=0.02, generator=g)
     torch.nn.init.normal_(sel.successor_codebook, std=0.02, generator=g)
     return d
-
-
-class Teacher:
-    """The target's layers after the last tap, run over a record's last-tap rows: its final hidden
-    states, hence its next-token distribution (soft labels), for 2 of SmolLM2's 30 layers. Corpus
-    taps are fp16, so these logits are close to, not bit-equal with, the target's."""
-
-    def __init__(self, target, tap_ids: tuple[int, ...]):
-        last = max(tap_ids)
-        self.column = list(tap_ids).index(last)  # which H-wide slice of the taps is the last tap
-        self.layers = target.layers[last + 1:]
-        self.norm, self.head, self.inv_freq = target.norm, target.head_weight, target.inv_freq
-        self.kv_shape = (0, target.config.num_kv_heads, target.config.head_dim)
-
-    @torch.no_grad()
-    def logits(self, rec: dict, positions: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
-        """positions [nb, S] (rows whose next token is a label) -> logits [nb, S, U or V] (fp32)."""
-        H = self.norm.weight.shape[0]
-        h = rec["taps"][:, self.column * H:(self.column + 1) * H].float()  # [T, H]
-        pos = torch.arange(h.shape[0])
-        cos, sin = rope_cos_sin(pos, self.inv_freq)
-        visible = pos[None, :] <= pos[:, None]  # [T, T] causal
-        empty = h.new_zeros(self.kv_shape)
-        for layer in self.layers:
-            h, _ = layer(h, empty, empty, cos, sin, visible)
-        head = self.head if vocab is None else self.head[vocab]
-        return self.norm(h)[positions.clamp(max=h.shape[0] - 1)] @ head.T
-
-
-def block_forward(d: Drafter, rec: dict, anchors: list[int]):
-    """-> hidden [nb, S, H] (final-normed rows 1..S), labels [nb, S] (-100 beyond the sequence)."""
-    S = d.config.block_size - 1
-    ids, taps = rec["ids"], rec["taps"]
-    T = taps.shape[0]  # taps exist for positions 0..T-1
-    c = d.context(taps.float())  # [T, H]
-    ctx_kv = d.append_context(c, 0)  # [T, Ld, 2, kv, hd]
-    a = torch.tensor(anchors)
-    h = d.block_embeddings(ids[a], nb=len(anchors))  # [nb, B, H]
-    hidden = d.run_blocks(h, ctx_kv, torch.arange(T), a, a)[:, 1:]  # [nb, S, H]
-    idx = a[:, None] + torch.arange(1, S + 1)[None, :]  # [nb, S]
-    labels = torch.where(idx < len(ids), ids[idx.clamp(max=len(ids) - 1)], torch.full_like(idx, -100))
-    return hidden, labels, ids[a]
-
-
-def losses(d: Drafter, hidden, labels, anchor_ids, gamma: float, K: int, vocab: torch.Tensor | None = None,
-           multiplier: torch.Tensor | float | None = None, teacher: torch.Tensor | None = None, kd_weight: float = 0.0):
-    """vocab: ids the softmax runs over ([U], sorted), or None for all; labels outside it are ignored.
-    multiplier: the selector's unary scale (a learnable scalar while training), default the config's.
-    teacher: the target's logits for the same rows and vocabulary [nb, S, U] (with kd_weight > 0)."""
-    S = hidden.shape[1]
-    prev = torch.cat([anchor_ids[:, None], labels[:, :-1].clamp(min=0)], 1)  # [nb, S] token ids before each row
-    if vocab is None:
-        logits = d.logits(hidden)  # [nb, S, V]
-        to_vocab = None
-    else:
-        logits = hidden @ d.head_weight[vocab].T  # [nb, S, U]
-        to_vocab = vocab
-        col = torch.searchsorted(vocab, labels.clamp(min=0)).clamp(max=len(vocab) - 1)  # [nb, S]
-        labels = torch.where((labels >= 0) & (vocab[col] == labels), col, -100)  # token ids -> columns of vocab
-    w = torch.exp(-torch.arange(S, dtype=torch.float32, device=hidden.device) / gamma)  # position k+1 -> exp(-k/gamma)
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none").view_as(labels)
-    valid = labels >= 0
-    if teacher is not None and kd_weight > 0:  # soft labels: the target's whole next-token distribution
-        kl = F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(teacher, -1), log_target=True,
-                      reduction="none").sum(-1)  # [nb, S]
-        ce = ce + kd_weight * kl
-    draft_loss = (ce * w * valid).sum() / (w * valid).sum().clamp(min=1)
-    # selector: K-way CE over the drafter's own top-K, predecessor = the TRUE previous token
-    sel = d.candidate_selector
-    with torch.no_grad():
-        unary, cand = logits.detach().float().topk(K, dim=-1)  # [nb, S, K] (shortlist positions)
-    with torch.autocast(hidden.device.type, enabled=False):  # the selector's math stays fp32 under bf16
-        sel_loss = _selector_loss(sel, hidden.detach().float(), unary, cand, labels, valid, prev, to_vocab,
-                                  d.config.output_multiplier if multiplier is None else multiplier)
-    return draft_loss, sel_loss
-
-
-def _selector_loss(sel, hidden, unary, cand, labels, valid, prev, to_vocab, m):
-    """prev [nb, S]: the true previous token ids (a label outside `to_vocab` is still a predecessor)."""
-    gate = hidden @ sel.hidden_projection.weight.T  # [nb, S, R]
-    cand_vocab = cand if to_vocab is None else to_vocab[cand]
-    pair = torch.einsum("nsr,nskr->nsk", sel.predecessor_codebook[prev] * gate, sel.successor_codebook[cand_vocab])
-    hit = cand == labels[..., None]  # [nb, S, K]
-    present = hit.any(-1) & valid
-    target = hit.float().argmax(-1)
-    sel_ce = F.cross_entropy((unary * m + pair).flatten(0, 1), target.flatten(),
-                             reduction="none").view_as(labels)
-    return (sel_ce * present).sum() / present.sum().clamp(min=1)
-
-
-@torch.no_grad()
-def accepted_lengths(d: Drafter, rec: dict, anchors: list[int]) -> dict[str, list[int]]:
-    """Drafts accepted per block (leading matches with the target's greedy tokens) for the selector
-    path, the top-1 path and the top-K oracle: what the speculative loop would accept at these anchors."""
-    hidden, labels, anchor_ids = block_forward(d, rec, anchors)
-    out = d.propose_batch(hidden, anchor_ids)
-    return {"selector": _accepted(out["draft_ids"].long() == labels).tolist(),
-            "top1": _accepted(out["cand_ids"][..., 0].long() == labels).tolist(),
-            "oracle": _accepted((out["cand_ids"].long() == labels[..., None]).any(-1)).tolist()}
-
-
-@torch.no_grad()
-def offline_acceptance(d: Drafter, records: list[dict], anchors_per_seq: int = 16, seed: int = 1) -> dict:
-    """tau for the selector path, the top-1 path and the top-K oracle on held-out blocks at random
-    anchors (every position weighs the same; the loop's own anchors sit more often where drafts fail)."""
-    rng = random.Random(seed)
-    taus = {"selector": [], "top1": [], "oracle": []}
-    S = d.config.num_drafts
-    for rec in records:
-        anchors = sample_anchors(rec, anchors_per_seq, rng)
-        if anchors:
-            for name, acc in accepted_lengths(d, rec, anchors).items():
-                taus[name] += acc
-    if not taus["top1"]:
-        return {"blocks": 0}
-    stats = {k: Stats(S + 1, accepted=v) for k, v in taus.items()}
-    out = {k: s.acceptance_length for k, s in stats.items()}
-    out["position_acceptance"] = {k: s.position_acceptance() for k, s in stats.items()}
-    return out | {"blocks": len(taus["top1"])}
-
-
-def _accepted(ok: torch.Tensor) -> torch.Tensor:  # [nb, S] bool -> leading True count [nb]
-    return ok.int().cumprod(-1).sum(-1)
 
 
 def _set_multiplier(d: Drafter, folder: Path, value: float) -> None:
