@@ -13,7 +13,7 @@ from dflash2.reference.load import load_pair
 from dflash2.speculative import generate
 from dflash2.train.data import generate_corpus, load_corpus, make_prompts
 from dflash2.train import state
-from dflash2.train.objective import Teacher, accepted_lengths, offline_acceptance
+from dflash2.train.objective import Teacher, accepted_lengths, loop_accepted, offline_acceptance
 from dflash2.train.trainer import STATE, TrainConfig, train
 
 
@@ -115,6 +115,8 @@ def test_training_evaluator_matches_the_speculative_loop(trained, corpus):
         anchors = (p + torch.tensor([0, *g.stats.accepted]).add(1).cumsum(0)[:-1] - 1).tolist()
         anchors = [a for a in anchors if a <= len(ids) - 2]  # a block needs one label after its anchor
         assert accepted_lengths(d, rec, anchors)["selector"] == g.stats.accepted[: len(anchors)]
+        chain = loop_accepted(d, rec, chunk=5)  # the loop's anchors found offline, in chunks of 5 blocks
+        assert chain["selector"] == g.stats.accepted[: len(anchors)]  # the same rounds, the same acceptance
         online += g.stats.accepted
     assert sum(online) > 0  # some drafts are accepted, so the comparison is not all zeros
 

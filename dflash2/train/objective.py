@@ -126,12 +126,46 @@ def offline_acceptance(d: Drafter, records: list[dict], anchors_per_seq: int = 1
         if anchors:
             for name, acc in accepted_lengths(d, rec, anchors).items():
                 taus[name] += acc
+    return _summary(taus, S) | {"blocks": len(taus["top1"])}
+
+
+@torch.no_grad()
+def loop_accepted(d: Drafter, rec: dict, chunk: int = 96) -> dict[str, list[int]]:
+    """Drafts accepted per round at the anchors the speculative loop itself visits (greedy, all drafts verified):
+    the first generated token, then after each round the token the target appended, a_{i+1} = a_i + accepted_i + 1.
+    These sit where the last draft failed, unlike offline_acceptance's uniform anchors. Every answer position is
+    scored once (in chunks of blocks), then each path's own chain is walked: the selector's, top-1's, oracle's."""
+    lo, hi = rec["prompt_len"], len(rec["ids"]) - 2  # as sample_anchors: one label after the anchor at least
+    every = list(range(lo, hi + 1))
+    at = {"selector": [], "top1": [], "oracle": []}
+    for i in range(0, len(every), chunk):
+        for k, v in accepted_lengths(d, rec, every[i:i + chunk]).items():
+            at[k] += v
+    chains = {}
+    for k, acc in at.items():
+        chains[k], a = [], lo
+        while a <= hi:
+            chains[k].append(acc[a - lo])
+            a += acc[a - lo] + 1
+    return chains
+
+
+def loop_acceptance(d: Drafter, records: list[dict]) -> dict:
+    """tau per path at the loop's own anchors (loop_accepted) over `records`; blocks: rounds per path."""
+    taus = {"selector": [], "top1": [], "oracle": []}
+    for rec in records:
+        for k, v in loop_accepted(d, rec).items():
+            taus[k] += v
+    return _summary(taus, d.config.num_drafts) | {"blocks": {k: len(v) for k, v in taus.items()}}
+
+
+def _summary(taus: dict[str, list[int]], S: int) -> dict:
+    """Acceptance length and per-position acceptance per path ({"blocks": 0} for no block)."""
     if not taus["top1"]:
         return {"blocks": 0}
     stats = {k: Stats(S + 1, accepted=v) for k, v in taus.items()}
-    out = {k: s.acceptance_length for k, s in stats.items()}
-    out["position_acceptance"] = {k: s.position_acceptance() for k, s in stats.items()}
-    return out | {"blocks": len(taus["top1"])}
+    return {k: s.acceptance_length for k, s in stats.items()} | {
+        "position_acceptance": {k: s.position_acceptance() for k, s in stats.items()}}
 
 
 def _accepted(ok: torch.Tensor) -> torch.Tensor:  # [nb, S] bool -> leading True count [nb]
