@@ -313,3 +313,23 @@ def test_a_loss_over_a_vocabulary_drops_labels_outside_it_and_keeps_their_ids_as
     assert den > 0 and after_dropped > 0  # some selector rows follow a dropped label
     assert float(dl) == pytest.approx(num / den, rel=1e-4)
     assert float(sl) == pytest.approx(sel_num / sel_den, rel=1e-4)
+
+
+def test_after_miss_anchors_are_where_the_loop_drafts_next(trained, corpus):
+    """--anchors-at after-miss: from each anchor, the token after the first wrong draft (a + accepted + 1), as
+    the speculative loop's next round: every step of the loop's own chain maps onto the next one."""
+    from dflash2.train.objective import after_misses
+
+    target_dir, records = corpus
+    _, d = load_pair(trained[0], target_dir)
+    rec = records[21]
+    p, hi = rec["prompt_len"], len(rec["ids"]) - 2
+    chain, a = [], p
+    acc = accepted_lengths(d, rec, list(range(p, hi + 1)))["selector"]
+    while a <= hi:  # the loop's anchors, walked by hand from every position's acceptance
+        chain.append(a)
+        a += acc[a - p] + 1
+    assert len(chain) > 2 and after_misses(d, rec, chain) == chain[1:]
+    assert after_misses(d, rec, [hi]) == []  # past the answer's last anchor: dropped
+    hand = sorted({x + acc[x - p] + 1 for x in range(p, hi + 1) if x + acc[x - p] + 1 <= hi})
+    assert after_misses(d, rec, list(range(p, hi + 1))) == hand

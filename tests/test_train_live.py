@@ -184,6 +184,9 @@ def test_a_time_budget_stops_saved_and_the_same_command_continues(live, tmp_path
     assert _train(live, a, "--steps", "50", "--minutes", "0.0001", "--loss-decay", "1.5") == 0
     assert "stopped at step 2/50" in capsys.readouterr().out
     assert json.loads((a / "training.json").read_text())["config"]["gamma"] == 1.5  # the flag reaches the loss
+    assert _train(live, a, "--steps", "50", "--minutes", "0.0001", "--anchors-at", "after-miss") == 0
+    assert "stopped at step 3/50" in capsys.readouterr().out
+    assert json.loads((a / "training.json").read_text())["config"]["anchors_at"] == "after-miss"
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(default); draft = the --draft-vocab ids the exported head will cover, fixed when the run "
                         "starts (its LM head is ~5x cheaper; labels outside it are dropped, as the exported drafter "
                         "cannot draft them)")
+    p.add_argument("--anchors-at", choices=("uniform", "after-miss"), default="uniform",
+                   help="where a sequence's --anchors training blocks sit: uniform over its answer (default), or "
+                        "after-miss: one step of the speculative loop from uniform anchors with the current drafter "
+                        "(the token after its first wrong draft), where the loop drafts from (docs/training.md)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (under torchrun: each rank takes its LOCAL_RANK GPU)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="training compute: bf16 autocast (fp32 master weights, fp32 selector math) or fp32")
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                           mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed,
                           init_from=a.init_from or TrainConfig.init_from,
                           learn_multiplier=not a.fixed_multiplier, kd_weight=a.kd_weight, gamma=a.loss_decay,
-                          eval_every=a.eval_every, save_every=a.save_every, loss_vocab=a.loss_vocab)
+                          eval_every=a.eval_every, save_every=a.save_every, loss_vocab=a.loss_vocab, anchors_at=a.anchors_at)
         if a.live_taps:
             return _train_live(a, corpora[0], cfg, tc, taps)
 

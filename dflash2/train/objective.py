@@ -150,6 +150,16 @@ def loop_accepted(d: Drafter, rec: dict, chunk: int = 96) -> dict[str, list[int]
     return chains
 
 
+@torch.no_grad()
+def after_misses(d: Drafter, rec: dict, anchors: list[int]) -> list[int]:
+    """Where the speculative loop drafts next from each of `anchors` with this drafter (selector path, all drafts
+    verified): a + accepted + 1, right after the first draft it gets wrong; those past the answer's last anchor are
+    dropped, duplicates merged. One step of the loop's chain from uniform anchors: training blocks drawn where the
+    loop's own blocks are (loop_accepted), for the price of a forward without gradients over `anchors`."""
+    hi = len(rec["ids"]) - 2
+    return sorted({a + n + 1 for a, n in zip(anchors, accepted_lengths(d, rec, anchors)["selector"]) if a + n + 1 <= hi})
+
+
 def loop_acceptance(d: Drafter, records: list[dict]) -> dict:
     """tau per path at the loop's own anchors (loop_accepted) over `records`; blocks: rounds per path."""
     taus = {"selector": [], "top1": [], "oracle": []}

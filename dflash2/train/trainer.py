@@ -28,7 +28,7 @@ from dflash2.errors import Dflash2Error
 from dflash2.folders import write_atomic
 from dflash2.train import distributed, state
 from dflash2.train.state import STATE  # noqa: F401 (the checkpoint folder's state subfolder)
-from dflash2.train.objective import Teacher, block_forward, losses, offline_acceptance
+from dflash2.train.objective import Teacher, after_misses, block_forward, losses, offline_acceptance
 from dflash2.train.pool import RecordPool
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.load import load_target
@@ -58,6 +58,9 @@ class TrainConfig:
     # the draft loss's softmax: "shortlist" = the corpus's tokens + random negatives (every label inside); "draft" =
     # the draft vocabulary the exported head will cover (labels outside it are dropped: it can never draft them)
     loss_vocab: str = "shortlist"
+    # where a sequence's training blocks sit: "uniform" over its answer, or "after-miss" = one step of the speculative
+    # loop from uniform anchors with the current drafter (a + accepted + 1), where the loop's own blocks are
+    anchors_at: str = "uniform"
     negatives: int = 2048
     kd_weight: float = 0.0  # + kd_weight * KL(target || drafter) on draft rows (soft labels, see Teacher)
 
@@ -229,6 +232,8 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
 
     if c.loss_vocab not in ("shortlist", "draft"):
         raise Dflash2Error(f"loss_vocab: expected 'shortlist' or 'draft', found {c.loss_vocab!r}")
+    if c.anchors_at not in ("uniform", "after-miss"):
+        raise Dflash2Error(f"anchors_at: expected 'uniform' or 'after-miss', found {c.anchors_at!r}")
     if c.loss_vocab == "draft" and not draft_ids:
         raise Dflash2Error("loss_vocab 'draft': expected the draft vocabulary's ids (--draft-vocab N), found none")
     world = distributed.join(device)
@@ -319,6 +324,12 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
             negatives = torch.randint(0, V, (c.negatives,))  # torch's generator: identical on every rank
             vocab = torch.unique(torch.cat([corpus_vocab, negatives, torch.tensor([c.mask_token_id])])).to(dev)
         batch = pool.draw(c, rng)
+        if c.anchors_at == "after-miss":  # the same on every rank: same weights, same draw
+            d.eval()
+            with torch.device(dev), autocast:  # taps read once (a live record computes them on every read)
+                batch = [(r, moved) for r, anchors in ((_on(rec, dev), anchors) for rec, anchors in batch)
+                         if (moved := after_misses(d, r, anchors))]
+            d.train()
         seen["records"] += len(batch)
         blocks_run += sum(len(anchors) for _, anchors in batch)
         seen["blocks"] += sum(len(anchors) for _, anchors in batch)
