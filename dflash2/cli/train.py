@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss-vocab", choices=("shortlist", "draft"), default="shortlist",
                    help="the draft loss's softmax: shortlist = every token of the corpus + 2,048 random negatives "
                         "(default); draft = the --draft-vocab ids the exported head will cover, fixed when the run "
-                        "starts (its LM head is ~5x cheaper; labels outside it are dropped, as the exported drafter "
-                        "cannot draft them)")
+                        "starts (a step ~0.82x as long at the same acceptance, docs/training.md; labels outside it are "
+                        "dropped, as the exported drafter cannot draft them)")
     p.add_argument("--anchors-at", choices=("uniform", "after-miss"), default="uniform",
                    help="where a sequence's --anchors training blocks sit: uniform over its answer (default), or "
                         "after-miss: one step of the speculative loop from uniform anchors with the current drafter "
@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                           mask_token_id=a.mask_token_id, tap_ids=tuple(taps), seed=a.seed,
                           init_from=a.init_from or TrainConfig.init_from,
                           learn_multiplier=not a.fixed_multiplier, kd_weight=a.kd_weight, gamma=a.loss_decay,
-                          eval_every=a.eval_every, save_every=a.save_every, loss_vocab=a.loss_vocab, anchors_at=a.anchors_at)
+                          eval_every=a.eval_every, save_every=a.save_every, loss_vocab=a.loss_vocab,
+                          anchors_at=a.anchors_at)
         if a.live_taps:
             return _train_live(a, corpora[0], cfg, tc, taps)
 
