@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.layers import rope_cos_sin
 from dflash2.speculative import Stats
-from dflash2.train.pool import sample_anchors
+from dflash2.train.pool import anchor_range, sample_anchors
 
 
 class Teacher:
@@ -135,7 +135,7 @@ def loop_accepted(d: Drafter, rec: dict, chunk: int = 96) -> dict[str, list[int]
     the first generated token, then after each round the token the target appended, a_{i+1} = a_i + accepted_i + 1.
     These sit where the last draft failed, unlike offline_acceptance's uniform anchors. Every answer position is
     scored once (in chunks of blocks), then each path's own chain is walked: the selector's, top-1's, oracle's."""
-    lo, hi = rec["prompt_len"], len(rec["ids"]) - 2  # as sample_anchors: one label after the anchor at least
+    lo, hi = anchor_range(rec)
     every = list(range(lo, hi + 1))
     at = {"selector": [], "top1": [], "oracle": []}
     for i in range(0, len(every), chunk):
@@ -156,7 +156,7 @@ def after_misses(d: Drafter, rec: dict, anchors: list[int]) -> list[int]:
     verified): a + accepted + 1, right after the first draft it gets wrong; those past the answer's last anchor are
     dropped, duplicates merged. One step of the loop's chain from uniform anchors: training blocks drawn where the
     loop's own blocks are (loop_accepted), for the price of a forward without gradients over `anchors`."""
-    hi = len(rec["ids"]) - 2
+    hi = anchor_range(rec)[1]
     return sorted({a + n + 1 for a, n in zip(anchors, accepted_lengths(d, rec, anchors)["selector"]) if a + n + 1 <= hi})
 
 

@@ -13,10 +13,16 @@ import random
 import torch
 
 
+def anchor_range(rec: dict) -> tuple[int, int]:
+    """The first and last anchor a record's answer allows (inclusive; hi < lo: none): as at inference, the
+    anchor slot holds a target-generated token, and at least one generated label follows it."""
+    return rec["prompt_len"], len(rec["ids"]) - 2
+
+
 def sample_anchors(rec: dict, n: int, rng: random.Random) -> list[int]:
-    """Anchor positions inside the answer (as at inference, slot 0 holds a target-generated token);
-    the block sees context rows < a and its labels are the following generated tokens."""
-    lo, hi = rec["prompt_len"], len(rec["ids"]) - 2  # at least one label after the anchor
+    """`n` distinct anchors drawn from anchor_range; the block sees context rows < a and its labels are the
+    following generated tokens."""
+    lo, hi = anchor_range(rec)
     if hi < lo:
         return []
     return sorted(rng.sample(range(lo, hi + 1), min(n, hi - lo + 1)))
