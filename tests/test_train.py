@@ -231,11 +231,41 @@ def test_init_weights_grows_a_smaller_drafter_without_changing_what_it_drafts(tm
             assert torch.equal(small.propose_batch(h_small, aid)["draft_ids"], grown.propose_batch(h_grown, aid)["draft_ids"])
 
 
+def test_init_weights_grows_the_selector_rank_without_changing_what_it_drafts(tmp_path, trained, corpus):
+    """--rank 12 --init-weights <a rank-8 drafter>: new gate rows and predecessor columns random, new successor
+    columns 0, so every pair score, and with it every walk, is the smaller selector's (lr 0: as initialised)."""
+    from dflash2.checkpoint import load_tensors
+    from dflash2.train.objective import block_forward
+
+    target_dir, records = corpus
+    c = TrainConfig(layers=1, block_size=6, top_k=4, rank=12, steps=1, lr=0.0, seqs_per_step=1, anchors_per_seq=2,
+                    tap_ids=(1, 2), mask_token_id=3, eval_every=100, save_every=1)
+    train(target_dir, tmp_path / "wide", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)
+    w, w0 = load_tensors(tmp_path / "wide"), load_tensors(trained[0])
+    sel = "candidate_selector."
+    assert w[sel + "successor_codebook"].shape == (w0[sel + "successor_codebook"].shape[0], 12)
+    assert not w[sel + "successor_codebook"][:, 8:].any() and w[sel + "predecessor_codebook"][:, 8:].abs().sum() > 0
+    assert torch.equal(w[sel + "predecessor_codebook"][:, :8], w0[sel + "predecessor_codebook"])
+    _, small = load_pair(trained[0], target_dir)
+    _, wide = load_pair(tmp_path / "wide", target_dir)
+    assert wide.config.selector_rank == 12 and small.config.selector_rank == 8
+    for rec in records[20:]:
+        anchors = list(range(rec["prompt_len"] - 1, len(rec["ids"]) - 2, 3))
+        with torch.no_grad():
+            h, _, aid = block_forward(small, rec, anchors)
+            a, b = small.propose_batch(h, aid), wide.propose_batch(h, aid)
+        assert torch.equal(a["draft_ids"], b["draft_ids"])
+        torch.testing.assert_close(b["path_scores"], a["path_scores"], rtol=0, atol=1e-6)
+
+
 def test_init_weights_with_other_widths_or_more_layers_is_refused(tmp_path, trained, corpus):
     target_dir, records = corpus
-    c = TrainConfig(layers=1, block_size=6, top_k=4, rank=16, steps=1, seqs_per_step=1, anchors_per_seq=2,
-                    tap_ids=(1, 2), mask_token_id=3, eval_every=100, save_every=1)
-    with pytest.raises(Dflash2Error, match=r"differing tensors \['candidate_selector"):
+    c = TrainConfig(layers=1, block_size=6, top_k=4, rank=8, steps=1, seqs_per_step=1, anchors_per_seq=2,
+                    tap_ids=(1,), mask_token_id=3, eval_every=100, save_every=1)
+    with pytest.raises(Dflash2Error, match=r"differing tensors \['fc.weight"):
+        train(target_dir, tmp_path / "d", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)
+    c.tap_ids, c.rank = (1, 2), 4
+    with pytest.raises(Dflash2Error, match="selector rank of at most this run's 4, found 8"):
         train(target_dir, tmp_path / "d", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)
     c.rank, c.layers = 8, 2
     train(target_dir, tmp_path / "two", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)

@@ -151,8 +151,8 @@ def save_drafter(d: Drafter, folder: Path, dtype=torch.float16, max_shard_mb: fl
 
 
 def _warm_start(d: Drafter, folder: Path, log_mult: torch.nn.Parameter) -> None:
-    """Weights (and the learned unary scale) of an existing drafter with the same shapes, or with fewer layers:
-    then the drafter grows by `_grow_layers`, starting as exactly the smaller one."""
+    """Weights (and the learned unary scale) of an existing drafter with the same shapes, or with fewer layers or
+    a lower selector rank: then the drafter grows (`_grow_layers`, `_grow_rank`), starting as exactly the smaller one."""
     from dflash2.checkpoint import load_tensors as load_state_dict
 
     src = load_drafter_config(folder)
@@ -163,10 +163,15 @@ def _warm_start(d: Drafter, folder: Path, log_mult: torch.nn.Parameter) -> None:
                            f"layers, found {src.num_layers} (config.json num_hidden_layers)")
     if src.num_layers < d.config.num_layers:
         weights = _grow_layers(weights, src.num_layers, d.config.num_layers)
+    if src.selector_rank > d.config.selector_rank:  # dropping codebook columns would change every pair score
+        raise Dflash2Error(f"{folder}: --init-weights expected a selector rank of at most this run's "
+                           f"{d.config.selector_rank}, found {src.selector_rank} (config.json dflash_config.selector_rank)")
+    if src.selector_rank < d.config.selector_rank:
+        weights = _grow_rank(weights, src.selector_rank, d.config.selector_rank)
     bad = sorted(k for k in own if not k.startswith("train_") and (k not in weights or weights[k].shape != own[k].shape))
     if bad:
         raise Dflash2Error(f"{folder}: --init-weights expected a drafter with this run's shapes (or fewer layers); "
-                           f"differing tensors {bad[:6]} (block size, top-K, rank, taps and widths must match; "
+                           f"differing tensors {bad[:6]} (block size, top-K, taps and widths must match; "
                            f"it has {src.num_layers} layers, this run {d.config.num_layers})")
     d.load_state_dict({k: weights[k].float() for k in own if not k.startswith("train_")}, strict=False)
     with torch.no_grad():
@@ -189,6 +194,25 @@ def _grow_layers(weights: dict, have: int, want: int) -> dict:
             if k.startswith(last):
                 name = k[len(last):]
                 out[f"layers.{i}.{name}"] = torch.zeros_like(v) if name in _BRANCH_OUTPUTS else v.clone()
+    return out
+
+
+_SEL = "candidate_selector."
+
+
+def _grow_rank(weights: dict, have: int, want: int) -> dict:
+    """Selector rank growth that keeps the function: the new gate rows and predecessor columns start small and
+    random, as a fresh selector's do, the new successor columns at zero, so every new rank term of the pair score
+    (P[pred, r] g[r] Q[cand, r]) is 0 and the grown drafter drafts exactly what the smaller one did. Q's new
+    columns get gradient P g != 0 at once (zeroing both codebooks would leave every new term at a saddle)."""
+    g = torch.Generator().manual_seed(have * 1000 + want)
+    out = dict(weights)
+    w, p, q = (weights[_SEL + n] for n in ("hidden_projection.weight", "predecessor_codebook", "successor_codebook"))
+    extra = want - have
+    out[_SEL + "hidden_projection.weight"] = torch.cat(  # [want, H]
+        [w, (torch.randn(extra, w.shape[1], generator=g) * 0.02).to(w.dtype)])
+    out[_SEL + "predecessor_codebook"] = torch.cat([p, (torch.randn(p.shape[0], extra, generator=g) * 0.02).to(p.dtype)], 1)
+    out[_SEL + "successor_codebook"] = torch.cat([q, q.new_zeros(q.shape[0], extra)], 1)  # [V, want]
     return out
 
 
