@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="micro-batches per step; the global batch stays --seqs-per-step sequences")
     p.add_argument("--init-weights", type=Path, metavar="DRAFTER",
                    help="start from this drafter's weights (same shapes, or fewer layers: the new ones start as the "
-                        "identity, copies of its last layer with zeroed output projections), e.g. to continue on new data")
+                        "identity, copies of its last layer with zeroed output projections; or a lower --rank: the new "
+                        "successor columns start at 0), e.g. to continue on new data")
     p.add_argument("--max-shard-mb", type=float, help="write the drafter as safetensors shards of at most this size")
     p.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     p.add_argument("--save-every", type=int, default=100, help="steps between resumable saves (train_state/)")
