@@ -190,7 +190,7 @@ def test_a_time_budget_stops_saved_and_the_same_command_continues(live, tmp_path
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--kd-weight", "0.5"], "--live-taps: expected without --kd-weight"),
+    (["--taps-cache", "x"], "--live-taps: expected without --taps-cache"),
     (["--train-records", "4"], "--live-taps: expected without --train-records"),
     (["--minutes", "0"], "--minutes: expected a finite number of minutes > 0, found 0.0"),
     (["--minutes", "inf"], "--minutes: expected a finite number of minutes > 0, found inf"),
@@ -274,3 +274,23 @@ def test_a_loss_over_the_draft_vocabulary_fixes_it_when_the_run_starts(live, tmp
                            "--live-taps", "fp32", "--steps", "2", "--loss-vocab", "draft"]) == 2
     assert "--loss-vocab draft: expected --draft-vocab N" in capsys.readouterr().err
     assert not (tmp_path / "f").exists()
+
+
+def test_soft_labels_from_live_taps_are_the_targets_logits(live, tmp_path, capsys):
+    """--kd-weight with --live-taps: the Teacher runs the layers after the last tap over the taps computed in the
+    loop, which gives the target's own logits (its greedy answer is their argmax); the run records the weight."""
+    from dflash2.reference.load import load_target
+    from dflash2.train.objective import Teacher
+
+    target, _ = live
+    rec = _stream(live).held_out(1)[0]
+    t = load_target(target, ())
+    with torch.no_grad():
+        full, _, _ = t(rec["ids"], torch.zeros(0, *t.kv_row_shape()))  # [n, V]
+    rows = torch.arange(rec["taps"].shape[0])[None, :]
+    soft = Teacher(load_target(target, tuple(TAPS)), tuple(TAPS)).logits(rec, rows, None)[0]  # [n - 1, V]
+    assert (soft - full[:soft.shape[0]]).abs().max() < 2e-2  # fp16 taps
+    assert torch.equal(soft.argmax(-1)[rec["prompt_len"] - 1:], rec["ids"][rec["prompt_len"]:].long())
+    assert _train(live, tmp_path / "d", "--steps", "2", "--kd-weight", "0.5", "--loss-vocab", "draft") == 0
+    hist = json.loads((tmp_path / "d" / "training.json").read_text())
+    assert hist["config"]["kd_weight"] == 0.5 and hist["history"][-1]["step"] == 2

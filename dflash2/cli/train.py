@@ -118,7 +118,7 @@ def check_args(a: argparse.Namespace) -> None:
     if a.live_taps:
         clash = [f for f, on in (("--train-records", a.train_records), ("--partial-corpus", a.partial_corpus),
                                  ("--repair-corpus", a.repair_corpus), ("--corpus-only", a.corpus_only),
-                                 ("--taps-cache", a.taps_cache), ("--kd-weight", a.kd_weight)) if on]
+                                 ("--taps-cache", a.taps_cache)) if on]
         if clash:
             raise Dflash2Error(f"--live-taps: expected without {', '.join(clash)} (it trains on an id corpus as it "
                                "stands, its taps made in the loop), found them")
