@@ -349,7 +349,10 @@ def _attention_modes(path: Path, raw: dict, num_layers: int) -> tuple[tuple[bool
     return causal, windows
 
 
-def load_drafter_config(folder: str | Path) -> DrafterConfig:
+def load_drafter_config(folder: str | Path, block_size: int | None = None) -> DrafterConfig:
+    """block_size: draft a shorter block than the drafter was trained for (2..its own; None: its own). Its first
+    drafts barely change (a block-8 drafter run on 4 rows: position 1-2 acceptance within 0.004, docs/training.md)
+    and a draft costs ~0.8x on a CPU, where `--draft-len auto` seldom verifies more than 3 drafts."""
     path, raw = read_config(folder)
     arch = _architecture(path, raw, DRAFTER_ARCHS)
     version = DRAFTER_ARCHS[arch]
@@ -400,8 +403,12 @@ def load_drafter_config(folder: str | Path) -> DrafterConfig:
     mask = d.int("mask_token_id", minimum=0)
     if mask >= shape["vocab_size"]:
         raise CheckpointError(path, "dflash_config.mask_token_id", f"< vocab_size={shape['vocab_size']}", mask)
+    trained = d.int("block_size", minimum=2)
+    if block_size is not None and not 2 <= block_size <= trained:  # past it: positions it never learned to draft
+        raise Dflash2Error(f"--draft-block: expected 2..{trained} (the block size {path} was trained for), "
+                           f"found {block_size}")
     return DrafterConfig(
-        arch=arch, version=version, **shape, block_size=d.int("block_size", minimum=2),
+        arch=arch, version=version, **shape, block_size=trained if block_size is None else block_size,
         num_target_layers=num_target, target_layer_ids=tuple(taps), mask_token_id=mask,
         layer_causal=causal, layer_window=windows, output_multiplier=mult, logit_softcap=cap,
         input_embedding_scale=d.float("input_embedding_scale", 1.0), **extra)

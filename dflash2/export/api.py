@@ -62,7 +62,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
            max_seq_len: int | None = None, force: bool = False, fuse_context: bool = True,
            quiet: bool = False, full_vocab: bool = False, beyond_max_positions: bool = False,
            quantize: qz.OrtQuant | qdq.TrtQuant | None = None,
-           target_attention: str = "auto") -> mf.ExportManifest:
+           target_attention: str = "auto", draft_block: int | None = None) -> mf.ExportManifest:
     """Returns the manifest written. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
     full_vocab: ignore the drafter's draft_vocab.json (draft over the whole vocabulary).
     beyond_max_positions: allow max_seq_len past the target's max_position_embeddings.
@@ -71,7 +71,9 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     target_attention: "plain" (ONNX ops, with a TensorRT flavour) or "gqa" (ONNX Runtime's fused ops,
     dflash2.export.gqa: the CPU path; no TensorRT flavour of the target); "auto": gqa for the ONNX Runtime
     quantizations (which have no TensorRT flavour anyway: 1.5x faster int4 decode, docs/quantization.md),
-    plain otherwise."""
+    plain otherwise.
+    draft_block: draft this many rows a round (2..the drafter's training block size; None: that size), e.g. 4 for a
+    CPU target, whose `--draft-len auto` seldom verifies more than 3 drafts (docs/training.md)."""
     if target_attention not in ("auto", *ATTENTION):
         raise OutputError(f"--target-attention: expected one of {['auto', *ATTENTION]}, found {target_attention!r}")
     if quantize is not None and dtype != "float32":
@@ -86,7 +88,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
                           f"ONNX Runtime's CPU graph), found --dtype {dtype}"
                           + (f", --quantize {quantize.method}" if quantize is not None else ""))
     out = Path(out_dir).absolute()
-    dc, tc = check_inputs(drafter_dir, target_dir, out, dtype, max_seq_len, force, beyond_max_positions)
+    dc, tc = check_inputs(drafter_dir, target_dir, out, dtype, max_seq_len, force, beyond_max_positions, draft_block)
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     target_attention = _attention(target_attention, quantize, tc, dc, max_seq_len)
     if isinstance(quantize, qz.OrtQuant) and quantize.native and target_attention != "gqa":
@@ -111,10 +113,10 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
         if target_attention == "gqa" or dtype in plain.DTYPES:  # every graph built from templates: the
             # references only validate them, reading one layer at a time
             target, drafter = load_streamed_pair(drafter_dir, target_dir, use_draft_vocab=not full_vocab,
-                                                 dtype=dtypes.torch_dtype(dtype))
+                                                 dtype=dtypes.torch_dtype(dtype), block_size=draft_block)
         else:  # bfloat16: traced from the loaded modules
             target, drafter = load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype),
-                                        use_draft_vocab=not full_vocab)
+                                        use_draft_vocab=not full_vocab, block_size=draft_block)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
         try:
             manifest = _write_all(tmp, target, drafter, dc, tc, dtype, max_seq_len, fuse_context, progress,
@@ -190,14 +192,14 @@ def default_max_seq_len(tc) -> int:
 
 
 def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dtype: str, max_seq_len: int | None,
-                 force: bool, beyond_max_positions: bool):
+                 force: bool, beyond_max_positions: bool, draft_block: int | None = None):
     """The checks before any weight is read: the output folder (before anything is read at all), both
     configs and their agreement, the tokenizer, the capacity (None: default_max_seq_len). Returns
     (drafter config, target config)."""
     if dtype not in dtypes.GRAPH_DTYPES:
         raise OutputError(f"--dtype: expected one of {list(dtypes.GRAPH_DTYPES)}, found {dtype!r}")
     check_output(out, force, {"--model": drafter_dir, "--target": target_dir})
-    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
+    dc, tc = load_drafter_config(drafter_dir, draft_block), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     check_tokenizer_files(target_dir)
@@ -228,11 +230,13 @@ def _attention(asked: str, quantize, tc, dc, max_seq_len: int) -> str:
 
 def preflight(drafter_dir: str | Path, target_dir: str | Path, out: str | Path, dtype: str = "float32",
               max_seq_len: int | None = None, force: bool = False, full_vocab: bool = False,
-              beyond_max_positions: bool = False):
+              beyond_max_positions: bool = False, draft_block: int | None = None):
     """Everything export() checks before it writes: check_inputs, then the weights (names, shapes,
     dtypes, finite values) loaded into the reference modules. Returns (target, drafter)."""
-    check_inputs(drafter_dir, target_dir, Path(out).absolute(), dtype, max_seq_len, force, beyond_max_positions)
-    return load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype), use_draft_vocab=not full_vocab)
+    check_inputs(drafter_dir, target_dir, Path(out).absolute(), dtype, max_seq_len, force, beyond_max_positions,
+                 draft_block)
+    return load_pair(drafter_dir, target_dir, dtypes.torch_dtype(dtype), use_draft_vocab=not full_vocab,
+                     block_size=draft_block)
 
 
 def _draft_vocab_entry(drafter, drafter_dir) -> mf.DraftVocab | None:

@@ -49,9 +49,9 @@ def _drafter(folder, c: DrafterConfig, embed: torch.Tensor, head: torch.Tensor, 
 
 
 def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32,
-              use_draft_vocab: bool = True) -> tuple[Target, Drafter]:
-    """Validate both configs and their agreement before any weight loads."""
-    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
+              use_draft_vocab: bool = True, block_size: int | None = None) -> tuple[Target, Drafter]:
+    """Validate both configs and their agreement before any weight loads (block_size: load_drafter_config's)."""
+    dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
     ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
     ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
@@ -60,11 +60,12 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
 
 
 def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path, use_draft_vocab: bool = True,
-                       dtype: torch.dtype = torch.float32) -> tuple[StreamedTarget, Drafter]:
+                       dtype: torch.dtype = torch.float32, block_size: int | None = None
+                       ) -> tuple[StreamedTarget, Drafter]:
     """load_pair at bounded memory (every weight in `dtype` as it runs): the target as a StreamedTarget and the drafter as a StreamedDrafter
     (one layer resident, each read from the checkpoint when it runs, checked finite as it is read; the
     embedding and LM head read a slice at a time, dflash2.reference.vocab)."""
-    dc, tc, expected = _checked_streamed(drafter_dir, target_dir)
+    dc, tc, expected = _checked_streamed(drafter_dir, target_dir, block_size)
     ids = draft_vocab.read(drafter_dir, dc.vocab_size, draft_vocab.min_size(dc)) if use_draft_vocab else None
     target = StreamedTarget(tc, dc.target_layer_ids, ckpt.Weights(target_dir), dtype=dtype)
     drafter = StreamedDrafter(dc, target, ckpt.Weights(drafter_dir), list(expected))
@@ -72,12 +73,13 @@ def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path, use_draf
     return target, drafter
 
 
-def _checked_streamed(drafter_dir, target_dir) -> tuple[DrafterConfig, TargetConfig, dict]:
+def _checked_streamed(drafter_dir, target_dir, block_size: int | None = None
+                      ) -> tuple[DrafterConfig, TargetConfig, dict]:
     """The streamed loaders' checks before any reference is built: both configs and their agreement, every
     tensor's name and shape, and every NaN / inf weight of both checkpoints named at once (load_tensors does that
     for the loaded pair; a streamed reference would otherwise meet the first one minutes into the export).
     Returns (drafter config, target config, the drafter's tensor shapes)."""
-    dc, tc = load_drafter_config(drafter_dir), load_target_config(target_dir)
+    dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
     target_shapes, expected = ckpt.target_tensor_shapes(tc), ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
     ckpt.check_tensors(target_dir, target_shapes)
