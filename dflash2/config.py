@@ -350,9 +350,8 @@ def _attention_modes(path: Path, raw: dict, num_layers: int) -> tuple[tuple[bool
 
 
 def load_drafter_config(folder: str | Path, block_size: int | None = None) -> DrafterConfig:
-    """block_size: draft a shorter block than the drafter was trained for (2..its own; None: its own). Its first
-    drafts barely change (a block-8 drafter run on 4 rows: position 1-2 acceptance within 0.004, docs/training.md)
-    and a draft costs ~0.8x on a CPU, where `--draft-len auto` seldom verifies more than 3 drafts."""
+    """block_size: the rows a round drafts, 2..the block the drafter was trained for (None: that block);
+    `dflash2-export --draft-block`, whose docs (docs/export.md) say when fewer rows pay."""
     path, raw = read_config(folder)
     arch = _architecture(path, raw, DRAFTER_ARCHS)
     version = DRAFTER_ARCHS[arch]

@@ -72,8 +72,8 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     dflash2.export.gqa: the CPU path; no TensorRT flavour of the target); "auto": gqa for the ONNX Runtime
     quantizations (which have no TensorRT flavour anyway: 1.5x faster int4 decode, docs/quantization.md),
     plain otherwise.
-    draft_block: draft this many rows a round (2..the drafter's training block size; None: that size), e.g. 4 for a
-    CPU target, whose `--draft-len auto` seldom verifies more than 3 drafts (docs/training.md)."""
+    draft_block: draft this many rows a round (2..the drafter's training block size; None: that size;
+    docs/export.md)."""
     if target_attention not in ("auto", *ATTENTION):
         raise OutputError(f"--target-attention: expected one of {['auto', *ATTENTION]}, found {target_attention!r}")
     if quantize is not None and dtype != "float32":
