@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash2.errors import CheckpointError, Dflash2Error
+from dflash2.folders import OutputError
 
 # architecture name -> (family, has q_norm/k_norm)
 TARGET_ARCHS = {"LlamaForCausalLM": ("llama", False), "Qwen3ForCausalLM": ("qwen3", True)}
@@ -349,9 +350,16 @@ def _attention_modes(path: Path, raw: dict, num_layers: int) -> tuple[tuple[bool
     return causal, windows
 
 
+def check_draft_block(block_size, trained: int, path: Path) -> None:
+    """A drafter drafts at most the block it was trained for (past it: positions it never learned to draft)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= trained:
+        raise OutputError(f"--draft-block: expected an integer in 2..{trained} (the training block_size in {path}), "
+                           f"found {block_size!r}")
+
+
 def load_drafter_config(folder: str | Path, block_size: int | None = None) -> DrafterConfig:
     """block_size: the rows a round drafts, 2..the block the drafter was trained for (None: that block);
-    `dflash2-export --draft-block`, whose docs (docs/export.md) say when fewer rows pay."""
+    `dflash2-export --draft-block`, docs/export.md."""
     path, raw = read_config(folder)
     arch = _architecture(path, raw, DRAFTER_ARCHS)
     version = DRAFTER_ARCHS[arch]
@@ -403,9 +411,8 @@ def load_drafter_config(folder: str | Path, block_size: int | None = None) -> Dr
     if mask >= shape["vocab_size"]:
         raise CheckpointError(path, "dflash_config.mask_token_id", f"< vocab_size={shape['vocab_size']}", mask)
     trained = d.int("block_size", minimum=2)
-    if block_size is not None and not 2 <= block_size <= trained:  # past it: positions it never learned to draft
-        raise Dflash2Error(f"--draft-block: expected 2..{trained} (the block size {path} was trained for), "
-                           f"found {block_size}")
+    if block_size is not None:
+        check_draft_block(block_size, trained, path)
     return DrafterConfig(
         arch=arch, version=version, **shape, block_size=trained if block_size is None else block_size,
         num_target_layers=num_target, target_layer_ids=tuple(taps), mask_token_id=mask,

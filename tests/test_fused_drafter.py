@@ -220,34 +220,44 @@ def test_gqa_export_uses_it_and_stays_lossless(tmp_path, pairs, fam, ver):
             Runtime(tmp_path / "forged").generate(prompt, 4)
 
 
-def test_a_shorter_draft_block_is_exported_validated_and_lossless(tmp_path, pairs, capsys):
+@pytest.mark.parametrize("attention", ["gqa", "plain"])
+def test_a_shorter_draft_block_is_exported_validated_and_lossless(tmp_path, pairs, capsys, attention):
     """export(draft_block=N): the drafter drafts N rows a round instead of its training block; the graph is validated
     against the reference at that block, the runtime drafts what the reference drafts round by round, lossless;
-    a block past the training one (positions it never drafted) or under 2 is refused before anything is written."""
+    a block past the training one (positions it never drafted), under 2 or not an integer is refused before anything
+    is written."""
     from dflash2.cli import export as export_cli
     from dflash2.config import load_drafter_config
+    from dflash2.folders import OutputError
     from dflash2.reference.backend import TorchBackend
 
     d, t = pairs[("llama", 2)]
     trained = load_drafter_config(d).block_size
     n = trained - 2
-    m = export(d, t, tmp_path / "out", max_seq_len=256, quiet=True, target_attention="gqa", draft_block=n)
+    m = export(d, t, tmp_path / "out", max_seq_len=256, quiet=True, target_attention=attention, draft_block=n)
     assert m.block_size == n and m.num_drafts == n - 1 and m.drafter_config["block_size"] == n
-    assert m.validation["drafter"].ok
+    assert all(v.ok for v in m.validation.values())
+    drafter_graph = onnx.load(str(tmp_path / "out" / "drafter.onnx"), load_external_data=False).graph
+    dims = {o.name: [x.dim_value or x.dim_param for x in o.type.tensor_type.shape.dim] for o in drafter_graph.output}
+    assert n - 1 in dims["draft_ids"] and trained - 1 not in dims["draft_ids"], dims
     rt = Runtime(tmp_path / "out")
     prompt = [7, 1, 8, 2, 8, 1, 8]
     spec = generate(rt.session, prompt, 40)
     assert spec.ids == generate(rt.session, prompt, 40, speculative=False).ids
     ref = generate(TorchBackend(*load_pair(d, t, block_size=n), 512), prompt, 40)
     assert spec.ids == ref.ids and spec.stats.accepted == ref.stats.accepted
-    assert max(spec.stats.accepted) <= n - 1
+    if attention == "plain":
+        return
     for bad in (trained + 1, 1):
         out = tmp_path / f"bad{bad}"
         assert export_cli.main(["--model", str(d), "--target", str(t), "--out", str(out), "--quiet",
                                 "--draft-block", str(bad)]) == 2
-        assert f"--draft-block: expected 2..{trained} (the block size {d / 'config.json'} was trained for), " \
-               f"found {bad}" in capsys.readouterr().err
+        assert f"--draft-block: expected an integer in 2..{trained} (the training block_size in " \
+               f"{d / 'config.json'}), found {bad}" in capsys.readouterr().err
         assert not out.exists()
+    with pytest.raises(OutputError, match=r"--draft-block: expected an integer .* found 3\.0"):
+        export(d, t, tmp_path / "float", quiet=True, draft_block=3.0)
+    assert not (tmp_path / "float").exists()
 
 
 def test_export_with_a_draft_vocabulary(tmp_path, pairs):

@@ -267,6 +267,9 @@ def test_init_weights_with_other_widths_or_more_layers_is_refused(tmp_path, trai
     c.tap_ids, c.rank = (1, 2), 4
     with pytest.raises(Dflash2Error, match="selector rank of at most this run's 4, found 8"):
         train(target_dir, tmp_path / "d", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)
+    v1 = tiny.make_drafter(tmp_path / "v1", target_dir, version=1, block_size=6, tap_ids=(1, 2))
+    with pytest.raises(Dflash2Error, match="expected a DFlash2 drafter like this run's, found a DFlash1 one"):
+        train(target_dir, tmp_path / "d", records[:20], c, init_weights=v1, log_fn=lambda m: None)
     c.rank, c.layers = 8, 2
     train(target_dir, tmp_path / "two", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)
     c.layers = 1

@@ -32,9 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-vocab", action="store_true",
                    help="ignore the drafter's draft_vocab.json: its LM head covers the whole vocabulary")
     p.add_argument("--draft-block", type=int, metavar="N",
-                   help="draft N rows a round (2..the drafter's training block size; default: that size): a block-8 "
-                        "drafter on 4 rows drafts its first 3 positions as well at ~0.8x the cost; replayed on this "
-                        "CPU, --draft-len auto ran 6-8%% faster on fp32 and 0-2%% on int4 (docs/export.md)")
+                   help="draft N rows a round (2..the drafter's training block size; default: that size): fewer "
+                        "rows make each draft cheaper; docs/export.md says when that pays")
     p.add_argument("--target-attention", choices=["auto", "plain", "gqa"], default="auto",
                    help="gqa: the target graph uses ONNX Runtime's fused ops (GroupQueryAttention over per-layer KV "
                         "buffers shared in place, SkipSimplifiedLayerNormalization): the CPU path, no TensorRT "

@@ -18,6 +18,9 @@ def warm_start(d: Drafter, folder: Path, log_mult: torch.nn.Parameter) -> None:
     """Weights (and the learned unary scale) of an existing drafter with the same shapes, or with fewer layers or
     a lower selector rank: then the drafter grows (`_grow_layers`, `_grow_rank`), starting as exactly the smaller one."""
     src = load_drafter_config(folder)
+    if src.version != d.config.version:  # a DFlash v1 drafter has no selector to start one from (or grow)
+        raise Dflash2Error(f"{folder}: --init-weights expected a DFlash{d.config.version} drafter like this run's, "
+                           f"found a DFlash{src.version} one (config.json architectures)")
     weights = load_tensors(folder)
     own = d.state_dict()
     if src.num_layers > d.config.num_layers:  # its first layers alone would draft something else entirely
@@ -32,7 +35,8 @@ def warm_start(d: Drafter, folder: Path, log_mult: torch.nn.Parameter) -> None:
         weights = _grow_rank(weights, src.selector_rank, d.config.selector_rank)
     bad = sorted(k for k in own if not k.startswith("train_") and (k not in weights or weights[k].shape != own[k].shape))
     if bad:
-        raise Dflash2Error(f"{folder}: --init-weights expected a drafter with this run's shapes (or fewer layers); "
+        raise Dflash2Error(f"{folder}: --init-weights expected a drafter with this run's shapes (or fewer layers, a "
+                           f"lower selector rank); "
                            f"differing tensors {bad[:6]} (taps and widths must match; "
                            f"it has {src.num_layers} layers, this run {d.config.num_layers})")
     d.load_state_dict({k: weights[k].float() for k in own if not k.startswith("train_")}, strict=False)
