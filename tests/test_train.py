@@ -202,6 +202,16 @@ def test_finished_rows_leave_the_batch_without_changing_the_others(corpus):
         assert r["taps"].shape[0] == n and torch.allclose(r["taps"].float(), f["taps"][:n].float(), atol=2e-3)
 
 
+def _grown(out, trained, corpus, log_fn, **shape):
+    """One step at lr 0 from the `trained` drafter into a run of another `shape` (weights as warm-started):
+    -> (the trained drafter, the grown one), both loaded as references."""
+    target_dir, records = corpus
+    c = TrainConfig(block_size=6, top_k=4, steps=1, lr=0.0, seqs_per_step=1, anchors_per_seq=2, tap_ids=(1, 2),
+                    mask_token_id=3, eval_every=100, save_every=1, **shape)
+    train(target_dir, out, records[:20], c, eval_records=records[20:22], init_weights=trained[0], log_fn=log_fn)
+    return load_pair(trained[0], target_dir)[1], load_pair(out, target_dir)[1]
+
+
 def test_init_weights_grows_a_smaller_drafter_without_changing_what_it_drafts(tmp_path, trained, corpus):
     """--layers 2 --init-weights <a 1-layer drafter>: the new layer copies the last one with its residual
     branches' output projections zeroed, so before any update the grown drafter drafts exactly what the
@@ -210,17 +220,12 @@ def test_init_weights_grows_a_smaller_drafter_without_changing_what_it_drafts(tm
     from dflash2.train.objective import block_forward
 
     target_dir, records = corpus
-    c = TrainConfig(layers=2, block_size=6, top_k=4, rank=8, steps=1, lr=0.0, seqs_per_step=1, anchors_per_seq=2,
-                    tap_ids=(1, 2), mask_token_id=3, eval_every=100, save_every=1)
     logs = []
-    train(target_dir, tmp_path / "grown", records[:20], c, eval_records=records[20:22], init_weights=trained[0],
-          log_fn=logs.append)
+    small, grown = _grown(tmp_path / "grown", trained, corpus, logs.append, layers=2, rank=8)
     assert f"initialised from {trained[0]}" in logs
     w = load_tensors(tmp_path / "grown")
     assert not w["layers.1.self_attn.o_proj.weight"].any() and not w["layers.1.mlp.down_proj.weight"].any()
     assert torch.equal(w["layers.1.self_attn.q_proj.weight"], w["layers.0.self_attn.q_proj.weight"])
-    _, small = load_pair(trained[0], target_dir)
-    _, grown = load_pair(tmp_path / "grown", target_dir)
     assert grown.config.num_layers == 2 and small.config.num_layers == 1
     for rec in records[20:]:
         anchors = list(range(rec["prompt_len"] - 1, len(rec["ids"]) - 2, 3))
@@ -238,16 +243,12 @@ def test_init_weights_grows_the_selector_rank_without_changing_what_it_drafts(tm
     from dflash2.train.objective import block_forward
 
     target_dir, records = corpus
-    c = TrainConfig(layers=1, block_size=6, top_k=4, rank=12, steps=1, lr=0.0, seqs_per_step=1, anchors_per_seq=2,
-                    tap_ids=(1, 2), mask_token_id=3, eval_every=100, save_every=1)
-    train(target_dir, tmp_path / "wide", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)
+    small, wide = _grown(tmp_path / "wide", trained, corpus, lambda m: None, layers=1, rank=12)
     w, w0 = load_tensors(tmp_path / "wide"), load_tensors(trained[0])
     sel = "candidate_selector."
     assert w[sel + "successor_codebook"].shape == (w0[sel + "successor_codebook"].shape[0], 12)
     assert not w[sel + "successor_codebook"][:, 8:].any() and w[sel + "predecessor_codebook"][:, 8:].abs().sum() > 0
     assert torch.equal(w[sel + "predecessor_codebook"][:, :8], w0[sel + "predecessor_codebook"])
-    _, small = load_pair(trained[0], target_dir)
-    _, wide = load_pair(tmp_path / "wide", target_dir)
     assert wide.config.selector_rank == 12 and small.config.selector_rank == 8
     for rec in records[20:]:
         anchors = list(range(rec["prompt_len"] - 1, len(rec["ids"]) - 2, 3))
