@@ -107,14 +107,18 @@ def coverage(sequences: Iterable[Iterable[int]], ids: list[int]) -> float:
     return hit / max(total, 1)
 
 
-def write(drafter_dir: str | Path, ids: list[int], vocab_size: int, source: str,
-          requested_size: int | None = None) -> Path:
-    """`requested_size`: the N of "the N most frequent ids" (the file may hold fewer, plus EOS ids)."""
+def document(ids: list[int], vocab_size: int, source: str, requested_size: int | None = None) -> str:
+    """The file's text. `requested_size`: the N of "the N most frequent ids" (the file may hold fewer, plus EOS ids)."""
     check_ids(ids, vocab_size, 1, "draft vocabulary")
-    path = path_in(drafter_dir)
     doc = {"format": FORMAT, "version": VERSION, "vocab_size": vocab_size, "size": len(ids), "source": source,
            "ids": ids}
     if requested_size is not None:
         doc["requested_size"] = requested_size
-    write_atomic(path, json.dumps(doc, separators=(",", ":")))
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def write(drafter_dir: str | Path, ids: list[int], vocab_size: int, source: str,
+          requested_size: int | None = None) -> Path:
+    path = path_in(drafter_dir)
+    write_atomic(path, document(ids, vocab_size, source, requested_size))
     return path

@@ -152,7 +152,7 @@ def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus, capsys):
                            "--taps", "1,2", "--steps", "2", "--block-size", "5", "--top-k", "4", "--rank", "8",
                            "--seqs-per-step", "2", "--anchors", "3", "--mask-token-id", "3", "--threads", "1",
                            "--draft-vocab", "20", "--loss-vocab", "draft"])  # the loss over the draft vocabulary
-    assert code == 0 and "loss over the draft vocabulary: wrote" in capsys.readouterr().out
+    assert code == 0 and "ids into" in capsys.readouterr().out  # the draft vocabulary, written as the run starts
     assert json.loads((tmp_path / "v" / "draft_vocab.json").read_text())["requested_size"] == 20
     assert json.loads((tmp_path / "v" / "training.json").read_text())["config"]["loss_vocab"] == "draft"
     # a corpus tapped at other layers is refused, naming both
@@ -271,6 +271,7 @@ def test_init_weights_with_other_widths_or_more_layers_is_refused(tmp_path, trai
     v1 = tiny.make_drafter(tmp_path / "v1", target_dir, version=1, block_size=6, tap_ids=(1, 2))
     with pytest.raises(Dflash2Error, match="expected a DFlash2 drafter like this run's, found a DFlash1 one"):
         train(target_dir, tmp_path / "d", records[:20], c, init_weights=v1, log_fn=lambda m: None)
+    assert not (tmp_path / "d").exists()  # refused before the run's folder (config.json) was written
     c.rank, c.layers = 8, 2
     train(target_dir, tmp_path / "two", records[:20], c, init_weights=trained[0], log_fn=lambda m: None)
     c.layers = 1

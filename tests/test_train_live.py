@@ -255,7 +255,7 @@ def test_a_loss_over_the_draft_vocabulary_fixes_it_when_the_run_starts(live, tmp
     out = tmp_path / "d"
     assert _train(live, out, "--steps", "2", "--loss-vocab", "draft") == 0
     said = capsys.readouterr().out
-    assert "loss over the draft vocabulary: wrote" in said and "of the training answers' tokens" in said
+    assert "loss over the draft vocabulary: " in said and "of the training answers' tokens" in said
     doc = json.loads((out / "draft_vocab.json").read_text())
     assert doc["requested_size"] == 30 and doc["size"] == len(doc["ids"]) <= 30 + 1  # + EOS
     hist = json.loads((out / "training.json").read_text())
@@ -274,6 +274,12 @@ def test_a_loss_over_the_draft_vocabulary_fixes_it_when_the_run_starts(live, tmp
                            "--live-taps", "fp32", "--steps", "2", "--loss-vocab", "draft"]) == 2
     assert "--loss-vocab draft: expected --draft-vocab N" in capsys.readouterr().err
     assert not (tmp_path / "f").exists()
+    # a warm start refused after the vocabulary was counted: the run's folder is never made, so a corrected
+    # rerun (with another --draft-vocab, say) does not meet a draft_vocab.json or config.json of a run that never ran
+    v1 = tiny.make_drafter(tmp_path / "v1", target, version=1, block_size=4, tap_ids=(1, 2))
+    assert _train(live, tmp_path / "g", "--steps", "2", "--loss-vocab", "draft", "--init-weights", str(v1)) == 2
+    assert "expected a DFlash2 drafter like this run's, found a DFlash1 one" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()
 
 
 def test_soft_labels_from_live_taps_are_the_targets_logits(live, tmp_path, capsys):

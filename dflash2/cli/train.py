@@ -354,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training on {len(train_records)} records, {n_eval} held out", flush=True)
         answers = lambda: [rec["ids"][rec["prompt_len"]:].tolist() for rec in train_records]  # noqa: E731
         source = f"dflash2-train corpus {[str(c) for c in corpora]}"
-        fixed = _fixed_draft_vocab(a, tc, answers, source)
+        fixed, files = _fixed_draft_vocab(a, tc, answers, source)
         r = train(a.target, a.out, train_records, cfg, eval_records=records[-n_eval:], device=a.device,
                   dtype=a.dtype, grad_accum=a.grad_accum, init_weights=a.init_weights, max_shard_mb=a.max_shard_mb,
-                  minutes=a.minutes, draft_ids=fixed)
+                  minutes=a.minutes, draft_ids=fixed, out_files=files)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0  # under torchrun rank 0 alone writes and reports
         if a.draft_vocab and fixed is None:
@@ -370,15 +370,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _fixed_draft_vocab(a, tc, answers, source: str) -> list[int] | None:
+def _fixed_draft_vocab(a, tc, answers, source: str) -> tuple[list[int] | None, dict[str, str]]:
     """--loss-vocab draft: the draft vocabulary the loss runs over, fixed when the run starts (written into OUT
     before the first step, read back when a run resumes: a corpus that grew since would otherwise move it under
-    the weights trained on it). None for the shortlist loss (draft_vocab.json is then written at the end)."""
+    the weights trained on it), and the file to write when it is new (`train` writes it once its checks passed).
+    None for the shortlist loss (draft_vocab.json is then written at the end)."""
     from dflash2 import draft_vocab
     from dflash2.train import state
 
     if a.loss_vocab != "draft":
-        return None
+        return None, {}
     resuming = (a.out / state.PROGRESS).is_file() or state.path(a.out).is_file()
     if resuming and draft_vocab.path_in(a.out).is_file():
         ids, asked = draft_vocab.read_with_size(a.out, tc.vocab_size, a.top_k)
@@ -387,17 +388,16 @@ def _fixed_draft_vocab(a, tc, answers, source: str) -> list[int] | None:
                                f"of this run), found {asked}: the run being resumed trained over that vocabulary")
         print(f"loss over the draft vocabulary fixed when this run started: {len(ids)} ids "
               f"({draft_vocab.path_in(a.out)})", flush=True)
-        return ids
+        return ids, {}
     if int(os.environ.get("RANK", "0")) != 0:  # rank 0 writes the file; the others count the same ids
-        return draft_vocab.from_sequences(answers(), a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
+        return draft_vocab.from_sequences(answers(), a.draft_vocab, tc.vocab_size, tc.eos_token_ids), {}
     seqs = answers()
     ids = draft_vocab.from_sequences(seqs, a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
     draft_vocab.check_ids(ids, tc.vocab_size, a.top_k, f"--draft-vocab {a.draft_vocab} over {source}")
-    a.out.mkdir(parents=True, exist_ok=True)
-    path = draft_vocab.write(a.out, ids, tc.vocab_size, source, a.draft_vocab)
-    print(f"loss over the draft vocabulary: wrote {path} ({len(ids)} ids, {draft_vocab.coverage(seqs, ids):.2%} of "
-          "the training answers' tokens; the others are not trained on)", flush=True)
-    return ids
+    print(f"loss over the draft vocabulary: {len(ids)} ids into {draft_vocab.path_in(a.out)} "
+          f"({draft_vocab.coverage(seqs, ids):.2%} of the training answers' tokens; the others are not trained on)",
+          flush=True)
+    return ids, {draft_vocab.path_in(a.out).name: draft_vocab.document(ids, tc.vocab_size, source, a.draft_vocab)}
 
 
 def _summary(a, r: dict) -> None:
@@ -424,9 +424,10 @@ def _train_live(a, corpus: Path, cfg, tc, taps) -> int:
         print(f"note: {corpus} holds no held-out conversation yet (index = {stream.holdout_mod - 1} mod "
               f"{stream.holdout_mod}): training.json gets no held-out curve", file=sys.stderr)
     source = f"dflash2-train id corpus {corpus}"
-    fixed = _fixed_draft_vocab(a, tc, stream.answers, source)
+    fixed, files = _fixed_draft_vocab(a, tc, stream.answers, source)
     r = train(a.target, a.out, stream, cfg, device=a.device, dtype=a.dtype, grad_accum=a.grad_accum,
-              init_weights=a.init_weights, max_shard_mb=a.max_shard_mb, minutes=a.minutes, draft_ids=fixed)
+              init_weights=a.init_weights, max_shard_mb=a.max_shard_mb, minutes=a.minutes, draft_ids=fixed,
+              out_files=files)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if a.draft_vocab and fixed is None:

@@ -81,11 +81,16 @@ def drafter_config_dict(target_dir: str | Path, c: TrainConfig) -> dict:
     }
 
 
-def init_drafter(target, cfg_dict: dict, folder: Path, init_from: str = "last") -> Drafter:
+def init_drafter(target, cfg_dict: dict, init_from: str = "last") -> Drafter:
     """Fresh drafter: attention/MLP copied from the target's first (or last) layers, identity convs,
-    small codebooks. The block's input is a token embedding, which the first layers expect."""
-    write_atomic(folder / "config.json", json.dumps(cfg_dict, indent=2))
-    dc = load_drafter_config(folder)
+    small codebooks. The block's input is a token embedding, which the first layers expect. Its config is read
+    through the one loader (checked like any drafter's) from a private copy: the run's folder is written only
+    once every check of the run passed (`train`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dflash2-drafter-") as folder:
+        write_atomic(Path(folder) / "config.json", json.dumps(cfg_dict, indent=2))
+        dc = load_drafter_config(folder)
     d = Drafter(dc, target.embed_tokens.weight.detach(), target.head_weight.detach(), target.config.hidden_size)
     src = target.layers[:dc.num_layers] if init_from == "first" else target.layers[-dc.num_layers:]
     for mine, theirs in zip(d.layers, src):
@@ -177,13 +182,15 @@ class _StepLoss(torch.nn.Module):
 def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
           eval_records: list | None = None, log_fn=print, device: str = "cpu", dtype: str = "fp32",
           grad_accum: int = 1, init_weights: str | Path | None = None, max_shard_mb: float | None = None,
-          minutes: float | None = None, draft_ids: list[int] | None = None) -> dict:
+          minutes: float | None = None, draft_ids: list[int] | None = None,
+          out_files: dict[str, str] | None = None) -> dict:
     """Train (or resume) a drafter into `out_dir`. Under torchrun every rank calls this with the same
     arguments; rank 0 alone writes. `records`: a sequence of corpus records (lazy taps are fine) or an
     `IdStream` (train/live.py). `minutes`: stop (saved, resumable) after the step that passes this budget.
 
     `draft_ids`: the draft vocabulary (ascending ids) when c.loss_vocab == "draft"; the held-out evaluation then
-    drafts over it too, as the exported drafter will.
+    drafts over it too, as the exported drafter will. `out_files`: name -> text written into `out_dir` beside
+    config.json once the warm start and the resume checks passed (a refused run writes nothing).
 
     Resumes from OUT/train_state/ (exactly) or, on a machine without it, from the compact state in OUT
     (progress.json + the fp16 drafter: AdamW's moments rebuilt during a fresh warm-up), whichever is further."""
@@ -201,17 +208,11 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
     out = Path(out_dir)
     pool = records if hasattr(records, "draw") else RecordPool(records)
     compact, stale = _read_compact(out)  # checked before any write
-    if world.main:
-        out.mkdir(parents=True, exist_ok=True)
-    distributed.barrier(world)
     torch.manual_seed(c.seed)
     rng = random.Random(c.seed)
     target = load_target(target_dir, ())
     cfg_dict = drafter_config_dict(target_dir, c)
-    d = init_drafter(target, cfg_dict, out, c.init_from) if world.main else None
-    distributed.barrier(world)
-    if d is None:  # the same fresh drafter on every rank (init is seeded, config.json written by rank 0)
-        d = init_drafter(target, cfg_dict, _scratch(out, world), c.init_from)
+    d = init_drafter(target, cfg_dict, c.init_from)  # the same fresh drafter on every rank (init is seeded)
     teacher = Teacher(target, c.tap_ids) if c.kd_weight > 0 else None  # keeps the layers after the last tap
     del target.layers  # otherwise only the embedding / LM head (buffers of the drafter) are needed
     log_mult = torch.nn.Parameter(torch.zeros(()), requires_grad=c.learn_multiplier)
@@ -242,10 +243,15 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
         torch.manual_seed(c.seed + step)
         log(f"resumed at step {step} from the compact state ({out / state.PROGRESS} + {compact['weights']['file']}, "
             f"fp16; AdamW's moments rebuilt during a {c.warmup}-step warm-up)")
-    if world.main and (step or init_weights):  # init_drafter rewrote config.json without the learned unary scale:
-        # put it back now, or the folder pairs the last saved weights with no scale until the next save (a commit
-        # made mid-run, or a run killed before its next save, then exported another drafter)
-        _set_multiplier(d, out, float(log_mult.detach().exp()))
+    if world.main:  # every check passed: the run's folder is written from here on
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in (out_files or {}).items():
+            write_atomic(out / name, text)
+        write_atomic(out / "config.json", json.dumps(cfg_dict, indent=2))
+        if step or init_weights:  # with the learned unary scale: otherwise the folder pairs the last saved weights
+            # with no scale until the next save (a commit made mid-run, or a run killed before its next save)
+            _set_multiplier(d, out, float(log_mult.detach().exp()))
+    distributed.barrier(world)
     if teacher is not None:
         for layer in teacher.layers:
             layer.to(dev)
@@ -391,11 +397,3 @@ def _load_compact(d: Drafter, out: Path, compact: dict, c: TrainConfig, log_mult
 def _on(rec, dev: str) -> dict:
     return {"ids": rec["ids"].to(dev), "taps": rec["taps"].to(dev), "prompt_len": rec["prompt_len"]}
 
-
-def _scratch(out: Path, world) -> Path:
-    """Non-zero ranks build their drafter from a private copy of the config (they never write `out`)."""
-    import tempfile
-
-    folder = Path(tempfile.mkdtemp(prefix=f"dflash2-rank{world.rank}-"))
-    write_atomic(folder / "config.json", (out / "config.json").read_text())
-    return folder
