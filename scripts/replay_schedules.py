@@ -17,6 +17,14 @@ perfect cost model would reach).
 `thresholds` prices, per trace, every schedule that drafts each round and verifies the leading drafts whose
 confidences exceed t1 (the first) and t2 (the rest), on a grid, and prints the best: what a confidence rule could
 reach if its thresholds were chosen knowing the answers (an upper bound for schedules that read confidences only).
+`bounds` prices the schedule, perfect confidence (every round drafted, exactly the matching drafts verified) and
+the oracle at the trace's costs with the draft cheaper and the verify flatter by given factors:
+
+    python scripts/replay_schedules.py bounds TRACE... [--draft 1,0.5,0.25,0] [--verify 1,0.5,0] [--lift 0.1,0.2]
+        [--json out.json]
+
+and, with `--lift`, at today's costs over traces whose drafts were turned right at random (`lifted`), roughly what
+acceptance a speed would need.
 """
 
 from __future__ import annotations
@@ -137,6 +145,59 @@ def thresholds(a) -> int:
     return 0
 
 
+def lifted(trace: dict, q: float, seed: int = 0) -> dict:
+    """A crude stand-in for a drafter that accepts more (`bounds --lift`): at every position each draft after the
+    matching prefix is turned right in turn with probability min(1, 2 q c), c its confidence (a better drafter's gains
+    sit where it is already surer), seeded. Not a drafter: what acceptance a speed would need, roughly."""
+    import copy
+    import random
+
+    rng, S, t = random.Random(seed), trace["block_size"] - 1, copy.deepcopy(trace)
+    for ans in t["answers"]:
+        for p in ans["positions"]:
+            while p["match"] < S and rng.random() < min(1.0, 2 * q * (p["confidence"] or [0.5] * S)[p["match"]]):
+                p["match"] += 1
+    return t
+
+
+def bounds(a) -> int:
+    """Per trace, at the draft cost times each of --draft and the verify's cost beyond a decode step times each of
+    --verify: the schedule (auto), the bound of perfect confidence (drafts every round, verifies exactly the drafts
+    that match) and the oracle (knows before drafting): what a cheaper drafter or a flatter verify is worth at this
+    drafter's acceptance, and whether any schedule could reach a given speed at today's costs."""
+    from dflash2.runtime.replay import load_schedules, replay as replay_trace, scaled_costs
+
+    (name, cls), = load_schedules([a.schedule]).items()
+    draft, verify = ([float(x) for x in v.split(",")] for v in (a.draft, a.verify))
+    rows = {}
+    for path in a.traces:
+        t = read_trace(path)
+        rows[path] = []
+        print(f"{Path(path).name}: {_table_line(t['costs_ms'])}")
+        print(f"| draft cost x | verify beyond decode x | {name} | perfect confidence | oracle |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for fd in draft:
+            for fv in verify:
+                s = {**t, "costs_ms": scaled_costs(t["costs_ms"], fd, fv)}
+                r = {"draft": fd, "verify": fv, name: replay_trace(cls(t["block_size"]), s)["speed"],
+                     "hindsight": replay_trace(None, s, hindsight=True)["speed"], "oracle": replay_trace(None, s)["speed"]}
+                rows[path].append(r)
+                print(f"| {fd:g} | {fv:g} | {r[name]:.3f}x | {r['hindsight']:.3f}x | {r['oracle']:.3f}x |")
+        if a.lift:
+            print(f"| lift q | acceptance (all drafts, every position) | P(first draft) | {name} | perfect confidence |")
+            print("| ---: | ---: | ---: | ---: | ---: |")
+        for q in (float(x) for x in a.lift.split(",") if x):
+            s = lifted(t, q)
+            m = [p["match"] for ans in s["answers"] for p in ans["positions"]]
+            r = {"lift": q, "acceptance": 1 + sum(m) / len(m), "p_first": sum(x > 0 for x in m) / len(m),
+                 name: replay_trace(cls(t["block_size"]), s)["speed"], "hindsight": replay_trace(None, s, hindsight=True)["speed"]}
+            rows[path].append(r)
+            print(f"| {q:g} | {r['acceptance']:.2f} | {r['p_first']:.2f} | {r[name]:.3f}x | {r['hindsight']:.3f}x |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -161,8 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("thresholds")
     h.add_argument("traces", nargs="+")
     h.add_argument("--json", default=None)
+    b = sub.add_parser("bounds")
+    b.add_argument("traces", nargs="+")
+    b.add_argument("--schedule", default=f"auto={Path(__file__).resolve().parents[1]}/dflash2/runtime/schedule.py",
+                   metavar="NAME=FILE")
+    b.add_argument("--draft", default="1,0.5,0.25,0", help="draft cost factors")
+    b.add_argument("--verify", default="1,0.5,0", help="factors of what a verify costs beyond a decode step")
+    b.add_argument("--lift", default="", help="also these q: drafts turned right at random (lifted(), a stand-in "
+                   "for a drafter that accepts more), priced at today's costs")
+    b.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    return {"record": record, "costs": costs, "replay": replay, "thresholds": thresholds}[a.cmd](a)
+    return {"record": record, "costs": costs, "replay": replay, "thresholds": thresholds, "bounds": bounds}[a.cmd](a)
 
 
 if __name__ == "__main__":

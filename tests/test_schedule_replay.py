@@ -41,6 +41,53 @@ def test_replay_prices_a_hand_built_trace():
     bound = replay(None, t)  # the oracle: draft where the matching drafts pay, verify exactly those
     assert (bound["rounds"], bound["accepted"]) == (2, 7)  # 7 drafts and the bonus, then the last token alone
     assert bound["speed"] == pytest.approx(90.0 / ((2 + 24) + 10))
+    # perfect confidence: drafts every round, then verifies exactly the matching drafts (none at the last token)
+    known = replay(None, t, hindsight=True)
+    assert (known["rounds"], known["drafted"], known["accepted"]) == (2, 2, 7)
+    assert known["speed"] == pytest.approx(90.0 / ((2 + 24) + (2 + 10)))
+
+
+def test_scaled_costs_price_a_cheaper_draft_and_a_flatter_verify(tmp_path, capsys):
+    """replay.scaled_costs and `scripts/replay_schedules.py bounds`: the draft times f, a verify's excess over a decode
+    step times g. Free drafts and a flat verify (a verify of 8 rows costing one decode step): every bound is the
+    same 90 ms of plain decoding over two 10 ms rounds."""
+    from dflash2.runtime.replay import scaled_costs
+
+    t = _trace(10)
+    c = scaled_costs(t["costs_ms"], draft=0.5, verify=0.5)
+    assert c["draft_base"] == 1.0 and c["verify"] == [0.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0]
+    assert t["costs_ms"]["draft_base"] == 2.0  # the trace's own table is left as it was
+    path, out = tmp_path / "t.json", tmp_path / "b.json"
+    path.write_text(json.dumps(t))
+    assert _script().main(["bounds", str(path), "--draft", "1,0", "--verify", "0", "--json", str(out)]) == 0
+    free = json.loads(out.read_text())[str(path)][1]
+    assert (free["draft"], free["verify"]) == (0.0, 0.0)
+    assert free["hindsight"] == pytest.approx(4.5) and free["oracle"] == pytest.approx(4.5)
+    assert "| 0 | 0 |" in capsys.readouterr().out
+
+
+def test_lifted_turns_drafts_right_without_touching_the_trace():
+    """`bounds --lift q`: each draft after the matching prefix turned right in turn with probability min(1, 2 q c);
+    q = 0 changes nothing, q = 1 at confidence 0.9 turns every draft right; the trace read stays as it was."""
+    script = _script()
+    t = _trace(10)
+    for p in t["answers"][0]["positions"]:
+        p["match"] = 0
+    assert script.lifted(t, 0.0) == t
+    assert {p["match"] for p in script.lifted(t, 1.0)["answers"][0]["positions"]} == {7}
+    assert {p["match"] for p in t["answers"][0]["positions"]} == {0}
+    half = [p["match"] for p in script.lifted(t, 0.3, seed=1)["answers"][0]["positions"]]
+    assert half == [p["match"] for p in script.lifted(t, 0.3, seed=1)["answers"][0]["positions"]]  # seeded
+    assert 0 < sum(half) < 7 * len(half)
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("replay_schedules", TRACES.parents[2] / "scripts" / "replay_schedules.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
 
 
 def _recorded(name: str) -> dict:
@@ -78,11 +125,7 @@ def test_exact_costs_swaps_in_the_traces_table_after_calibration(tmp_path, capsy
     """`replay --exact-costs`: the same schedule, its cost model replaced by the trace's own table once its calibration
     rounds are done (what a perfect cost model reaches). On the hand-built trace the calibrated line and the table
     differ (verify[2] priced by a line through 1 and 5 rows), and the exact variant holds the table itself."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("replay_schedules", TRACES.parents[2] / "scripts" / "replay_schedules.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     t = _trace(40)
     t["costs_ms"]["verify"][2] = 10.5  # a 2-row verify cheaper than the line through 1 and 5 rows says
     exact = script._exact_costs(AutoSchedule, t["costs_ms"])(8)

@@ -138,9 +138,11 @@ def record(rt, prompts: Sequence, max_new_tokens: int = 128, log: Callable[[str]
     return answers
 
 
-def replay(schedule: DraftSchedule | None, trace: dict) -> dict:
+def replay(schedule: DraftSchedule | None, trace: dict, hindsight: bool = False) -> dict:
     """One session: every answer of the trace in turn through one schedule instance. Priced in ms.
-    schedule None: the oracle bound (drafts exactly where the drafts that will match pay, verifies those).
+    schedule None: the oracle bound (drafts exactly where the drafts that will match pay, verifies those);
+    with `hindsight`, the bound of perfect confidence: it drafts every round (it learns what the drafts are only
+    by drafting) and then verifies exactly the drafts that match.
     A schedule whose `wants_reuse()` says so verifies the unverified tail of the last draft instead of
     drafting again, when every verified draft and the target's own next token matched it (greedy: the tail
     then proposes exactly the positions that follow)."""
@@ -164,7 +166,7 @@ def replay(schedule: DraftSchedule | None, trace: dict) -> dict:
                 q, o, match = p, 0, pos[p]["match"]
                 m = min(match, n - 2 - p)
                 cost = c["draft_base"] + c["draft_per_row"] * pending + c["verify"][m + 1]
-                d = m > 0 and (m + 1) * c["decode"] > cost
+                d = hindsight or (m > 0 and (m + 1) * c["decode"] > cost)
                 k = m if d else 0
             else:
                 q, o, match = p, 0, pos[p]["match"]
@@ -186,6 +188,15 @@ def replay(schedule: DraftSchedule | None, trace: dict) -> dict:
         ar_ms += (n - 1) * c["decode"]
     return {"speed": ar_ms / ms, "rounds": rounds, "drafted": drafted, "reused": reused, "accepted": accepted,
             "tokens": tokens}
+
+
+def scaled_costs(table: dict, draft: float = 1.0, verify: float = 1.0) -> dict:
+    """A cost table with the draft's cost times `draft` and what each verify costs beyond a decode step times
+    `verify` (0: a verify of any rows costs one decode step, as on a GPU): what a cheaper drafter or a flatter
+    verify would be worth, priced over the same recorded drafts (`scripts/replay_schedules.py bounds`)."""
+    d = table["decode"]
+    return {**table, "draft_base": table["draft_base"] * draft, "draft_per_row": table["draft_per_row"] * draft,
+            "verify": [0.0, *(d + (v - d) * verify for v in table["verify"][1:])]}
 
 
 def load_schedules(items: Sequence[str]) -> dict:
