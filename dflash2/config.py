@@ -80,6 +80,8 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     logit_softcap: float = 0.0
     input_embedding_scale: float = 1.0
+    trained_block_size: int | None = None  # the block its config.json says it was trained for (None: block_size);
+    # more than block_size where an export drafts fewer rows (`dflash2-export --draft-block`): the manifest says so
 
     @property
     def num_drafts(self) -> int:  # S
@@ -417,7 +419,7 @@ def load_drafter_config(folder: str | Path, block_size: int | None = None) -> Dr
         arch=arch, version=version, **shape, block_size=trained if block_size is None else block_size,
         num_target_layers=num_target, target_layer_ids=tuple(taps), mask_token_id=mask,
         layer_causal=causal, layer_window=windows, output_multiplier=mult, logit_softcap=cap,
-        input_embedding_scale=d.float("input_embedding_scale", 1.0), **extra)
+        input_embedding_scale=d.float("input_embedding_scale", 1.0), trained_block_size=trained, **extra)
 
 
 def check_pair(drafter: DrafterConfig, target: TargetConfig, drafter_dir: str | Path, target_dir: str | Path) -> None:

@@ -236,6 +236,7 @@ def test_a_shorter_draft_block_is_exported_validated_and_lossless(tmp_path, pair
     n = trained - 2
     m = export(d, t, tmp_path / "out", max_seq_len=256, quiet=True, target_attention=attention, draft_block=n)
     assert m.block_size == n and m.num_drafts == n - 1 and m.drafter_config["block_size"] == n
+    assert m.drafter_config["trained_block_size"] == trained  # the manifest says it drafts fewer rows than trained
     assert all(v.ok for v in m.validation.values())
     drafter_graph = onnx.load(str(tmp_path / "out" / "drafter.onnx"), load_external_data=False).graph
     dims = {o.name: [x.dim_value or x.dim_param for x in o.type.tensor_type.shape.dim] for o in drafter_graph.output}
