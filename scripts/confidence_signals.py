@@ -26,9 +26,13 @@ SIGNALS = ("confidence", "p_walk", "p_top1", "margin", "entropy", "agree")
 
 
 def auc(score: np.ndarray, y: np.ndarray) -> float:
-    """Mann-Whitney AUC of `score` for the boolean labels `y` (ties ranked in order: the signals are continuous)."""
+    """Mann-Whitney AUC of `score` for the boolean labels `y`; tied scores share their average rank (`agree` is 0/1)."""
+    order = np.argsort(score, kind="stable")
     ranks = np.empty(len(score))
-    ranks[np.argsort(score, kind="stable")] = np.arange(1, len(score) + 1)
+    ranks[order] = np.arange(1, len(score) + 1)
+    values, first, counts = np.unique(score[order], return_index=True, return_counts=True)
+    for f, n in zip(first[counts > 1], counts[counts > 1]):  # a run of ties: every member gets the run's mean rank
+        ranks[order[f:f + n]] = f + (n + 1) / 2
     pos = int(y.sum())
     neg = len(y) - pos
     return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg)) if pos and neg else float("nan")
@@ -42,7 +46,7 @@ def signals(d, recs: list[dict], chunk: int = 96) -> dict[str, np.ndarray]:
     from dflash2.train.objective import block_forward
     from dflash2.train.pool import anchor_range
 
-    out = {k: [] for k in ("match", *SIGNALS)}
+    out = {k: [] for k in ("match", "labelled", *SIGNALS)}
     for rec in recs:
         lo, hi = anchor_range(rec)
         for j in range(lo, hi + 1, chunk):
@@ -53,6 +57,7 @@ def signals(d, recs: list[dict], chunk: int = 96) -> dict[str, np.ndarray]:
             col = sel["draft_ids"].long() if ids is None else torch.searchsorted(ids, sel["draft_ids"].long())
             top2 = p.topk(2, -1).values
             out["match"].append(sel["draft_ids"].long() == labels)
+            out["labelled"].append(labels >= 0)  # -100 past the sequence: nothing to match there
             out["confidence"].append(sel["confidence"])
             out["p_walk"].append(p.gather(-1, col[..., None])[..., 0])
             out["p_top1"].append(top2[..., 0])
@@ -63,11 +68,12 @@ def signals(d, recs: list[dict], chunk: int = 96) -> dict[str, np.ndarray]:
 
 
 def scores(f: dict[str, np.ndarray], positions: int = 3) -> list[dict]:
-    """Per draft position s (1-based): blocks asked about (drafts before it all matched), P(match), AUC per signal."""
+    """Per draft position s (1-based): blocks asked about (drafts before it all matched, and a label to match: not
+    past the answer's end), P(match), AUC per signal."""
     prefix = np.cumprod(f["match"], -1).astype(bool)
     rows = []
     for s in range(min(positions, f["match"].shape[1])):
-        asked = np.ones(len(prefix), bool) if s == 0 else prefix[:, s - 1]
+        asked = f["labelled"][:, s] & (np.ones(len(prefix), bool) if s == 0 else prefix[:, s - 1])
         y = f["match"][asked, s].astype(bool)
         rows.append({"position": s + 1, "blocks": int(asked.sum()), "p_match": round(float(y.mean()), 4),
                      **{k: round(auc(f[k][asked, s], y), 4) for k in SIGNALS}})
@@ -93,9 +99,13 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     recs = IdStream(IdCorpus(a.corpus), TapsModel(a.target, [int(t) for t in a.taps.split(",")], "bf16")).held_out(a.rows)
     out = {"rows": len(recs), "drafters": {}}
+    taps = tuple(int(t) for t in a.taps.split(","))
     for folder in a.drafters:
         t0 = time.perf_counter()
         _, d = load_pair(folder, a.target)
+        if tuple(d.config.target_layer_ids) != taps:  # the taps were computed once, for --taps
+            raise SystemExit(f"{folder}: expected a drafter over --taps {a.taps}, found target_layer_ids "
+                             f"{list(d.config.target_layer_ids)} (config.json): score it in a run of its own")
         with torch.no_grad():
             out["drafters"][str(folder)] = scores(signals(d, recs))
         print(f"{folder}: {time.perf_counter() - t0:.0f} s", flush=True)

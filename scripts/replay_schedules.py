@@ -11,14 +11,15 @@ skipped rounds adds). `costs` re-measures that table into traces (a table taken 
 every round wrong; the drafts do not depend on timing). `replay` loads `AutoSchedule` from each FILE (another
 version of dflash2/runtime/schedule.py, e.g. `git show HEAD~1:dflash2/runtime/schedule.py > /tmp/before.py`),
 keeps one instance per trace (a session) and prints each one's speed over plain decoding and the share of
-rounds that ran the drafter, beside the oracle bound (drafts exactly where the drafts that will match pay);
+rounds that ran the drafter, beside the oracle bound (`replay.bound`: the least time knowing every match);
 `--exact-costs` adds each schedule with the trace's own cost table once its calibration rounds are done (what a
 perfect cost model would reach).
 `thresholds` prices, per trace, every schedule that drafts each round and verifies the leading drafts whose
 confidences exceed t1 (the first) and t2 (the rest), on a grid, and prints the best: what a confidence rule could
 reach if its thresholds were chosen knowing the answers (an upper bound for schedules that read confidences only).
-`bounds` prices the schedule, perfect confidence (every round drafted, exactly the matching drafts verified) and
-the oracle at the trace's costs with the draft cheaper and the verify flatter by given factors:
+`bounds` prices the schedule, perfect confidence (the best schedule that drafts every round, knowing which drafts
+match once drafted) and the oracle (the best of all, `replay.bound`) at the trace's costs with the draft cheaper and
+the verify flatter by given factors:
 
     python scripts/replay_schedules.py bounds TRACE... [--draft 1,0.5,0.25,0] [--verify 1,0.5,0] [--lift 0.1,0.2]
         [--json out.json]
@@ -108,7 +109,7 @@ def replay(a) -> int:
     rows = {}
     print(f"{'trace':>34} " + " ".join(f"{n:>15}" for n in names) + "   (speed over plain decoding, drafted share)")
     for path in a.traces:
-        t = read_trace(path)
+        t = lifted(read_trace(path), a.lift) if a.lift else read_trace(path)
         classes = dict(loaded)
         if a.exact_costs:
             classes |= {f"{n}/exact": _exact_costs(cls, t["costs_ms"]) for n, cls in loaded.items()}
@@ -160,39 +161,55 @@ def lifted(trace: dict, q: float, seed: int = 0) -> dict:
     return t
 
 
+def _best_fixed(trace: dict) -> dict:
+    """The best `--draft-len K` over the trace (one K for all of its answers, chosen knowing them)."""
+    from dflash2.runtime.replay import replay as replay_trace
+    from dflash2.speculative import FixedSchedule
+
+    speed, k = max((replay_trace(FixedSchedule(k), trace)["speed"], k) for k in range(1, trace["block_size"]))
+    return {"best_fixed": speed, "best_k": k}
+
+
 def bounds(a) -> int:
     """Per trace, at the draft cost times each of --draft and the verify's cost beyond a decode step times each of
-    --verify: the schedule (auto), the bound of perfect confidence (drafts every round, verifies exactly the drafts
-    that match) and the oracle (knows before drafting): what a cheaper drafter or a flatter verify is worth at this
-    drafter's acceptance, and whether any schedule could reach a given speed at today's costs."""
-    from dflash2.runtime.replay import load_schedules, replay as replay_trace, scaled_costs
+    --verify: the schedule (auto), perfect confidence (the best of the schedules that draft every round and then
+    verify any of the drafts that will match) and the oracle (the best of all schedules: `replay.bound`): what a
+    cheaper drafter or a flatter verify is worth at this drafter's acceptance."""
+    from dflash2.runtime.replay import bound, load_schedules, replay as replay_trace, scaled_costs
 
     (name, cls), = load_schedules([a.schedule]).items()
     draft, verify = ([float(x) for x in v.split(",")] for v in (a.draft, a.verify))
     rows = {}
     for path in a.traces:
         t = read_trace(path)
+        if not any(ans["tokens"] > 1 for ans in t["answers"]):
+            print(f"{path}: no rounds to price (an empty trace)", file=sys.stderr)
+            return 2
         rows[path] = []
         print(f"{Path(path).name}: {_table_line(t['costs_ms'])}")
-        print(f"| draft cost x | verify beyond decode x | {name} | perfect confidence | oracle |")
-        print("| ---: | ---: | ---: | ---: | ---: |")
+        print(f"| draft cost x | verify beyond decode x | {name} | best fixed K | perfect confidence | oracle |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for fd in draft:
             for fv in verify:
                 s = {**t, "costs_ms": scaled_costs(t["costs_ms"], fd, fv)}
                 r = {"draft": fd, "verify": fv, name: replay_trace(cls(t["block_size"]), s)["speed"],
-                     "hindsight": replay_trace(None, s, hindsight=True)["speed"], "oracle": replay_trace(None, s)["speed"]}
+                     **_best_fixed(s), "perfect_confidence": bound(s, skip=False)["speed"], "oracle": bound(s)["speed"]}
                 rows[path].append(r)
-                print(f"| {fd:g} | {fv:g} | {r[name]:.3f}x | {r['hindsight']:.3f}x | {r['oracle']:.3f}x |")
+                print(f"| {fd:g} | {fv:g} | {r[name]:.3f}x | {r['best_fixed']:.3f}x (K = {r['best_k']}) | "
+                      f"{r['perfect_confidence']:.3f}x | {r['oracle']:.3f}x |")
         if a.lift:
-            print(f"| lift q | acceptance (all drafts, every position) | P(first draft) | {name} | perfect confidence |")
-            print("| ---: | ---: | ---: | ---: | ---: |")
+            print(f"| lift q | acceptance (all drafts, every position) | P(first draft) | {name} | best fixed K | "
+                  "perfect confidence |")
+            print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for q in (float(x) for x in a.lift.split(",") if x):
             s = lifted(t, q)
             m = [p["match"] for ans in s["answers"] for p in ans["positions"]]
             r = {"lift": q, "acceptance": 1 + sum(m) / len(m), "p_first": sum(x > 0 for x in m) / len(m),
-                 name: replay_trace(cls(t["block_size"]), s)["speed"], "hindsight": replay_trace(None, s, hindsight=True)["speed"]}
+                 name: replay_trace(cls(t["block_size"]), s)["speed"], **_best_fixed(s),
+                 "perfect_confidence": bound(s, skip=False)["speed"]}
             rows[path].append(r)
-            print(f"| {q:g} | {r['acceptance']:.2f} | {r['p_first']:.2f} | {r[name]:.3f}x | {r['hindsight']:.3f}x |")
+            print(f"| {q:g} | {r['acceptance']:.2f} | {r['p_first']:.2f} | {r[name]:.3f}x | {r['best_fixed']:.3f}x "
+                  f"(K = {r['best_k']}) | {r['perfect_confidence']:.3f}x |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
@@ -217,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--schedule", action="append", required=True, metavar="NAME=FILE")
     q.add_argument("--json", default=None)
     q.add_argument("--fresh", action="store_true", help="a new schedule (session) per answer, as the main command")
+    q.add_argument("--lift", type=float, default=0.0, help="replay over the traces' drafts turned right at random "
+                   "(lifted(): a stand-in for a drafter that accepts more)")
     q.add_argument("--exact-costs", action="store_true",
                    help="also each schedule with the trace's own cost table once calibrated (a perfect cost model)")
     h = sub.add_parser("thresholds")

@@ -152,7 +152,7 @@ def test_cli_generates_corpus_trains_and_reports(tmp_path, corpus, capsys):
                            "--taps", "1,2", "--steps", "2", "--block-size", "5", "--top-k", "4", "--rank", "8",
                            "--seqs-per-step", "2", "--anchors", "3", "--mask-token-id", "3", "--threads", "1",
                            "--draft-vocab", "20", "--loss-vocab", "draft"])  # the loss over the draft vocabulary
-    assert code == 0 and "ids into" in capsys.readouterr().out  # the draft vocabulary, written as the run starts
+    assert code == 0 and "once the run's checks pass" in capsys.readouterr().out  # the draft vocabulary's file
     assert json.loads((tmp_path / "v" / "draft_vocab.json").read_text())["requested_size"] == 20
     assert json.loads((tmp_path / "v" / "training.json").read_text())["config"]["loss_vocab"] == "draft"
     # a corpus tapped at other layers is refused, naming both

@@ -161,6 +161,7 @@ def test_tampered_or_mismatched_compact_state_is_refused_by_name(live, tmp_path,
         shutil.copy(a / name, b / name)
     weights = (b / "model.safetensors").read_bytes()
     (b / "model.safetensors").write_bytes(weights[:-2] + bytes([weights[-2] ^ 1, weights[-1]]))
+    config = (b / "config.json").read_bytes()  # with the learned unary scale the saved weights go with
     capsys.readouterr()
     assert _train(live, b, "--steps", "6") == 2
     err = capsys.readouterr().err
@@ -172,6 +173,7 @@ def test_tampered_or_mismatched_compact_state_is_refused_by_name(live, tmp_path,
     assert _train(live, b, "--steps", "6", "--seed", "1") == 2  # another corpus order
     assert "stream.seed expected 1 (this run), found 0" in capsys.readouterr().err
     assert json.loads((b / "progress.json").read_text())["step"] == 3  # refused runs wrote nothing
+    assert (b / "config.json").read_bytes() == config  # not even the config of the run they would have been
 
 
 def test_a_time_budget_stops_saved_and_the_same_command_continues(live, tmp_path, capsys):

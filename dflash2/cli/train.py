@@ -394,9 +394,9 @@ def _fixed_draft_vocab(a, tc, answers, source: str) -> tuple[list[int] | None, d
     seqs = answers()
     ids = draft_vocab.from_sequences(seqs, a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
     draft_vocab.check_ids(ids, tc.vocab_size, a.top_k, f"--draft-vocab {a.draft_vocab} over {source}")
-    print(f"loss over the draft vocabulary: {len(ids)} ids into {draft_vocab.path_in(a.out)} "
-          f"({draft_vocab.coverage(seqs, ids):.2%} of the training answers' tokens; the others are not trained on)",
-          flush=True)
+    print(f"loss over the draft vocabulary: {len(ids)} ids ({draft_vocab.coverage(seqs, ids):.2%} of the training "
+          f"answers' tokens; the others are not trained on), into {draft_vocab.path_in(a.out)} once the run's checks "
+          "pass", flush=True)
     return ids, {draft_vocab.path_in(a.out).name: draft_vocab.document(ids, tc.vocab_size, source, a.draft_vocab)}
 
 

@@ -138,23 +138,21 @@ def record(rt, prompts: Sequence, max_new_tokens: int = 128, log: Callable[[str]
     return answers
 
 
-def replay(schedule: DraftSchedule | None, trace: dict, hindsight: bool = False) -> dict:
+def replay(schedule: DraftSchedule | None, trace: dict) -> dict:
     """One session: every answer of the trace in turn through one schedule instance. Priced in ms.
-    schedule None: the oracle bound (drafts exactly where the drafts that will match pay, verifies those);
-    with `hindsight`, the bound of perfect confidence: it drafts every round (it learns what the drafts are only
-    by drafting) and then verifies exactly the drafts that match.
-    A schedule whose `wants_reuse()` says so verifies the unverified tail of the last draft instead of
-    drafting again, when every verified draft and the target's own next token matched it (greedy: the tail
-    then proposes exactly the positions that follow)."""
+    schedule None: the oracle bound (`bound`). A schedule whose `wants_reuse()` says so verifies the unverified
+    tail of the last draft instead of drafting again, when every verified draft and the target's own next token
+    matched it (greedy: the tail then proposes exactly the positions that follow)."""
+    if schedule is None:
+        return bound(trace)
     c = trace["costs_ms"]
     S = trace["block_size"] - 1
     ms = ar_ms = 0.0
     tokens = drafted = rounds = reused = accepted = 0
-    reuse = schedule is not None and getattr(schedule, "wants_reuse", lambda: False)
+    reuse = getattr(schedule, "wants_reuse", lambda: False)
     for ans in trace["answers"]:
         pos, n, pending = ans["positions"], ans["tokens"], ans.get("prompt_tokens", 1)  # the first draft takes the prompt
-        if schedule is not None:
-            schedule.start()
+        schedule.start()
         p, tail = 0, None  # p: index of the anchor (ids[p] is the last token out); tail: (q, o) = drafts[q][o:]
         while p < n - 1:
             from_tail = tail is not None and bool(reuse())
@@ -162,12 +160,6 @@ def replay(schedule: DraftSchedule | None, trace: dict, hindsight: bool = False)
                 q, o = tail
                 conf, match, d = pos[q]["confidence"][o:], max(pos[q]["match"] - o, 0), False
                 k = schedule.choose(conf, S - o)
-            elif schedule is None:  # the bound: knows the match, drafts only where verifying it beats decoding
-                q, o, match = p, 0, pos[p]["match"]
-                m = min(match, n - 2 - p)
-                cost = c["draft_base"] + c["draft_per_row"] * pending + c["verify"][m + 1]
-                d = hindsight or (m > 0 and (m + 1) * c["decode"] > cost)
-                k = m if d else 0
             else:
                 q, o, match = p, 0, pos[p]["match"]
                 d = schedule.wants_draft()
@@ -175,8 +167,7 @@ def replay(schedule: DraftSchedule | None, trace: dict, hindsight: bool = False)
             draft_ms = c["draft_base"] + c["draft_per_row"] * pending if d else 0.0
             acc = min(k, match)  # as the loop counts it: the answer's end truncates what is emitted, not this
             verify_ms = c["verify"][k + 1]
-            if schedule is not None:
-                schedule.observe(Round(d, k, acc, draft_ms / 1e3, verify_ms / 1e3))
+            schedule.observe(Round(d, k, acc, draft_ms / 1e3, verify_ms / 1e3))
             pending = acc + 1 + (0 if d else pending)
             ms += draft_ms + verify_ms
             reused += from_tail
@@ -187,6 +178,50 @@ def replay(schedule: DraftSchedule | None, trace: dict, hindsight: bool = False)
         tokens += n - 1
         ar_ms += (n - 1) * c["decode"]
     return {"speed": ar_ms / ms, "rounds": rounds, "drafted": drafted, "reused": reused, "accepted": accepted,
+            "tokens": tokens}
+
+
+def bound(trace: dict, skip: bool = True) -> dict:
+    """The least time any schedule could spend on the trace's answers knowing every position's match (exact, by
+    dynamic programming over the anchors): the oracle (`skip`: each round drafts or decodes, and verifies any k of
+    the drafts that will match), or perfect confidence (skip False: every round drafts, as a schedule that learns
+    what it drafted only by drafting, then verifies any k of the matching drafts; fixed K and confidence thresholds
+    are such schedules). Draft tails (a verify without a drafter call) cannot beat the oracle where a verify of
+    r1 + r2 rows costs at most r1 rows' and r2 rows' apart (every measured table): one round verifying both parts
+    is cheaper. Priced with the draft's per-row term at the rows then pending, as `replay` does."""
+    c = trace["costs_ms"]
+    S = trace["block_size"] - 1
+    ms = ar_ms = 0.0
+    tokens = drafted = rounds = accepted = 0
+    for ans in trace["answers"]:
+        pos, n = ans["positions"], ans["tokens"]
+        best: dict[tuple[int, int], tuple[float, tuple]] = {}  # (anchor, rows pending) -> (ms to the end, first step)
+
+        def cost(p: int, pending: int) -> float:
+            if p >= n - 1:
+                return 0.0
+            key = (p, pending if c["draft_per_row"] else 0)  # the rows pending only price a draft
+            if key not in best:
+                m = min(pos[p]["match"], S, n - 2 - p)  # drafts that count: the answer's end truncates the rest
+                draft = c["draft_base"] + c["draft_per_row"] * pending
+                options = [(draft + c["verify"][k + 1] + cost(p + k + 1, k + 1), (True, k)) for k in range(m + 1)]
+                if skip:
+                    options.append((c["verify"][1] + cost(p + 1, pending + 1), (False, 0)))
+                best[key] = min(options, key=lambda o: o[0])
+            return best[key][0]
+
+        p, pending = 0, ans.get("prompt_tokens", 1)
+        for q in range(n - 2, -1, -1):  # bottom-up over anchors first: no deep recursion on long answers
+            for r in range(1, S + 2):
+                cost(q, r)
+        ms += cost(p, pending)
+        while p < n - 1:  # the path, for the counts
+            d, k = best[(p, pending if c["draft_per_row"] else 0)][1]
+            p, pending = p + k + 1, k + 1 + (0 if d else pending)
+            rounds, drafted, accepted = rounds + 1, drafted + d, accepted + k
+        tokens += n - 1
+        ar_ms += (n - 1) * c["decode"]
+    return {"speed": ar_ms / ms, "rounds": rounds, "drafted": drafted, "reused": 0, "accepted": accepted,
             "tokens": tokens}
 
 

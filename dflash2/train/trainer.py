@@ -88,6 +88,8 @@ def init_drafter(target, cfg_dict: dict, init_from: str = "last") -> Drafter:
     once every check of the run passed (`train`)."""
     import tempfile
 
+    if init_from not in ("first", "last"):
+        raise Dflash2Error(f"init_from: expected 'first' or 'last', found {init_from!r}")
     with tempfile.TemporaryDirectory(prefix="dflash2-drafter-") as folder:
         write_atomic(Path(folder) / "config.json", json.dumps(cfg_dict, indent=2))
         dc = load_drafter_config(folder)
