@@ -197,26 +197,39 @@ def bound(trace: dict, skip: bool = True) -> dict:
         pos, n = ans["positions"], ans["tokens"]
         best: dict[tuple[int, int], tuple[float, tuple]] = {}  # (anchor, rows pending) -> (ms to the end, first step)
 
-        def cost(p: int, pending: int) -> float:
-            if p >= n - 1:
-                return 0.0
-            key = (p, pending if c["draft_per_row"] else 0)  # the rows pending only price a draft
-            if key not in best:
+        def key(p: int, pending: int) -> tuple[int, int]:
+            return p, pending if c["draft_per_row"] else 0  # the rows pending only price a draft
+
+        def value(p: int, pending: int) -> float:
+            return 0.0 if p >= n - 1 else best[key(p, pending)][0]
+
+        def solve(p0: int, pending0: int) -> float:
+            """Every state (p, pending) reachable from p0 solved, deepest first (an explicit stack: a run of skipped
+            drafts chains as many states as the answer has tokens)."""
+            stack = [(p0, pending0)]
+            while stack:
+                p, pending = stack[-1]
+                if p >= n - 1 or key(p, pending) in best:
+                    stack.pop()
+                    continue
                 m = min(pos[p]["match"], S, n - 2 - p)  # drafts that count: the answer's end truncates the rest
-                draft = c["draft_base"] + c["draft_per_row"] * pending
-                options = [(draft + c["verify"][k + 1] + cost(p + k + 1, k + 1), (True, k)) for k in range(m + 1)]
+                steps = [((True, k), p + k + 1, k + 1) for k in range(m + 1)]
                 if skip:
-                    options.append((c["verify"][1] + cost(p + 1, pending + 1), (False, 0)))
-                best[key] = min(options, key=lambda o: o[0])
-            return best[key][0]
+                    steps.append(((False, 0), p + 1, pending + 1))
+                todo = [(q, r) for _, q, r in steps if q < n - 1 and key(q, r) not in best]
+                if todo:
+                    stack.extend(todo)
+                    continue
+                draft = c["draft_base"] + c["draft_per_row"] * pending
+                best[key(p, pending)] = min(((draft if d else 0.0) + c["verify"][k + 1] + value(q, r), (d, k))
+                                            for (d, k), q, r in steps)
+                stack.pop()
+            return value(p0, pending0)
 
         p, pending = 0, ans.get("prompt_tokens", 1)
-        for q in range(n - 2, -1, -1):  # bottom-up over anchors first: no deep recursion on long answers
-            for r in range(1, S + 2):
-                cost(q, r)
-        ms += cost(p, pending)
+        ms += solve(p, pending)
         while p < n - 1:  # the path, for the counts
-            d, k = best[(p, pending if c["draft_per_row"] else 0)][1]
+            d, k = best[key(p, pending)][1]
             p, pending = p + k + 1, k + 1 + (0 if d else pending)
             rounds, drafted, accepted = rounds + 1, drafted + d, accepted + k
         tokens += n - 1
