@@ -93,13 +93,12 @@ def main() -> None:
     import torch
 
     from dflash2.reference.load import load_pair
-    from dflash2.train.idcorpus import IdCorpus
-    from dflash2.train.live import IdStream, TapsModel
+    from dflash2.train.live import held_out_with_taps
 
     torch.set_num_threads(a.threads)
-    recs = IdStream(IdCorpus(a.corpus), TapsModel(a.target, [int(t) for t in a.taps.split(",")], "bf16")).held_out(a.rows)
-    out = {"rows": len(recs), "drafters": {}}
     taps = tuple(int(t) for t in a.taps.split(","))
+    recs = held_out_with_taps(a.target, a.corpus, list(taps), a.rows, log=lambda m: print(m, flush=True))
+    out = {"rows": len(recs), "drafters": {}}
     for folder in a.drafters:
         t0 = time.perf_counter()
         _, d = load_pair(folder, a.target)

@@ -38,18 +38,12 @@ def main() -> None:
     import torch
 
     from dflash2.reference.load import load_pair
-    from dflash2.train.idcorpus import IdCorpus
-    from dflash2.train.live import IdStream, TapsModel
+    from dflash2.train.live import held_out_with_taps
     from dflash2.train.objective import loop_acceptance, offline_acceptance
 
     torch.set_num_threads(a.threads)
-    stream = IdStream(IdCorpus(a.corpus), TapsModel(a.target, [int(t) for t in a.taps.split(",")], "bf16"))
-    recs = stream.held_out(a.rows)
-    t0 = time.perf_counter()
-    for i, r in enumerate(recs):
-        r["taps"]  # noqa: B018 (computed once, kept)
-        if (i + 1) % 32 == 0 or i + 1 == len(recs):
-            print(f"[taps {i + 1}/{len(recs)}] {time.perf_counter() - t0:.0f} s", flush=True)
+    recs = held_out_with_taps(a.target, a.corpus, [int(t) for t in a.taps.split(",")], a.rows,
+                              log=lambda m: print(m, flush=True))
     half = len(recs) // 2
     out = {"rows": len(recs), "anchors_per_row": a.anchors, "drafters": {}}
     for folder in a.drafters:

@@ -126,6 +126,14 @@ def replay(a) -> int:
     return 0
 
 
+def _empty(trace: dict, path: str) -> bool:
+    """A trace without a round to price (no answer past its first token) is said, not divided by."""
+    if any(ans["positions"] for ans in trace["answers"]):
+        return False
+    print(f"{path}: no rounds to price (an empty trace)", file=sys.stderr)
+    return True
+
+
 def thresholds(a) -> int:
     from dflash2.runtime.replay import Thresholds, replay as replay_trace
 
@@ -133,8 +141,7 @@ def thresholds(a) -> int:
     rows = {}
     for path in a.traces:
         t = read_trace(path)
-        if not any(a["positions"] for a in t["answers"]):
-            print(f"{path}: no rounds to price (an empty trace)", file=sys.stderr)
+        if _empty(t, path):
             return 2
         runs = {(t1, t2): replay_trace(Thresholds(t1, t2), t) for t1 in grid for t2 in grid}
         (t1, t2), best = max(runs.items(), key=lambda kv: kv[1]["speed"])
@@ -182,8 +189,7 @@ def bounds(a) -> int:
     rows = {}
     for path in a.traces:
         t = read_trace(path)
-        if not any(ans["tokens"] > 1 for ans in t["answers"]):
-            print(f"{path}: no rounds to price (an empty trace)", file=sys.stderr)
+        if _empty(t, path):
             return 2
         rows[path] = []
         print(f"{Path(path).name}: {_table_line(t['costs_ms'])}")

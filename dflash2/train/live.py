@@ -186,3 +186,17 @@ class IdStream:
             raise Dflash2Error(f"{where}: stream.shards expected at most {self.shards} (the corpus now), found "
                                f"{saved.get('shards')}: the corpus lost shards since")
         self.cursor = int(saved["cursor"])
+
+
+def held_out_with_taps(target: str | Path, corpus: str | Path, taps: list[int], rows: int,
+                       log=print) -> list[LiveRecord]:
+    """The first `rows` held-out records of an id corpus, their taps (bf16, as training makes them) computed now with
+    progress logged and kept: what the offline comparisons of several drafters read (scripts/eval_drafters.py,
+    scripts/confidence_signals.py)."""
+    recs = IdStream(IdCorpus(corpus), TapsModel(target, list(taps), "bf16")).held_out(rows)
+    t0 = time.perf_counter()
+    for i, r in enumerate(recs):
+        r["taps"]  # noqa: B018 (computed once, kept)
+        if (i + 1) % 32 == 0 or i + 1 == len(recs):
+            log(f"[taps {i + 1}/{len(recs)}] {time.perf_counter() - t0:.0f} s")
+    return recs
