@@ -21,7 +21,7 @@ PAIRS = [("llama", 1), ("llama", 2), ("qwen3", 1), ("qwen3", 2)]
 
 @pytest.fixture(scope="session", autouse=True)
 def verified_record(tmp_path_factory):
-    """dflash2-run's record of hashed files (dflash2.verified) goes to a temporary folder, not ~/.cache."""
+    """dflash2-run's record of hashed files (dflash2.manifest.hashcache) goes to a temporary folder, not ~/.cache."""
     import os
 
     old = os.environ.get("DFLASH2_VERIFIED_DIR")

@@ -1,4 +1,4 @@
-"""dflash2-run's start: files hashed once and trusted while unchanged (dflash2.verified), every change
+"""dflash2-run's start: files hashed once and trusted while unchanged (dflash2.manifest.hashcache), every change
 still caught, a full rehash on demand, and what this machine cannot run refused before any hashing."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from dflash2 import manifest as mf
+from dflash2.manifest import sealing
 from dflash2.cli import run as run_cli
 from dflash2.errors import Dflash2Error
 from dflash2.runtime.api import Runtime
@@ -30,13 +31,13 @@ def folder(exports, tmp_path, monkeypatch):
 def hashed(monkeypatch):
     """The names of the files hashed by the next calls."""
     seen = []
-    real = mf.sha256
+    real = sealing.sha256
 
     def counting(path):
         seen.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(mf, "sha256", counting)
+    monkeypatch.setattr(sealing, "sha256", counting)  # what the file checks and the writer hash with
     return seen
 
 
@@ -94,7 +95,7 @@ def test_what_cannot_run_here_is_refused_before_hashing(folder, monkeypatch):
     def no_hashing(path):
         raise AssertionError(f"hashed {path} before refusing")
 
-    monkeypatch.setattr(mf, "sha256", no_hashing)
+    monkeypatch.setattr(sealing, "sha256", no_hashing)
     with pytest.raises(Dflash2Error, match="a bfloat16 export cannot run on ONNX Runtime's CPU provider"):
         Runtime(folder)
 
@@ -102,11 +103,12 @@ def test_what_cannot_run_here_is_refused_before_hashing(folder, monkeypatch):
 def test_the_export_records_the_hashes_it_took(tmp_path, hashed, monkeypatch):
     """The first start after an export hashes nothing the export itself hashed (and that was written before it
     hashed); a copy elsewhere is a folder the record has never seen: hashed in full."""
-    from dflash2 import tiny, verified
+    from dflash2 import tiny
+    from dflash2.manifest import hashcache
     from dflash2.export.api import export
 
     monkeypatch.setenv("DFLASH2_VERIFIED_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(verified, "RACY_NS", 0)  # the tiny export's files are written moments before the hashing
+    monkeypatch.setattr(hashcache, "RACY_NS", 0)  # the tiny export's files are written moments before the hashing
     drafter, target = tiny.make_pair(tmp_path / "pair")
     out = tmp_path / "export"
     export(drafter, target, out, quiet=True)

@@ -1,4 +1,5 @@
-"""A record of files whose sha256 was checked, so a start does not re-hash gigabytes every time.
+"""A record of files whose sha256 was checked, so a start does not re-hash gigabytes every time (formerly
+dflash2.verified; not `speculative.Verified`, the target's verify result).
 
 `dflash2-run` checks every file of a folder against the sha256 its manifest records. Hashing is ~1 s
 per GB here (4.5 s for a 3.8 GB Qwen3-0.6B-shaped export at every start), so a check that passed is
