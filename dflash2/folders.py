@@ -13,14 +13,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
-from dflash2.interrupts import sigterm_raises
+from dflash2.interrupts import PLACED, Terminated, sigterm_raises
 
 
 class OutputError(Dflash2Error):
     pass
 
 
-MANIFEST = "manifest.json"  # dflash2.manifest.NAME (that module imports this one)
+MANIFEST = "manifest.json"  # dflash2.manifest.NAME (that package imports this module)
 OUR_FORMAT_PREFIX = "dflash2-"  # "dflash2-export", "dflash2-engines"
 
 
@@ -205,11 +205,7 @@ def replace_folder(tmp: Path, out: Path, force: bool = False, replaceable=None, 
                               f"a link, or a folder dflash2 did not write); {kept}")
     with signals_held():  # the swap and the old folder's removal run to the end; a Ctrl-C counts right after
         _swap(tmp, out, what)
-        PLACED.append(out)
-
-
-# outputs this process put in place: an interruption after that is reported as "OUT is complete", not "nothing"
-PLACED: list[Path] = []
+        PLACED.append(out)  # an interruption from now on says OUT is complete (dflash2.interrupts words it)
 
 
 @contextmanager
@@ -219,8 +215,6 @@ def signals_held() -> Iterator[None]:
     that only record (a thread mask would not do: ONNX Runtime's and torch's threads take the signal too)."""
     import signal
     import threading
-
-    from dflash2.interrupts import Terminated
 
     if threading.current_thread() is not threading.main_thread():
         yield

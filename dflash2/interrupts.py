@@ -4,6 +4,9 @@ Python turns SIGINT into KeyboardInterrupt by default, but SIGTERM's default act
 process at once, so a half-written temp folder stayed behind. `Terminated` subclasses
 KeyboardInterrupt: code that catches `Exception` never swallows it, and the CLIs answer both
 with one line and the shell's exit status (130 for SIGINT, 143 for SIGTERM).
+
+Imports nothing of dflash2: dflash2.folders imports this module (its temp folders raise Terminated) and reports
+the outputs it puts in place into PLACED here, which the interruption line reads.
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+
+# Outputs this process put in place (dflash2.folders.replace_folder appends each): an interruption after that is
+# reported as "OUT: complete and in place", not "nothing was written". Cleared when a CLI's main starts.
+PLACED: list[Path] = []
 
 
 class Terminated(KeyboardInterrupt):
@@ -103,12 +112,10 @@ def _silence_stdout() -> None:
 
 
 def _interrupted(prog: str, e: KeyboardInterrupt, after: str) -> int:
-    from dflash2 import folders  # (it imports this module)
-
     word = {signal.SIGHUP: "hung up (SIGHUP)"}.get(getattr(e, "signum", None), "terminated") \
         if isinstance(e, Terminated) else "interrupted"
-    if folders.PLACED:  # the output was complete and in place when the signal came: say so, not "nothing"
-        after = f"{', '.join(map(str, folders.PLACED))}: complete and in place (the signal came after it was written)"
+    if PLACED:  # the output was complete and in place when the signal came: say so, not "nothing"
+        after = f"{', '.join(map(str, PLACED))}: complete and in place (the signal came after it was written)"
     print(f"\n{prog}: {word}; {after}", file=sys.stderr)
     return exit_status(e)
 
@@ -118,9 +125,7 @@ def _while_exiting(prog: str, code: int) -> None:
     would end the process silently (-15) or with 'Exception ignored' noise: one line saying the run had
     finished, and the signal's status. Only for the process entry point (argv None, as the console scripts call
     it; never a test's main([...]), a REPL or a notebook); a signal the parent ignores (nohup) stays ignored."""
-    from dflash2 import folders
-
-    done = f"{', '.join(map(str, folders.PLACED))}: complete and in place" if folders.PLACED else "nothing more to do"
+    done = f"{', '.join(map(str, PLACED))}: complete and in place" if PLACED else "nothing more to do"
 
     def late(signum, frame):
         word = {signal.SIGHUP: "hung up (SIGHUP)", signal.SIGINT: "interrupted"}.get(signum, "terminated")
@@ -144,9 +149,7 @@ def interruptible(prog: str, after: str = "nothing was written") -> Callable[[Ma
     def wrap(main: Main) -> Main:
         @functools.wraps(main)
         def run(argv: list[str] | None = None) -> int:
-            from dflash2 import folders
-
-            folders.PLACED.clear()  # this run's outputs only (tests call several mains in one process)
+            PLACED.clear()  # this run's outputs only (tests call several mains in one process)
             try:
                 with sigterm_raises():
                     code = main(argv)

@@ -1,4 +1,9 @@
-"""Thin command-line front ends over the public Python API."""
+"""Thin command-line front ends over the public Python API. Every `main` goes through `cli_main`
+(dflash2.cli.entry): one place for how a refused, interrupted or failed run ends."""
+
+from dflash2.cli.entry import CliError, cli_main
+
+__all__ = ["CliError", "cli_main", "print_files"]
 
 
 def print_files(files: dict) -> None:

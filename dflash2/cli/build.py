@@ -7,14 +7,12 @@ Precision comes from the export: engines are strongly typed, so --precision fp16
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-from dflash2.cli import print_files
+from dflash2.cli import cli_main, print_files
 from dflash2.dtypes import PRECISIONS
 from dflash2.errors import Dflash2Error
-from dflash2.interrupts import interruptible
 
 
 def check_flags(a: argparse.Namespace) -> None:
@@ -30,7 +28,7 @@ def check_flags(a: argparse.Namespace) -> None:
         raise Dflash2Error(f"{', '.join(bad)}: no effect with {mode} (nothing is built or replaced)")
 
 
-@interruptible("dflash2-build")
+@cli_main("dflash2-build")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-build", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,26 +51,22 @@ def main(argv: list[str] | None = None) -> int:
 
     mode = "print" if a.print_trtexec else "adopt" if a.manifest_only else "build"
     t0 = time.perf_counter()
-    try:
-        check_flags(a)
-        plan = plan_build(a.export_dir, a.out, a.precision, a.max_seq_len, a.max_prefill, a.plugin, a.timing_cache,
-                          a.workspace, a.force, mode=mode)
-        if mode == "print":
-            from dflash2.engines.trtexec import commands
+    check_flags(a)
+    plan = plan_build(a.export_dir, a.out, a.precision, a.max_seq_len, a.max_prefill, a.plugin, a.timing_cache,
+                      a.workspace, a.force, mode=mode)
+    if mode == "print":
+        from dflash2.engines.trtexec import commands
 
-            print("\n".join(commands(plan)))
-            return 0
-        from dflash2.engines.build import adopt, build
+        print("\n".join(commands(plan)))
+        return 0
+    from dflash2.engines.build import adopt, build
 
-        m = adopt(plan) if mode == "adopt" else build(plan, a.quiet)
-    except Dflash2Error as e:
-        print(f"dflash2-build: error: {e}", file=sys.stderr)
-        return 2
+    m = adopt(plan) if mode == "adopt" else build(plan, a.quiet)
     took = f" in {time.perf_counter() - t0:.1f} s" if mode == "build" else ""
     print(f"engines in {a.out}{took} (TensorRT {m.tensorrt_version}, precision {m.precision}, "
           f"max_seq_len {m.max_seq_len}, max_prefill {m.max_prefill})")
     if m.quantization:  # strongly typed: the Q/DQ graph's int4 / fp8 / int8 types come from the export
-        from dflash2.quantization import describe
+        from dflash2.quant_manifest import describe
 
         print(describe(m))
     print_files(m.files)

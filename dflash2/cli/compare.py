@@ -4,14 +4,13 @@ TensorRT engines with --engines); a per-graph, per-output table; exit code 1 on 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from dflash2.cli import cli_main
 from dflash2.errors import Dflash2Error, require_extra
-from dflash2.interrupts import interruptible
 
 
-@interruptible("dflash2-compare")
+@cli_main("dflash2-compare")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-compare", "trt", 'polygraphy')
     p = argparse.ArgumentParser(prog="dflash2-compare", description=__doc__)
@@ -23,14 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from dflash2.engines.compare import compare
 
-    try:
-        for flag, tol in (("--atol", a.atol), ("--rtol", a.rtol)):
-            if tol is not None and not 0 <= tol < float("inf"):  # inf would pass every output: no check at all
-                raise Dflash2Error(f"{flag}: expected a finite tolerance >= 0, found {tol}")
-        report = compare(a.folder, a.engines, a.atol, a.rtol, a.graph)
-    except Dflash2Error as e:
-        print(f"dflash2-compare: error: {e}", file=sys.stderr)
-        return 2
+    for flag, tol in (("--atol", a.atol), ("--rtol", a.rtol)):
+        if tol is not None and not 0 <= tol < float("inf"):  # inf would pass every output: no check at all
+            raise Dflash2Error(f"{flag}: expected a finite tolerance >= 0, found {tol}")
+    report = compare(a.folder, a.engines, a.atol, a.rtol, a.graph)
     print(report.table())
     failed = sum(not r.passed for r in report.rows)
     if not report.rows:

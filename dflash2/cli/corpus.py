@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from dflash2.errors import Dflash2Error, require_extra
-from dflash2.interrupts import interruptible
+from dflash2.cli import cli_main
+from dflash2.errors import require_extra
 
 
 def _positive(kind):
@@ -96,37 +95,33 @@ def _info(corpus, as_json: bool) -> None:
               f"{s.get('answer_tok_per_s', 0):.0f} |")
 
 
-@interruptible("dflash2-corpus", "nothing is half-written (a grow rerun resumes at the first shard not yet written)")
+@cli_main("dflash2-corpus", "nothing is half-written (a grow rerun resumes at the first shard not yet written)")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-corpus", "train", 'torch', 'transformers', 'safetensors')
     a = _parser().parse_args(argv)
     from dflash2.folders import check_apart
     from dflash2.train.idcorpus import IdCorpus
 
-    try:
-        if a.cmd == "grow":
-            check_apart(a.out, {"--target": a.target})
-            from dflash2.train.grow import grow
+    if a.cmd == "grow":
+        check_apart(a.out, {"--target": a.target})
+        from dflash2.train.grow import grow
 
-            s = grow(a.target, a.out, a.minutes, a.shard_items, a.batch, a.max_new_tokens, a.context_tokens,
-                     a.dtype, a.threads, a.conversations, a.max_shards)
-            print(f"this run: {s['shards']} shards, {s['answer_tokens']:,} answer tokens, "
-                  f"{s.get('answer_tok_per_s', 0):.0f} tok/s")
-            _info(IdCorpus(a.out), False)
-        elif a.cmd == "info":
-            _info(IdCorpus(a.corpus), a.json)
-        elif a.cmd == "verify":
-            c = IdCorpus(a.corpus)
-            c.verify()
-            print(f"{a.corpus}: {len(c.shards)} shards, every sha256 and offset checked")
-        else:
-            from dflash2.train.taps import build_taps
+        s = grow(a.target, a.out, a.minutes, a.shard_items, a.batch, a.max_new_tokens, a.context_tokens,
+                 a.dtype, a.threads, a.conversations, a.max_shards)
+        print(f"this run: {s['shards']} shards, {s['answer_tokens']:,} answer tokens, "
+              f"{s.get('answer_tok_per_s', 0):.0f} tok/s")
+        _info(IdCorpus(a.out), False)
+    elif a.cmd == "info":
+        _info(IdCorpus(a.corpus), a.json)
+    elif a.cmd == "verify":
+        c = IdCorpus(a.corpus)
+        c.verify()
+        print(f"{a.corpus}: {len(c.shards)} shards, every sha256 and offset checked")
+    else:
+        from dflash2.train.taps import build_taps
 
-            out = build_taps(IdCorpus(a.corpus), a.target, list(a.taps), a.cache, a.shards, a.dtype, a.threads)
-            print(f"taps of {a.corpus} in {out} (a corpus for dflash2-train --corpus)")
-    except Dflash2Error as e:
-        print(f"dflash2-corpus: error: {e}", file=sys.stderr)
-        return 2
+        out = build_taps(IdCorpus(a.corpus), a.target, list(a.taps), a.cache, a.shards, a.dtype, a.threads)
+        print(f"taps of {a.corpus} in {out} (a corpus for dflash2-train --corpus)")
     return 0
 
 

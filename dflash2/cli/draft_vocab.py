@@ -8,14 +8,13 @@ vocabulary, so output is unchanged (lossless) and only the draft gets cheaper.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from dflash2.cli import CliError, cli_main
 from dflash2.errors import Dflash2Error, require_extra
-from dflash2.interrupts import interruptible
 
 
-@interruptible("dflash2-draft-vocab")
+@cli_main("dflash2-draft-vocab")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-draft-vocab", "export", 'torch', 'safetensors')
     p = argparse.ArgumentParser(prog="dflash2-draft-vocab", description=__doc__)
@@ -39,13 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         draft_vocab.check_ids(ids, dc.vocab_size, draft_vocab.min_size(dc), str(a.drafter))
         path = draft_vocab.write(a.drafter, ids, tc.vocab_size, f"dflash2-draft-vocab --size {a.size} over "
                                  f"{len(answers)} answers of {[c.name for c in a.corpus]}", a.size)
-    except Dflash2Error as e:
-        print(f"dflash2-draft-vocab: error: {e}", file=sys.stderr)
-        return 2
     except OSError as e:  # a read-only or full disk: the old file (if any) is untouched (written atomically)
-        print(f"dflash2-draft-vocab: error: {a.drafter}: could not write draft_vocab.json ({e.strerror}); "
-              f"nothing was changed", file=sys.stderr)
-        return 1
+        raise CliError(f"{a.drafter}: could not write draft_vocab.json ({e.strerror}); nothing was changed",
+                       status=1) from None
     covered = draft_vocab.coverage(answers, ids)
     print(f"wrote {path}: {len(ids)} ids covering {covered:.1%} of {sum(map(len, answers))} answer tokens")
     return 0

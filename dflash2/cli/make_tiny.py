@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
+from dflash2.cli import CliError, cli_main
 from dflash2.errors import Dflash2Error, require_extra
-from dflash2.folders import PLACED, OutputError, check_output, replace_folder, signals_held, temp_folder
-from dflash2.interrupts import interruptible
+from dflash2.folders import OutputError, check_output, replace_folder, signals_held, temp_folder
+from dflash2.interrupts import PLACED
 
 
 MAX_SEED = 2**63 - 2
 
 
-@interruptible("dflash2-make-tiny", "nothing was written (the pair is put in place only when complete)")
+@cli_main("dflash2-make-tiny", "nothing was written (the pair is put in place only when complete)")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-make-tiny", "export", 'torch', 'safetensors')
     from dflash2 import tiny
@@ -57,12 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                     PLACED.remove(target)
                     raise
     except OSError as e:  # a full or read-only disk: one line; the temporary folders are gone
-        print(f"dflash2-make-tiny: error: {a.out}: could not write the pair ({e.strerror}); nothing was written",
-              file=sys.stderr)
-        return 1
-    except Dflash2Error as e:
-        print(f"dflash2-make-tiny: error: {e}", file=sys.stderr)
-        return 2
+        raise CliError(f"{a.out}: could not write the pair ({e.strerror}); nothing was written", status=1) from None
     print(f"target:  {target}\ndrafter: {drafter}")
     return 0
 

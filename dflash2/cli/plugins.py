@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from dflash2.interrupts import interruptible
+from dflash2.cli import cli_main
 from dflash2.native.library import CPU_LIB, PLUGIN_LIB, PluginLibraryError, find_library
 
 
@@ -46,7 +46,7 @@ def _bench(batches: tuple[int, ...], vocab: int, reference: bool) -> int:
     return 0
 
 
-@interruptible("dflash2-plugins")
+@cli_main("dflash2-plugins")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dflash2-plugins", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)

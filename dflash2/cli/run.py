@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+from dflash2.cli import cli_main
 from dflash2.cli.args import add_sampling_args, negative_ids_joined, parse_ids, read_prompt, sampling_of, utf8_arg
 from dflash2.errors import Dflash2Error
-from dflash2.interrupts import interruptible
 
 
 def check_flags(a: argparse.Namespace) -> None:
@@ -88,7 +88,8 @@ def stats_table(stats: dict, backend: str, schedule: dict | None = None) -> str:
     return out
 
 
-@interruptible("dflash2-run")
+# ValueError: what the tokenizer and the sampling settings refuse, answered as refused input too
+@cli_main("dflash2-run", errors=(Dflash2Error, ValueError))
 def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     p = argparse.ArgumentParser(prog="dflash2-run", description=__doc__)
@@ -112,34 +113,30 @@ def main(argv: list[str] | None = None) -> int:
                    help="hash every file against the manifest (default: only files changed since their last check)")
     add_sampling_args(p)
     a = p.parse_args(negative_ids_joined(sys.argv[1:] if argv is None else argv))
-    from dflash2.quantization import describe, label
+    from dflash2.quant_manifest import describe, label
     from dflash2.runtime.api import Runtime
 
-    try:
-        check_flags(a)
-        prompt = None if a.prompt is None else read_prompt(a.prompt)
-        log = None if a.json else (lambda line: print(f"dflash2-run: {line}", file=sys.stderr))
-        rt = Runtime(a.folder, backend=a.backend, log=log, verify="full" if a.verify_files else True)
-        if a.check_rows:
-            return _check_rows(rt)
-        start_s = rt.checked_at - t_start  # the imports, the manifest, the checks, the files: before any session
-        if a.draft_len is not None and a.no_spec:
-            rt.schedule(a.draft_len)  # a value out of range is named first
-            raise Dflash2Error(f"--draft-len {a.draft_len}: no effect with --no-spec (target-only decoding drafts "
-                               "nothing); drop one of them")
-        a.draft_len = "auto" if a.draft_len is None else a.draft_len
-        ids = rt.prompt_ids(text=prompt, ids=a.prompt_ids, chat=a.chat, system=a.system)
-        stream = None if a.json or a.prompt is None else (lambda t: print(t, end="", flush=True))
-        sampling = sampling_of(rt, a)
-        unused = [f for f, v in (("--top-k", a.top_k), ("--top-p", a.top_p), ("--seed", a.seed)) if v is not None]
-        if sampling.greedy and unused:
-            raise Dflash2Error(f"{', '.join(unused)}: no effect at temperature 0 (greedy decoding"
-                               f"{', the model default' if a.temperature is None else ''}); add --temperature T > 0")
-        gen = rt.generate(ids, a.max_new_tokens, speculative=not a.no_spec, stop=a.stop, on_text=stream,
-                          draft_len=a.draft_len, sampling=sampling)
-    except (Dflash2Error, ValueError) as e:
-        print(f"dflash2-run: error: {e}", file=sys.stderr)
-        return 2
+    check_flags(a)
+    prompt = None if a.prompt is None else read_prompt(a.prompt)
+    log = None if a.json else (lambda line: print(f"dflash2-run: {line}", file=sys.stderr))
+    rt = Runtime(a.folder, backend=a.backend, log=log, verify="full" if a.verify_files else True)
+    if a.check_rows:
+        return _check_rows(rt)
+    start_s = rt.checked_at - t_start  # the imports, the manifest, the checks, the files: before any session
+    if a.draft_len is not None and a.no_spec:
+        rt.schedule(a.draft_len)  # a value out of range is named first
+        raise Dflash2Error(f"--draft-len {a.draft_len}: no effect with --no-spec (target-only decoding drafts "
+                           "nothing); drop one of them")
+    a.draft_len = "auto" if a.draft_len is None else a.draft_len
+    ids = rt.prompt_ids(text=prompt, ids=a.prompt_ids, chat=a.chat, system=a.system)
+    stream = None if a.json or a.prompt is None else (lambda t: print(t, end="", flush=True))
+    sampling = sampling_of(rt, a)
+    unused = [f for f, v in (("--top-k", a.top_k), ("--top-p", a.top_p), ("--seed", a.seed)) if v is not None]
+    if sampling.greedy and unused:
+        raise Dflash2Error(f"{', '.join(unused)}: no effect at temperature 0 (greedy decoding"
+                           f"{', the model default' if a.temperature is None else ''}); add --temperature T > 0")
+    gen = rt.generate(ids, a.max_new_tokens, speculative=not a.no_spec, stop=a.stop, on_text=stream,
+                      draft_len=a.draft_len, sampling=sampling)
     stats = gen.stats.to_dict()
     schedule = rt.auto_schedule.to_dict() if a.draft_len == "auto" and not a.no_spec else None
     if a.json:
@@ -164,8 +161,7 @@ def _check_rows(rt) -> int:
 
     v = validation(rt.session)
     if v.skipped:
-        print(f"dflash2-run: error: --check-rows: not checked: {v.skipped}", file=sys.stderr)
-        return 2
+        raise Dflash2Error(f"--check-rows: not checked: {v.skipped}")
     print(json.dumps({"folder": str(rt.folder), "backend": rt.backend_name, "row_invariant": v.ok, **v.steps}))
     for f in v.failures:
         print(f"dflash2-run: {f}", file=sys.stderr)
