@@ -144,7 +144,7 @@ def test_bad_combinations_are_refused_before_writing(tmp_path, pairs):
 def test_auto_picks_gqa_only_where_the_kernel_fits():
     from types import SimpleNamespace as NS
 
-    from dflash2.export.api import _attention
+    from dflash2.export.plan import resolve_attention as _attention
     from dflash2.export.qdq import TrtQuant
 
     dc, int4 = NS(block_size=8), qz.OrtQuant("int4")

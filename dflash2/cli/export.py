@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 from dflash2.cli import print_files
 from dflash2.cli.args import utf8_arg
 from dflash2.dtypes import GRAPH_DTYPES
-from dflash2.errors import Dflash2Error, require_extra
-from dflash2.interrupts import environment_error, interruptible
+from dflash2.errors import require_extra
+from dflash2.cli.entry import CliError, cli_main
+from dflash2.interrupts import environment_error
 
 
-@interruptible("dflash2-export")
+@cli_main("dflash2-export")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-export", "export", 'torch', 'onnx', 'transformers')
     p = argparse.ArgumentParser(prog="dflash2-export", description=__doc__)
@@ -64,68 +64,42 @@ def main(argv: list[str] | None = None) -> int:
                         "Q8_0) go into MatMulNBits as they are instead of quantizing its dequantized weights again; "
                         "each is checked to dequantize exactly to --target's weights")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--print", action="store_true", dest="print_plan",
+                   help="check the options against both configs and print the plan (per graph: how it is written, "
+                        "its quantization and when); reads no weights, writes nothing")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    from dflash2.export.api import export  # heavy imports after argument parsing
-    from dflash2.export.qdq import TRT_METHODS, TrtQuant
-    from dflash2.export.quantize import OrtQuant
+    from dflash2.export.api import export_plan  # heavy imports after argument parsing
+    from dflash2.export.plan import QuantFlags, plan_export
     from dflash2.runtime.session import buffer_bytes
 
     t0 = time.perf_counter()
-    try:
+    try:  # the same checks as export() from Python (one rule set: dflash2.export.plan); a refusal is a
+        # Dflash2Error, answered by cli_main
         for flag, path in (("--model", a.model), ("--target", a.target), ("--out", a.out)):
             utf8_arg(str(path), flag)  # argv bytes that are not UTF-8: ONNX's writer and checker take paths as text
-        quant = None
-        if a.quantize is None:  # flags without effect are errors, not silently ignored
-            unused = [f for f, on in (("--quant-block-size", a.quant_block_size is not None),
-                                      ("--quant-keep-head", a.quant_keep_head),
-                                      ("--quant-target-only", a.quant_target_only),
-                                      ("--quant-drafter", a.quant_drafter is not None),
-                                      ("--quant-drafter-block-size", a.quant_drafter_block_size is not None),
-                                      ("--quant-no-fuse", a.quant_no_fuse)) if on]
-            if unused:
-                raise Dflash2Error(f"{', '.join(unused)}: no effect without --quantize (the export is not quantized)")
-        for flag, size in (("--quant-block-size", a.quant_block_size),
-                           ("--quant-drafter-block-size", a.quant_drafter_block_size)):
-            if size is not None and not 16 <= size <= 256:
-                raise Dflash2Error(f"{flag}: expected a power of two in 16..256 (what ONNX Runtime's MatMulNBits and "
-                                   f"ModelOpt's block quantizers take), found {size}")
-        if (a.quant_drafter is not None or a.quant_drafter_block_size is not None) and (
-                a.quantize not in ("int4", "int8") or a.quant_target_only):
-            raise Dflash2Error("--quant-drafter / --quant-drafter-block-size: expected with --quantize int4 or int8 and "
-                               "a quantized drafter, found " + ("--quant-target-only" if a.quant_target_only else
-                                                                f"--quantize {a.quantize}"))
-        if a.quant_from_gguf is not None and a.quantize not in ("int4", "int8"):
-            raise Dflash2Error(f"--quant-from-gguf: expected with --quantize int4 or int8, found "
-                               f"{'no --quantize' if a.quantize is None else '--quantize ' + a.quantize}")
-        if a.quant_from_gguf is not None and not a.quant_from_gguf.is_file():
-            raise Dflash2Error(f"--quant-from-gguf {a.quant_from_gguf}: expected a GGUF file, found "
-                               f"{'a folder' if a.quant_from_gguf.is_dir() else 'nothing there'}")
-        if a.quantize in TRT_METHODS:
-            quant = TrtQuant(a.quantize, a.quant_block_size or 128)
-        elif a.quantize is not None:
-            quant = OrtQuant(a.quantize, a.quant_block_size or 32, a.quant_accuracy_level, lm_head=not a.quant_keep_head,
-                             drafter=not a.quant_target_only, fuse=not a.quant_no_fuse,
-                             native=None if a.quant_from_gguf is None else str(a.quant_from_gguf.absolute()),
-                             drafter_method=a.quant_drafter, drafter_block_size=a.quant_drafter_block_size)
-        m = export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, not a.no_fuse_context, a.quiet,
-                   a.full_vocab, a.beyond_max_positions, quantize=quant, target_attention=a.target_attention,
-                   draft_block=a.draft_block)
-    except Dflash2Error as e:
-        print(f"dflash2-export: error: {e}", file=sys.stderr)
-        return 2
+        flags = QuantFlags(a.quantize, a.quant_block_size, a.quant_accuracy_level, a.quant_keep_head,
+                           a.quant_target_only, a.quant_drafter, a.quant_drafter_block_size, a.quant_no_fuse,
+                           a.quant_from_gguf)
+        plan = plan_export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, not a.no_fuse_context, a.quiet,
+                           a.full_vocab, a.beyond_max_positions, quantize=flags, target_attention=a.target_attention,
+                           draft_block=a.draft_block)
+        if a.print_plan:
+            print(plan.describe())
+            return 0
+        m = export_plan(plan)
     except OSError as e:  # onnx's writer does not name its file: the output's disk it was
         if environment_error(e) is None or e.filename:
             raise
-        print(f"dflash2-export: error: {a.out}: {environment_error(e)} while writing the export (into a temporary "
-              f"sibling {a.out.parent / ('.' + a.out.name + '.tmp-*')}, now removed); nothing was written", file=sys.stderr)
-        return 1
+        raise CliError(f"{a.out}: {environment_error(e)} while writing the export (into a temporary sibling "
+                       f"{a.out.parent / ('.' + a.out.name + '.tmp-*')}, now removed); nothing was written",
+                       status=1) from None
     vocab = f", draft vocabulary {m.draft_vocab.size} ids" if m.draft_vocab else ""
     print(f"exported {a.out} in {time.perf_counter() - t0:.1f} s (dtype {m.dtype}, block size {m.block_size}{vocab}; "
           f"dflash2-run allocates {buffer_bytes(m, m.max_seq_len) / 2**20:.1f} MiB of buffers for max_seq_len "
           f"{m.max_seq_len})")
     if m.quantization:
-        from dflash2.quantization import describe
+        from dflash2.quant_manifest import describe
 
         print(describe(m))
     print_files(m.files)

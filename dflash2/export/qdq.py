@@ -21,13 +21,14 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import onnx
 
 from dflash2.export import signature as N
 from dflash2 import manifest as mf
-from dflash2.export.quantize import QuantizeError
+from dflash2.export.quantize import QuantizeError, check_block_size
 
 # method -> (modelopt quantize_mode, calibration_method, bits)
 TRT_METHODS = {"int4_awq": ("int4", "awq_clip", 4), "fp8": ("fp8", "max", 8), "int8_qdq": ("int8", "max", 8)}
@@ -47,20 +48,29 @@ def require_modelopt():
 class TrtQuant:
     method: str  # "int4_awq" | "fp8" | "int8_qdq"
     block_size: int = 128  # int4: weights per scale along K (ModelOpt's default for AWQ)
-    prompts: tuple[tuple[int, ...], ...] = ()  # calibration prompt ids (set by export from the shipped prompts)
+    prompts: tuple[tuple[int, ...], ...] = ()  # calibration prompt ids (the plan sets the shipped prompts')
+    backend: ClassVar[str] = "tensorrt"
 
     def __post_init__(self):
         if self.method not in TRT_METHODS:
             raise QuantizeError(f"--quantize: expected one of {list(TRT_METHODS)}, found {self.method!r}")
+        check_block_size("--quant-block-size", self.block_size, power_of_two=False)  # ModelOpt checks its own
 
     def graphs(self) -> list[str]:
         return ["target"]
+
+    def for_graph(self, name: str) -> "TrtQuant":
+        return self
+
+    def memory_note(self, gib: float) -> str:
+        return (f" (ModelOpt's ONNX quantizer holds the whole fp32 graph, {gib:.2f} GiB, and calibrates it whole: "
+                f"this stage is not memory-bounded)")
 
     def manifest_entry(self, per_graph: dict[str, mf.QuantizedGraph]) -> mf.Quantization:
         calibration = (f"{len(self.prompts)} shipped prompts (prefill)" if self.prompts else
                        "the validation feed (no tokenizer in the target folder)")
         mode, calib, bits = TRT_METHODS[self.method]
-        return mf.Quantization(method=self.method, backend="tensorrt", library=LIBRARY, bits=bits,
+        return mf.Quantization(method=self.method, backend=self.backend, library=LIBRARY, bits=bits,
                                format=f"Q/DQ ({mode}, {calib})", graphs=per_graph,
                                block_size=self.block_size if mode == "int4" else None, drafter=False,
                                calibration=calibration)

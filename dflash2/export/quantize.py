@@ -23,6 +23,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Protocol
 
 import numpy as np
 import onnx
@@ -33,13 +34,46 @@ from dflash2.errors import Dflash2Error
 from dflash2.export import fuse
 
 ORT_METHODS = {"int4": 4, "int8": 8}
-from dflash2.quantization import DYNAMIC  # DynamicQuantizeMatMul (weights.DynamicInt8): the drafter's only
+from dflash2.quant_manifest import DYNAMIC  # DynamicQuantizeMatMul (weights.DynamicInt8): the drafter's only
 DRAFTER_METHODS = (*ORT_METHODS, DYNAMIC)
 QUANTIZER = "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer"
 
 
 class QuantizeError(Dflash2Error):
     pass
+
+
+def check_block_size(flag: str, size: int | None, power_of_two: bool = True) -> None:
+    """The one block-size rule of dflash2-export and export(): 16..256 is what ONNX Runtime's MatMulNBits and
+    ModelOpt's block quantizers take; MatMulNBits also needs a power of two (ModelOpt's check is its own)."""
+    if size is None:
+        return
+    if not 16 <= size <= 256:
+        raise QuantizeError(f"{flag}: expected a power of two in 16..256 (what ONNX Runtime's MatMulNBits and "
+                            f"ModelOpt's block quantizers take), found {size}")
+    if power_of_two and size & (size - 1):
+        raise QuantizeError(f"{flag}: expected a power of two >= 16, found {size}")
+
+
+class Quantization(Protocol):
+    """What the export asks of a quantization choice (OrtQuant here, dflash2.export.qdq.TrtQuant), so that its
+    stages never ask which one they hold: dflash2.export.plan decides per graph what is quantized and when."""
+
+    method: str
+    block_size: int
+    backend: ClassVar[str]  # "onnxruntime" (MatMulNBits graphs) | "tensorrt" (a Q/DQ TensorRT flavour)
+
+    def graphs(self) -> list[str]:
+        """The graphs it quantizes."""
+
+    def for_graph(self, name: str) -> "Quantization":
+        """The quantization graph `name` is written with."""
+
+    def memory_note(self, gib: float) -> str:
+        """Why quantizing a validated `gib` GiB fp32 graph is not memory-bounded (the progress line says it)."""
+
+    def manifest_entry(self, per_graph: dict[str, mf.QuantizedGraph]) -> mf.Quantization:
+        """The manifest's record, given each graph's report."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +94,7 @@ class OrtQuant:
     # less for larger blocks (docs/quantization.md, "The drafter's own quantization")
     drafter_method: str | None = None
     drafter_block_size: int | None = None
+    backend: ClassVar[str] = "onnxruntime"
 
     def __post_init__(self):
         if self.method not in DRAFTER_METHODS:  # DYNAMIC only as the drafter's (for_graph); export() refuses it
@@ -73,10 +108,8 @@ class OrtQuant:
         if self.drafter_block_size is not None and self.drafter_method == DYNAMIC:
             raise QuantizeError(f"--quant-drafter-block-size: no effect with --quant-drafter {DYNAMIC} (per-column "
                                 f"weights, no blocks)")
-        for flag, size in (("--quant-block-size", self.block_size), ("--quant-drafter-block-size",
-                                                                     self.drafter_block_size)):
-            if size is not None and (size < 16 or size & (size - 1)):
-                raise QuantizeError(f"{flag}: expected a power of two >= 16, found {size}")
+        check_block_size("--quant-block-size", self.block_size)
+        check_block_size("--quant-drafter-block-size", self.drafter_block_size)
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise QuantizeError(f"--quant-accuracy-level: expected one of 0..4, found {self.accuracy_level}")
 
@@ -99,8 +132,12 @@ class OrtQuant:
         return dataclasses.replace(self, method=self.drafter_method or self.method,
                                    block_size=self.drafter_block_size or self.block_size)
 
+    def memory_note(self, gib: float) -> str:
+        return (f" (ONNX Runtime's quantizer loads the whole fp32 graph, {gib:.2f} GiB: this stage is not "
+                f"memory-bounded; --target-attention gqa, the default, quantizes as it writes)")
+
     def manifest_entry(self, per_graph: dict[str, mf.QuantizedGraph]) -> mf.Quantization:
-        return mf.Quantization(method=self.method, backend="onnxruntime", library=QUANTIZER, bits=self.bits,
+        return mf.Quantization(method=self.method, backend=self.backend, library=QUANTIZER, bits=self.bits,
                                format="MatMulNBits (weight-only, blockwise)", graphs=per_graph,
                                block_size=self.block_size, accuracy_level=self.accuracy_level,
                                symmetric=self.symmetric, lm_head=self.lm_head, drafter=self.drafter,

@@ -1,7 +1,7 @@
-"""The export's per-graph stages (dflash2.export.api calls them in order): the graphs built from layer templates
-with their weights streamed from the checkpoints (the plain target with its truncated check, the gqa target, the
-fused drafter), each validated at bounded memory or quantized with its deviation measured, and the records the
-manifest keeps of them."""
+"""The export's per-graph stages (dflash2.export.routes calls them for each job of the plan): the graphs built
+from layer templates with their weights streamed from the checkpoints (the plain target with its truncated check,
+the gqa target, the fused drafter), each validated at bounded memory or quantized with its deviation measured, and
+the records the manifest keeps of them."""
 
 
 import dataclasses
@@ -25,7 +25,7 @@ from dflash2.export.graphs import graph_specs
 from dflash2.export.validate import validate_graph
 from dflash2.folders import OutputError
 from dflash2.progress import Progress
-from dflash2.quantization import QUANT_OPS
+from dflash2.quant_manifest import QUANT_OPS
 from dflash2.reference.streamed import StreamedTarget, truncated
 
 
@@ -190,14 +190,14 @@ def truncated_depth(tc) -> int:
 
 
 def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int,
-                quantize, progress: Progress, dtype: str):
+               q: qz.OrtQuant | None, progress: Progress, dtype: str):
     """The target from ONNX Runtime's fused-op templates (dflash2.export.gqa), weights streamed from the
     checkpoint, checked at bounded memory:
     1. a truncated_depth()-layer build of the same templates with the real embedding, head and context
        projection (the taps spread over its layers), validated against the layer-streamed PyTorch reference
        by the one comparison rule;
-    2. the whole graph, quantized as it is written when --quantize int4 / int8 asks: its deviation from
-       the reference is measured; else fp32 and validated like every graph.
+    2. the whole graph, quantized as it is written when --quantize int4 / int8 asks (q, the plan's GraphJob.quant):
+       its deviation from the reference is measured; else fp32 and validated like every graph.
     Returns (spec, files, validations, quantization report or None)."""
     tw, dw = Weights(sources[1]), Weights(sources[0])
     checked = {}
@@ -216,7 +216,6 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
     for f in (f"{name}.onnx", f"{name}.onnx.data", f"{name}.inputs.json", f"{name}.reference.json"):
         (tmp / f).unlink()  # checked; a failure above keeps them (keep_failed)
     spec = gqa.gqa_spec(plain_spec)
-    q = quantize if isinstance(quantize, qz.OrtQuant) else None
     what = f"{q.method} weights quantized as they are written" if q else "fp32"
     with progress.step(f"target.onnx: ONNX Runtime's fused ops (GroupQueryAttention), streamed from safetensors, "
                        f"{what}") as step:
@@ -239,8 +238,8 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
             failures, steps, dev = deviation.measure(spec, tmp / files["portable"], save_dir=tmp)
         dev.judged = f"deviation from fp32 ({q.method} weights)"
         checked["target"] = mf.Validation(ok=not failures, failures=failures, steps=steps, deviation=dev)
-    else:  # ONNX Runtime's session over the whole quantized graph alone passes the budget (6.3 GiB at 8B)
-        progress.total += 1
+    else:  # ONNX Runtime's session over the whole quantized graph alone passes the budget (6.3 GiB at 8B): this
+        # step measures a truncated build instead (in place of the one above, so the plan's count holds)
         name = f"target.truncated.{q.method}"
         with progress.step(f"{name}.onnx: {q.method} as written, {short_tc.num_layers} layers and the real head: "
                            f"deviation from PyTorch (the whole graph's {size / 2**30:.2f} GiB is past "
@@ -274,12 +273,11 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
     return spec, files, checked, report
 
 
-def template_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int, quantize,
-                   progress: Progress, dtype: str):
+def template_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int,
+                     q: qz.OrtQuant | None, progress: Progress, dtype: str):
     """The drafter from the same templates as the fused target (dflash2.export.fused_drafter), weights streamed
-    from both checkpoints; fp32: validated like every graph; with --quantize (and the drafter not excluded)
-    written as MatMulNBits and its deviation measured. Returns (files, validations, quantization report)."""
-    q = quantize.for_graph("drafter") if isinstance(quantize, qz.OrtQuant) and quantize.drafter else None
+    from both checkpoints; fp32: validated like every graph; with q (the drafter's own quantization, the plan's
+    GraphJob.quant) written quantized and its deviation measured. Returns (files, validations, quantization report)."""
     draft_ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
     what = f"{q.method} weights quantized as they are written" if q else "fp32"
     with progress.step(f"drafter.onnx: ONNX Runtime's fused ops from the layer templates, {what}") as step:
