@@ -245,7 +245,6 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
     stats, eos, clock = Stats(backend.block_size, len(prompt)), frozenset(eos_ids), time.perf_counter
     out: list[int] = []
     tail: tuple[list[int], list[float] | None] | None = None  # unverified drafts that still follow the output
-    wants_reuse = getattr(schedule, "wants_reuse", None) or (lambda: False)  # a schedule written before tails: never
     if speculative:
         schedule.start()
     t0 = clock()
@@ -262,7 +261,7 @@ def generate(backend: SpecBackend, prompt: Sequence[int], max_new_tokens: int, e
         at = len(prompt) + len(out) - 1  # absolute position of the anchor t
         if speculative:
             t1 = clock()
-            reuse = tail is not None and wants_reuse()
+            reuse = tail is not None and schedule.wants_reuse()
             d = None if reuse else _draft(backend, t, at, sampler) if schedule.wants_draft() else None
             drafts, conf = tail if reuse else ([int(x) for x in d.ids], d.confidence) if d else ([], None)  # [<=S]
             k = schedule.choose(conf, len(drafts))

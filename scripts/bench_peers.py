@@ -58,7 +58,7 @@ def llama_spec(bin_dir: Path, target: Path, drafter: Path, prompt: str, threads:
 def run(a) -> dict:
     from dflash2.prompts import parse_spec
     from dflash2.runtime.api import Runtime
-    from dflash2.runtime.quant_bench import GenaiRunner
+    from dflash2.bench.quant import GenaiRunner
     from dflash2.speculative import generate
 
     prompts = parse_spec(a.prompts, default_split="eval", log=lambda s: print(s, file=sys.stderr))

@@ -36,7 +36,7 @@ fi
 
 step "target"
 if [[ -z "${TARGET:-}" ]]; then
-  TARGET="$("$PY" -m dflash2.models.smollm2 | tail -n1)"
+  TARGET="$("$PY" -m dflash2.cli.prepare_smollm2 | tail -n1)"
 fi
 echo "target: $TARGET"
 

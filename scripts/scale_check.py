@@ -3,12 +3,12 @@
     python scripts/scale_check.py --shape qwen3-0.6b --modes fp32,int4 --json docs/results/scale_check.json
     python scripts/scale_check.py --shape qwen3-8b --modes int4,fp16 --max-rss-gib 20
 
-See dflash2/export/scalecheck.py (the shapes, the streamed checkpoint writer, the watchdog) and docs/scale.md.
+See dflash2/bench/scalecheck.py (the shapes, the streamed checkpoint writer, the watchdog) and docs/scale.md.
 """
 
 import sys
 
-from dflash2.export.scalecheck import main
+from dflash2.bench.scalecheck import main
 
 if __name__ == "__main__":
     sys.exit(main())

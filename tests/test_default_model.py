@@ -33,7 +33,7 @@ def default_export(tmp_path_factory):
 @pytest.mark.slow
 def test_lossless_on_every_shipped_prompt(default_export):
     from dflash2.prompts import default_prompts
-    from dflash2.runtime.bench import bench
+    from dflash2.bench.bench import bench
 
     r = bench(default_export, default_prompts(), max_new_tokens=64).to_dict()
     print("\n" + json.dumps({k: r[k] for k in ("acceptance_length", "speedup", "lossless")}))
@@ -48,7 +48,7 @@ def test_replayed_rounds_are_the_runtime_loops(default_export):
     (what is drafted at a position does not depend on the rounds before it) holds on the runtime itself."""
     from dflash2.prompts import default_prompts
     from dflash2.runtime.api import Runtime
-    from dflash2.runtime.replay import record, replay
+    from dflash2.bench.replay import record, replay
     from dflash2.speculative import FixedSchedule, generate
 
     class ReusingFixed(FixedSchedule):

@@ -114,7 +114,7 @@ def test_train_folders_apart(tmp_path, capsys, case, how):
 def test_prepare_never_replaces_a_users_file_or_folder(tmp_path, capsys, force):
     """dflash2-prepare-smollm2 once moved a user's file aside and emptied a user's folder (exit 0); it now
     follows the output rule: only a folder it wrote itself is replaced."""
-    from dflash2.models import smollm2
+    from dflash2.cli import prepare_smollm2 as smollm2
 
     user_file, user_dir = tmp_path / "notes.txt", tmp_path / "mine"
     user_file.write_text("mine")

@@ -24,7 +24,7 @@ from tests.errorcheck import snapshot
 
 CASES = {"make_tiny": 40, "draft_vocab": 30, "compare": 25, "run": 40, "bench": 25, "bench_quant": 15,
          "export": 25, "train": 25, "prepare": 30}
-MODULES = {"prepare": "dflash2.models.smollm2"}  # the others: dflash2.cli.NAME
+MODULES = {"prepare": "dflash2.cli.prepare_smollm2"}  # the others: dflash2.cli.NAME
 PROGS = {"prepare": "dflash2-prepare-smollm2"}
 # flags that only make a valid run longer (they are range-checked in test_errors_*): kept at the base's value
 SLOW = {"--max-new-tokens", "--steps", "--repeats", "--minutes", "--sweep-draft-len", "--temperature", "--engines",
@@ -102,8 +102,10 @@ def test_cli_argument_fuzz(name, world, tmp_path, capsys, monkeypatch):
         def no_gguf():
             raise Dflash2Error("the SmolLM2 weights are missing (the fuzz test's stand-in)")
 
-        monkeypatch.setattr(mod, "gguf_path", no_gguf)
-        monkeypatch.setattr(mod, "default_target_dir", lambda: tmp_path / "default-cache")
+        from dflash2.models import smollm2  # what the command's main calls
+
+        monkeypatch.setattr(smollm2, "gguf_path", no_gguf)
+        monkeypatch.setattr(smollm2, "default_target_dir", lambda: tmp_path / "default-cache")
     flags = _flags(name)
     rng = random.Random(f"fuzz/{name}")
     inputs = [world["drafter"], world["target"], world["export"], world["prompts"], world["file"]]

@@ -252,23 +252,3 @@ def test_a_k0_round_whose_bonus_matches_draft_1_leaves_the_rest_as_the_tail():
     sched = PlannedSchedule([0, 2], reuse=True)  # K = 0: a decode step after a draft; then 2 of the tail
     g = generate(b, [1], max_new_tokens=12, schedule=sched)
     assert g.ids == TRUTH[:12] and g.stats.reused[:2] == [False, True] and g.stats.accepted[:2] == [0, 2]
-
-
-def test_a_schedule_without_wants_reuse_never_reuses():
-    """A DraftSchedule written before draft tails (no wants_reuse) still runs: the loop declines the tail."""
-
-    class Older:
-        name = "older"
-
-        def start(self): ...
-
-        def wants_draft(self):
-            return True
-
-        def choose(self, confidence, available):
-            return min(1, available)
-
-        def observe(self, r): ...
-
-    g = generate(Scripted(TRUTH, [4] * 40), [1], max_new_tokens=20, schedule=Older())
-    assert g.ids == TRUTH[:20] and not any(g.stats.reused)

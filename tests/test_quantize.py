@@ -19,9 +19,9 @@ from dflash2.export import fuse
 from dflash2.export import quantize as qz
 from dflash2.export.api import OutputError, export
 from dflash2.onnxrt import open_session
-from dflash2.quantization import describe, label
+from dflash2.quant_manifest import describe, label
 from dflash2.runtime.api import Runtime
-from dflash2.runtime.quant_bench import GenaiRunner, bench_quant, table
+from dflash2.bench.quant import GenaiRunner, bench_quant, table
 from dflash2.speculative import generate
 
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], list(range(40, 90)), [300, 8, 12, 12, 12, 12]]

@@ -30,8 +30,8 @@ def run_json(capsys, *args):
 
 
 def test_runtime_imports_neither_torch_nor_transformers():
-    code = ("import sys, dflash2.runtime.api, dflash2.runtime.session, dflash2.runtime.bench, "
-            "dflash2.runtime.policies, dflash2.runtime.schedule,"
+    code = ("import sys, dflash2.runtime.api, dflash2.runtime.session, dflash2.bench.bench, "
+            "dflash2.bench.policies, dflash2.runtime.schedule,"
             " dflash2.cli.run, dflash2.cli.bench, dflash2.native.selector, dflash2.native.tensorrt; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -254,7 +254,7 @@ def test_bench_reports(tmp_path, exports):
     assert r["calibration"]["calibrated"] and len(r["calibration"]["verify_ms"]) == 8
     assert len(r["per_prompt"]) == r["prompts"] and sum(r["per_prompt"][0]["k_histogram"].values()) > 0
     assert r["modes"]["7"]["k_histogram"] == {"skip": 0, "reused": 0, "7": r["modes"]["7"]["rounds"]}
-    from dflash2.runtime.bench_result import BenchResult
+    from dflash2.bench.result import BenchResult
 
     typed = BenchResult.from_dict(r, out)  # the JSON is the typed result's fields, read back whole
     assert typed.to_dict() == r and typed.main_mode.speedup == r["speedup"]
@@ -264,7 +264,7 @@ def test_bench_reports(tmp_path, exports):
 def test_bench_results_committed_before_the_types_still_combine(capsys):
     """Result files of earlier sessions (without the later sampling field) read back and combine."""
     from dflash2.cli import bench as bench_cli
-    from dflash2.runtime.bench_result import BenchResult
+    from dflash2.bench.result import BenchResult
 
     docs = Path(__file__).resolve().parents[1] / "docs" / "results"
     old = [docs / n for n in ("bench_sharegpt24_new_drafter.json", "bench_sharegpt24_old_drafter.json")]

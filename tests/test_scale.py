@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from dflash2.export.scalecheck import Shape, make_pair
+from dflash2.bench.scalecheck import Shape, make_pair
 
 SHAPE = Shape("many-layers", hidden=512, layers=24, heads=8, kv_heads=4, intermediate=2048, vocab=32000, tied=False,
               draft_layers=1, taps=(1, 12, 22), block=8, top_k=8, rank=32, head_dim=64, tokens=31_900,

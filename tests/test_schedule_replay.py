@@ -1,4 +1,4 @@
-"""Schedules replayed over recorded drafts (dflash2/runtime/replay.py): its accounting on a hand-built trace, and
+"""Schedules replayed over recorded drafts (dflash2/bench/replay.py): its accounting on a hand-built trace, and
 the auto schedule on the traces recorded from the shipped pair (no timing: the same numbers on every machine).
 The replay against the runtime loop on the real pair: tests/test_default_model.py."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash2.runtime.replay import bound, replay
+from dflash2.bench.replay import bound, replay
 from dflash2.runtime.schedule import AutoSchedule
 from dflash2.speculative import FixedSchedule
 
@@ -76,7 +76,7 @@ def test_bounds_bound_every_schedule_on_recorded_drafts(name):
     """The oracle is at least auto (which skips drafts and verifies reused tails: the traces' verify curves are
     subadditive, so a tail never beats verifying it with its draft) and at least perfect confidence; perfect
     confidence is at least every fixed K and the best confidence-threshold rule (schedules that draft every round)."""
-    from dflash2.runtime.replay import Thresholds
+    from dflash2.bench.replay import Thresholds
 
     t = _recorded(name)
     oracle, perfect = bound(t)["speed"], bound(t, skip=False)["speed"]
@@ -89,10 +89,10 @@ def test_bounds_bound_every_schedule_on_recorded_drafts(name):
 
 
 def test_scaled_costs_price_a_cheaper_draft_and_a_flatter_verify(tmp_path, capsys):
-    """replay.scaled_costs and `scripts/replay_schedules.py bounds`: the draft times f, a verify's excess over a decode
+    """replay.scaled_costs and `scripts/experiments/replay_schedules.py bounds`: the draft times f, a verify's excess over a decode
     step times g. Free drafts and a flat verify (a verify of 8 rows costing one decode step): every bound is the
     same 90 ms of plain decoding over two 10 ms rounds."""
-    from dflash2.runtime.replay import scaled_costs
+    from dflash2.bench.replay import scaled_costs
 
     t = _trace(10)
     c = scaled_costs(t["costs_ms"], draft=0.5, verify=0.5)
@@ -125,7 +125,7 @@ def test_lifted_turns_drafts_right_without_touching_the_trace():
 def _script():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("replay_schedules", TRACES.parents[2] / "scripts" / "replay_schedules.py")
+    spec = importlib.util.spec_from_file_location("replay_schedules", TRACES.parents[2] / "scripts" / "experiments" / "replay_schedules.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script
@@ -139,7 +139,7 @@ def _recorded(name: str) -> dict:
                                          ("fp32_sg24", 1.26), ("int4dyn_shipped", 0.99), ("int4dyn_sg24", 1.02)])
 def test_auto_on_the_shipped_pairs_recorded_drafts(name, floor):
     """The shipped drafter's drafts at every position of 8 shipped and 24 held-out ShareGPT answers, on the int4
-    default and the fp32 export, priced at costs measured on the 2-core machine (`scripts/replay_schedules.py`).
+    default and the fp32 export, priced at costs measured on the 2-core machine (`scripts/experiments/replay_schedules.py`).
     int4: no fixed K pays there (a draft 0.35 of a decode step, 2 rows 1.14x), and the schedule before this one
     drafted in 29% of the shipped prompts' rounds and ran 0.963x plain decoding; fp32, where drafting pays,
     1.202x / 1.275x. Floors: never below plain decoding by more than 2%, fp32 within 0.02 of before. int4dyn: the
@@ -149,9 +149,9 @@ def test_auto_on_the_shipped_pairs_recorded_drafts(name, floor):
 
 
 def test_threshold_rule_verifies_the_leading_confident_drafts():
-    """replay.Thresholds (scripts/replay_schedules.py thresholds): t1 for the first draft, t2 for the rest, stopping at
+    """replay.Thresholds (scripts/experiments/replay_schedules.py thresholds): t1 for the first draft, t2 for the rest, stopping at
     the first draft below; priced over the committed trace at the thresholds the docs report, the speed they report."""
-    from dflash2.runtime.replay import Thresholds
+    from dflash2.bench.replay import Thresholds
 
     t = Thresholds(0.5, 0.8)
     assert t.wants_draft() and not t.wants_reuse()

@@ -23,7 +23,9 @@ STAGES = {
     "export": {"reference"},  # reference models -> ONNX folders
     "engines": set(),  # export folder -> TensorRT engines (never the runtime)
     "runtime": set(),  # export / engine folder -> generation (never torch)
-    "cli": {"reference", "train", "export", "engines", "runtime"},  # thin front ends over everything
+    # measurement: benches, replay, scale check, studies over what ships; nothing that ships imports it
+    "bench": {"reference", "train", "export", "engines", "runtime"},
+    "cli": {"reference", "train", "export", "engines", "runtime", "bench"},  # thin front ends over everything
 }
 # Modules that reach a stage their rules above do not allow, each with why; nothing else may.
 EXCEPTIONS = {
@@ -94,6 +96,7 @@ def test_the_checker_sees_violations(tmp_path):
     ("dflash2.cli.train", "dflash2.runtime"),  # the trainer's CLI needs no runtime (prompts: dflash2.prompts)
     ("dflash2.engines.compare", "dflash2.runtime"),
     ("dflash2.engines.build", "dflash2.runtime"),
+    ("dflash2.cli.run", "dflash2.bench"),  # what ships runs no measurement code (the benches import it, not back)
 ])
 def test_stage_does_not_load_another(module, banned):
     code = f"import sys, {module}; bad = sorted(m for m in sys.modules if m.startswith('{banned}')); print(bad); sys.exit(bool(bad))"

@@ -183,7 +183,7 @@ def test_a_partial_corpus_is_refused_unless_asked_for(tmp_path, tiny_corpus):
 
 def test_corpus_bench_times_both_generators_on_the_same_answers(tmp_path, tiny_corpus):
     """The benchmark command runs at toy size; its answers are the same greedy answers for both."""
-    from dflash2.train import genbench
+    from dflash2.bench import genbench
 
     target, _ = tiny_corpus
     r = genbench.bench(target, ["Tell me about bees.", "What is 2 plus 2?", "Write a haiku."], batch=3, max_new=6,

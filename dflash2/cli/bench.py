@@ -11,10 +11,10 @@ from dflash2.cli.args import add_sampling_args, check_output_file, sampling_opti
 from dflash2.cli.run import draft_len_arg, draft_lens_arg
 from dflash2.errors import Dflash2Error, require_extra
 from dflash2.folders import write_atomic
-from dflash2.interrupts import interruptible
+from dflash2.cli.entry import cli_main
 
 
-@interruptible("dflash2-bench")
+@cli_main("dflash2-bench", errors=(Dflash2Error, ValueError))
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-bench", description=__doc__)
     p.add_argument("folder", type=Path, nargs="?", help="export or engine folder")
@@ -39,49 +39,46 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead of timing: combine bench JSONs of one prompt set split across runs")
     a = p.parse_args(argv)
     if a.combine:
-        from dflash2.runtime import bench as b
+        from dflash2.bench import bench as b
 
-        from dflash2.runtime.bench_result import BenchResult
+        from dflash2.bench.result import BenchResult
 
         try:
             c = b.combine([BenchResult.from_dict(_read_json(f), f) for f in a.combine])
         except (OSError, ValueError) as e:
-            print(f"dflash2-bench: error: --combine: expected bench JSON files, {e}", file=sys.stderr)
-            return 2
+            raise Dflash2Error(f"--combine: expected bench JSON files, {e}") from None
         print(b.combined_table(c))
         if a.json:
             write_atomic(a.json, json.dumps(c.to_dict(), indent=2))
         return 0 if c.lossless else 1
     if a.folder is None:
         p.error("the folder is required (unless --combine)")
+    from dflash2.bench import bench as b
+    from dflash2.bench.ratio import spread
     from dflash2.prompts import parse_spec
-    from dflash2.runtime import bench as b
 
-    try:
-        if a.repeats < 1:
-            raise Dflash2Error(f"--repeats: expected >= 1, found {a.repeats}")
-        if a.plot is not None:  # before the run, not after it
-            require_extra("dflash2-bench", "bench", "matplotlib")  # --plot
-        for flag, path in (("--json", a.json), ("--plot", a.plot)):
-            check_output_file(path, flag, {"FOLDER": a.folder})
-        prompts = parse_spec(a.prompts, default_split="eval", log=print)
-        temps = a.temperature or [None]  # None: the model's default
-        if len(temps) > 1:
-            return _temperature_sweep(a, b, prompts, temps)
-        r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=a.policies, repeats=a.repeats,
-                    draft_len=a.draft_len, sweep=a.sweep_draft_len,
-                    log=lambda line: print(line, file=sys.stderr, flush=True),
-                    partial=(lambda r: write_atomic(a.json, json.dumps(r.to_dict(), indent=2))) if a.json else None,
-                    sampling=sampling_options(a, temps[0]))
-    except (Dflash2Error, ValueError) as e:
-        print(f"dflash2-bench: error: {e}", file=sys.stderr)
-        return 2
+    if a.repeats < 1:
+        raise Dflash2Error(f"--repeats: expected >= 1, found {a.repeats}")
+    if a.plot is not None:  # before the run, not after it
+        require_extra("dflash2-bench", "bench", "matplotlib")  # --plot
+    for flag, path in (("--json", a.json), ("--plot", a.plot)):
+        check_output_file(path, flag, {"FOLDER": a.folder})
+    prompts = parse_spec(a.prompts, default_split="eval", log=print)
+    temps = a.temperature or [None]  # None: the model's default
+    if len(temps) > 1:
+        return _temperature_sweep(a, b, prompts, temps)
+    r = b.bench(a.folder, prompts, a.max_new_tokens, chat=not a.raw, policies=a.policies, repeats=a.repeats,
+                draft_len=a.draft_len, sweep=a.sweep_draft_len,
+                log=lambda line: print(line, file=sys.stderr, flush=True),
+                partial=(lambda r: write_atomic(a.json, json.dumps(r.to_dict(), indent=2))) if a.json else None,
+                sampling=sampling_options(a, temps[0]))
     print(b.table(r))
     if a.json:
         write_atomic(a.json, json.dumps(r.to_dict(), indent=2))
     if a.plot:
         b.plot(r, a.plot)
     print(json.dumps({"speedups": {m: round(w.speedup, 3) for m, w in r.modes.items()},
+                      "speedup_ranges": {m: spread(w.speedup_samples) for m, w in r.modes.items() if m != "ar"},
                       "auto_vs_best": round(r.auto_vs_best, 3), "acceptance_length": r.acceptance_length,
                       "lossless": r.lossless, "host_overhead_share": r.host_overhead_share}))
     return 0 if r.lossless is not False else 1
@@ -98,6 +95,8 @@ def _read_json(path: Path):
 
 def _temperature_sweep(a, b, prompts, temps: list[float]) -> int:
     """One interleaved bench per temperature (AR vs speculative at the same options), one table."""
+    from dflash2.bench.ratio import ratio_cell, spread
+
     rows = []
     for t in temps:
         print(f"[temperature {t:g}]", file=sys.stderr, flush=True)
@@ -105,12 +104,14 @@ def _temperature_sweep(a, b, prompts, temps: list[float]) -> int:
                     draft_len=a.draft_len, log=lambda line: print(line, file=sys.stderr, flush=True),
                     sampling=sampling_options(a, t))
         rows.append({"temperature": t, "sampling": r.sampling, "acceptance_length": r.main_mode.acceptance_length,
-                     "speedup": r.speedup, "autoregressive_tokens_per_second": r.autoregressive_tokens_per_second,
+                     "speedup": r.speedup, "speedup_range": spread(r.main_mode.speedup_samples),
+                     "speedup_samples": r.main_mode.speedup_samples,
+                     "autoregressive_tokens_per_second": r.autoregressive_tokens_per_second,
                      "speculative_tokens_per_second": r.speculative_tokens_per_second, "lossless": r.lossless})
-    print("temperature   tau   AR tok/s  spec tok/s  speedup  lossless")
+    print("temperature   tau   AR tok/s  spec tok/s      speedup, range  lossless")
     for w in rows:
         print(f"{w['temperature']:>11g} {w['acceptance_length']:>5.2f} {w['autoregressive_tokens_per_second']:>10.1f} "
-              f"{w['speculative_tokens_per_second']:>11.1f} {w['speedup']:>7.2f}x  "
+              f"{w['speculative_tokens_per_second']:>11.1f} {ratio_cell(w['speedup_samples'], w['speedup']):>19}  "
               f"{'by distribution' if w['lossless'] is None else w['lossless']}")
     if a.json:
         write_atomic(a.json, json.dumps({"temperature_sweep": rows}, indent=2))

@@ -12,10 +12,10 @@ from dflash2.cli.args import check_output_file
 from dflash2.cli.run import draft_len_arg
 from dflash2.folders import write_atomic
 from dflash2.errors import Dflash2Error
-from dflash2.interrupts import interruptible
+from dflash2.cli.entry import cli_main
 
 
-@interruptible("dflash2-bench-quant")
+@cli_main("dflash2-bench-quant", errors=(Dflash2Error, ValueError))
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-bench-quant", description=__doc__)
     p.add_argument("folders", type=Path, nargs="+",
@@ -32,24 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     a = p.parse_args(argv)
     from dflash2.prompts import parse_spec
-    from dflash2.runtime import quant_bench as qb
+    from dflash2.bench import quant as qb
 
-    try:
-        for flag, v in (("--repeats", a.repeats), ("--max-new-tokens", a.max_new_tokens), ("--threads", a.threads)):
-            if v is not None and v < 1:
-                raise Dflash2Error(f"{flag}: expected >= 1, found {v}")
-        # the results file is checked before the run and never lies in an input (an export's manifest, say)
-        check_output_file(a.json, "--json", [(f"FOLDER {i + 1}", f) for i, f in enumerate(a.folders)]
-                          + [("--genai", a.genai)])
-        prompts = parse_spec(a.prompts, default_split="eval", log=print)
-        if not prompts:
-            raise Dflash2Error(f"--prompts {a.prompts}: expected at least one prompt, found none")
-        r = qb.bench_quant(a.folders, prompts, a.genai,
-                           a.max_new_tokens, not a.raw, a.draft_len, a.repeats, a.threads,
-                           log=lambda line: print(line, file=sys.stderr, flush=True))
-    except (Dflash2Error, ValueError) as e:
-        print(f"dflash2-bench-quant: error: {e}", file=sys.stderr)
-        return 2
+    for flag, v in (("--repeats", a.repeats), ("--max-new-tokens", a.max_new_tokens), ("--threads", a.threads)):
+        if v is not None and v < 1:
+            raise Dflash2Error(f"{flag}: expected >= 1, found {v}")
+    # the results file is checked before the run and never lies in an input (an export's manifest, say)
+    check_output_file(a.json, "--json", [(f"FOLDER {i + 1}", f) for i, f in enumerate(a.folders)]
+                      + [("--genai", a.genai)])
+    prompts = parse_spec(a.prompts, default_split="eval", log=print)
+    if not prompts:
+        raise Dflash2Error(f"--prompts {a.prompts}: expected at least one prompt, found none")
+    r = qb.bench_quant(a.folders, prompts, a.genai,
+                       a.max_new_tokens, not a.raw, a.draft_len, a.repeats, a.threads,
+                       log=lambda line: print(line, file=sys.stderr, flush=True))
     print(qb.table(r))
     if a.json:
         write_atomic(a.json, json.dumps(r.to_dict(), indent=2))  # a new file renamed over the old: never in place

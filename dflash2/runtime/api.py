@@ -56,7 +56,7 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
         from dflash2.runtime.trt import TrtBackend
 
         return TrtBackend(folder, manifest)
-    from dflash2.runtime.engines import OrtBackend
+    from dflash2.runtime.ort import OrtBackend
 
     if isinstance(manifest, mf.EngineManifest):  # an engine folder remembers the export it was built from
         folder = Path(manifest.export_dir)
@@ -74,11 +74,11 @@ class Runtime:
         """log: where a line about what is allocated goes before allocating (dflash2-run: stderr).
         threads: ONNX Runtime's intra-op threads (None: DFLASH2_THREADS, else ONNX Runtime's default, one per core);
         drafter_threads: the drafter session's own (None: DFLASH2_DRAFTER_THREADS, else as threads;
-        dflash2.runtime.engines says when fewer pay).
+        dflash2.runtime.ort says when fewer pay).
         schedule_cache: start `--draft-len auto` from what it learned about this export on this machine
         (dflash2.runtime.schedule_cache; default on unless DFLASH2_SCHEDULE_CACHE=0).
         verify: True checks every file's size and sha256, hashing only files changed since their last check
-        (dflash2.verified); "full" hashes every file; False checks nothing."""
+        (dflash2.manifest.hashcache); "full" hashes every file; False checks nothing."""
         self.folder = Path(folder)
         self.manifest = mf.load(self.folder, check_files=False)
         self.backend_name = pick_backend(self.manifest, backend)

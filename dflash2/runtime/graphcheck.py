@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
-from dflash2.quantization import QUANT_OPS, graph_method, quant_op
+from dflash2.quant_manifest import QUANT_OPS, graph_method, quant_op
 
 # ONNX Runtime's type strings -> the manifest's dtype names
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",

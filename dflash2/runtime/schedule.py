@@ -203,7 +203,7 @@ class AutoSchedule:
     verify 1.14x), one promising-looking probe was not evidence: every confident-but-wrong probe reset
     the back-off to one round and 131 probes over 8 answers cost 4.5% against plain decoding; there a
     probe must really win, a win halves the back-off instead of ending it, and a new answer gets one
-    probe (`scripts/bench_schedules.py`, docs/draft_len.md)."""
+    probe (`scripts/experiments/bench_schedules.py`, docs/draft_len.md)."""
 
     name = "auto"
     MAX_BACKOFF = 64  # rounds skipped between probes at most: a failed probe costs ~one draft call

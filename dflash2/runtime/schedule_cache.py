@@ -1,16 +1,16 @@
 """What `--draft-len auto` learned about one export on this machine, kept for the next session.
 
-An `AutoSchedule` calibrates its cost model in a session's first rounds, then learns acceptance per confidence
-and whether drafting pays at all (`value`) from its own rounds. A session that answers once (`dflash2-run`,
+An `AutoSchedule` calibrates its cost model in a session's first rounds, then learns acceptance per confidence and
+whether drafting pays at all (`value`) from its own rounds. A session that answers once (`dflash2-run`,
 `dflash2-demo`) paid all of that again every time: on the int4 default here, where drafting does not pay,
-calibration and the first drafted rounds cost ~4-5% of a 128-token answer (`scripts/replay_schedules.py replay
---fresh`, docs/draft_len.md). Like TensorRT's timing cache, the learned state is kept per export (its manifest
-hash), backend, provider, thread count and machine (CPU model, ONNX Runtime version) in
+calibration and the first drafted rounds cost ~4-5% of a 128-token answer (`scripts/experiments/replay_schedules.py
+replay --fresh`, docs/draft_len.md). Like TensorRT's timing cache, the learned state is kept per export (its
+manifest hash), backend, provider, thread count and machine (CPU model, ONNX Runtime version) in
 `$DFLASH2_CACHE/schedule/` (default ~/.cache/dflash2), written atomically after each answer; the next session
-starts calibrated and knowing. The cost model keeps following the machine's speed round by round, so a state
-saved under another load is corrected within a few rounds. A state that cannot be read is ignored (it only
-saves time); `DFLASH2_SCHEDULE_CACHE=0` or `Runtime(..., schedule_cache=False)` turns it off (dflash2-bench
-measures cold sessions).
+starts calibrated and knowing. The cost model keeps following the machine's speed round by round, so a state saved
+under another load is corrected within a few rounds. A state that cannot be read is ignored (it only saves time);
+`DFLASH2_SCHEDULE_CACHE=0` or `Runtime(..., schedule_cache=False)` turns it off (dflash2-bench measures cold
+sessions).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from dflash2 import dtypes
 from dflash2.errors import Dflash2Error
 from dflash2.manifest import ModelFacts
 from dflash2.runtime.binding import CapacityError, make_kv
-from dflash2.runtime.engines import Backend
+from dflash2.runtime.ort import Backend
 from dflash2.speculative import Drafted, Verified
 
 

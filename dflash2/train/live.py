@@ -191,8 +191,8 @@ class IdStream:
 def held_out_with_taps(target: str | Path, corpus: str | Path, taps: list[int], rows: int,
                        log=print) -> list[LiveRecord]:
     """The first `rows` held-out records of an id corpus, their taps (bf16, as training makes them) computed now with
-    progress logged and kept: what the offline comparisons of several drafters read (scripts/eval_drafters.py,
-    scripts/confidence_signals.py)."""
+    progress logged and kept: what the offline comparisons of several drafters read
+    (scripts/experiments/eval_drafters.py, scripts/experiments/confidence_signals.py)."""
     recs = IdStream(IdCorpus(corpus), TapsModel(target, list(taps), "bf16")).held_out(rows)
     t0 = time.perf_counter()
     for i, r in enumerate(recs):

@@ -1,8 +1,8 @@
-"""Draft-length schedules compared without timing noise (dflash2/runtime/replay.py says why it is exact):
+"""Draft-length schedules compared without timing noise (dflash2/bench/replay.py says why it is exact):
 
-    python scripts/replay_schedules.py record EXPORT --prompts default --out int4_shipped.json [--threads 1]
-    python scripts/replay_schedules.py costs EXPORT --into int4_shipped.json ...   # re-measure, machine quiet
-    python scripts/replay_schedules.py replay int4_shipped.json [more traces] \
+    python scripts/experiments/replay_schedules.py record EXPORT --prompts default --out int4_shipped.json [--threads 1]
+    python scripts/experiments/replay_schedules.py costs EXPORT --into int4_shipped.json ...   # re-measure, machine quiet
+    python scripts/experiments/replay_schedules.py replay int4_shipped.json [more traces] \
         --schedule before=/tmp/schedule_before.py --schedule now=dflash2/runtime/schedule.py [--json out.json]
 
 `record` runs each answer once with the drafter at every position (traces: JSON, `.gz` compressed) and measures
@@ -21,7 +21,7 @@ reach if its thresholds were chosen knowing the answers (an upper bound for sche
 match once drafted) and the oracle (the best of all, `replay.bound`) at the trace's costs with the draft cheaper and
 the verify flatter by given factors:
 
-    python scripts/replay_schedules.py bounds TRACE... [--draft 1,0.5,0.25,0] [--verify 1,0.5,0] [--lift 0.1,0.2]
+    python scripts/experiments/replay_schedules.py bounds TRACE... [--draft 1,0.5,0.25,0] [--verify 1,0.5,0] [--lift 0.1,0.2]
         [--json out.json]
 
 and, with `--lift`, at today's costs over traces whose drafts were turned right at random (`lifted`), roughly what
@@ -55,7 +55,7 @@ def _table_line(t: dict) -> str:
 def record(a) -> int:
     from dflash2.prompts import parse_spec
     from dflash2.runtime.api import Runtime
-    from dflash2.runtime.replay import cost_table, record as record_answers
+    from dflash2.bench.replay import cost_table, record as record_answers
 
     rt = Runtime(a.export, threads=a.threads)
     print("measuring the cost table ...", file=sys.stderr, flush=True)
@@ -70,7 +70,7 @@ def record(a) -> int:
 
 def costs(a) -> int:
     from dflash2.runtime.api import Runtime
-    from dflash2.runtime.replay import cost_table
+    from dflash2.bench.replay import cost_table
 
     table = cost_table(Runtime(a.export, threads=a.threads).session, repeats=a.repeats)
     print(_table_line(table), file=sys.stderr)
@@ -102,7 +102,7 @@ def _exact_costs(cls, table: dict):
 
 
 def replay(a) -> int:
-    from dflash2.runtime.replay import load_schedules, replay as replay_trace
+    from dflash2.bench.replay import load_schedules, replay as replay_trace
 
     loaded = load_schedules(a.schedule)
     names = [*loaded, *(f"{n}/exact" for n in loaded if a.exact_costs), "oracle"]
@@ -135,7 +135,7 @@ def _empty(trace: dict, path: str) -> bool:
 
 
 def thresholds(a) -> int:
-    from dflash2.runtime.replay import Thresholds, replay as replay_trace
+    from dflash2.bench.replay import Thresholds, replay as replay_trace
 
     grid = [round(0.05 * i, 2) for i in range(1, 20)]
     rows = {}
@@ -170,7 +170,7 @@ def lifted(trace: dict, q: float, seed: int = 0) -> dict:
 
 def _best_fixed(trace: dict) -> dict:
     """The best `--draft-len K` over the trace (one K for all of its answers, chosen knowing them)."""
-    from dflash2.runtime.replay import replay as replay_trace
+    from dflash2.bench.replay import replay as replay_trace
     from dflash2.speculative import FixedSchedule
 
     speed, k = max((replay_trace(FixedSchedule(k), trace)["speed"], k) for k in range(1, trace["block_size"]))
@@ -182,7 +182,7 @@ def bounds(a) -> int:
     --verify: the schedule (auto), perfect confidence (the best of the schedules that draft every round and then
     verify any of the drafts that will match) and the oracle (the best of all schedules: `replay.bound`): what a
     cheaper drafter or a flatter verify is worth at this drafter's acceptance."""
-    from dflash2.runtime.replay import bound, load_schedules, replay as replay_trace, scaled_costs
+    from dflash2.bench.replay import bound, load_schedules, replay as replay_trace, scaled_costs
 
     (name, cls), = load_schedules([a.schedule]).items()
     draft, verify = ([float(x) for x in v.split(",")] for v in (a.draft, a.verify))
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--json", default=None)
     b = sub.add_parser("bounds")
     b.add_argument("traces", nargs="+")
-    b.add_argument("--schedule", default=f"auto={Path(__file__).resolve().parents[1]}/dflash2/runtime/schedule.py",
+    b.add_argument("--schedule", default=f"auto={Path(__file__).resolve().parents[2]}/dflash2/runtime/schedule.py",
                    metavar="NAME=FILE")
     b.add_argument("--draft", default="1,0.5,0.25,0", help="draft cost factors")
     b.add_argument("--verify", default="1,0.5,0", help="factors of what a verify costs beyond a decode step")

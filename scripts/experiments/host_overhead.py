@@ -1,7 +1,7 @@
 """The session's own Python per step, without the engines: every ONNX Runtime call is replaced by a no-op, so
 what remains is what the runtime does around a graph call (binding, buffer views, dict building, pulls).
 
-    python scripts/host_overhead.py EXPORT [EXPORT ...] [--steps 2000] [--json out.json]
+    python scripts/experiments/host_overhead.py EXPORT [EXPORT ...] [--steps 2000] [--json out.json]
 
 Per export: microseconds of host work per target decode step (1 row), per verify of B rows and per draft.
 Runs on any dflash2 with the same session API, so one checkout measures before and another after.

@@ -1,7 +1,7 @@
 """Depth study report: drafters of different depths trained with the same budget, compared on
 held-out blocks (acceptance length and per-position acceptance), as a markdown table and a PNG.
 
-    python -m dflash2.train.study RUN_DIR [RUN_DIR ...] --png docs/depth_study.png
+    python -m dflash2.bench.study RUN_DIR [RUN_DIR ...] --png docs/depth_study.png
 
 Each RUN_DIR is a dflash2-train output (its training.json holds the held-out evaluations).
 """
@@ -63,7 +63,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash2.train.study", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dflash2.bench.study", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--png", type=Path, help="write the plot here")

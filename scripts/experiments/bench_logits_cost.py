@@ -1,6 +1,6 @@
 """What the target graph's `logits` output (sampling) costs the greedy path, measured.
 
-    .venv/bin/python scripts/bench_logits_cost.py EXPORT [--steps 300]
+    .venv/bin/python scripts/experiments/bench_logits_cost.py EXPORT [--steps 300]
 
 Opens EXPORT's target.onnx twice on ONNX Runtime: as exported, and with the `logits` output removed
 (ONNX Runtime then drops the slice feeding it). Times 1-row decode steps and B-row verify steps on the

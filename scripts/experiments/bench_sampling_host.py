@@ -1,7 +1,7 @@
 """Host time of lossless sampling per round (dflash2.sampling.verify_round) on V-wide logits rows, no model:
 the work the runtime does between the target's verify and the next draft at T > 0.
 
-    python scripts/bench_sampling_host.py [--vocab 49152] [--rounds 300] [--against 14300d3] [--json out.json]
+    python scripts/experiments/bench_sampling_host.py [--vocab 49152] [--rounds 300] [--against 14300d3] [--json out.json]
 
 Rows are random logits of a realistic spread (std 3); the drafts are each row's argmax, so most rounds
 accept several drafts and process several rows (the costly case). Prints ms per round for each option set.
@@ -26,7 +26,7 @@ from dflash2 import sampling as current
 from dflash2.sampling import Sampling
 
 CASES = [Sampling(0.7), Sampling(0.7, top_k=50), Sampling(0.7, top_p=0.9), Sampling(0.7, top_k=50, top_p=0.9)]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_revision(rev: str) -> types.ModuleType:

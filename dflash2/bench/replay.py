@@ -1,4 +1,4 @@
-"""Draft-length schedules compared without timing noise (`scripts/replay_schedules.py` is the command).
+"""Draft-length schedules compared without timing noise (`scripts/experiments/replay_schedules.py` is the command).
 
 `record` runs each answer once with the drafter at EVERY position (verifying none of its drafts) and keeps per
 position the drafter's confidences and how many of its drafts match the output; `replay` drives a schedule
@@ -9,7 +9,7 @@ tokens' taps) is the same whatever the schedule did before: what it drafts at po
 drafts the target accepts there (min(K, the matching prefix)), depends only on i. A wall-clock A/B on this shared
 2-core machine moves one prompt by up to 30%; a replay of 32 answers takes a second and is the same every time.
 What it leaves out: host time per round, and how a draft call disturbs the target's caches (wall-clock A/Bs:
-`scripts/bench_schedules.py`).
+`scripts/experiments/bench_schedules.py`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class _EveryPosition:
 class Thresholds(_EveryPosition):
     """Draft every round; verify the leading drafts whose confidence exceeds t1 (the first) / t2 (the others):
     priced over a trace with thresholds chosen knowing its answers, the bound of rules that read confidences only
-    (scripts/replay_schedules.py thresholds)."""
+    (scripts/experiments/replay_schedules.py thresholds)."""
 
     name = "thresholds"
 
@@ -149,13 +149,12 @@ def replay(schedule: DraftSchedule | None, trace: dict) -> dict:
     S = trace["block_size"] - 1
     ms = ar_ms = 0.0
     tokens = drafted = rounds = reused = accepted = 0
-    reuse = getattr(schedule, "wants_reuse", lambda: False)
     for ans in trace["answers"]:
         pos, n, pending = ans["positions"], ans["tokens"], ans.get("prompt_tokens", 1)  # the first draft takes the prompt
         schedule.start()
         p, tail = 0, None  # p: index of the anchor (ids[p] is the last token out); tail: (q, o) = drafts[q][o:]
         while p < n - 1:
-            from_tail = tail is not None and bool(reuse())
+            from_tail = tail is not None and bool(schedule.wants_reuse())
             if from_tail:
                 q, o = tail
                 conf, match, d = pos[q]["confidence"][o:], max(pos[q]["match"] - o, 0), False
@@ -241,7 +240,7 @@ def bound(trace: dict, skip: bool = True) -> dict:
 def scaled_costs(table: dict, draft: float = 1.0, verify: float = 1.0) -> dict:
     """A cost table with the draft's cost times `draft` and what each verify costs beyond a decode step times
     `verify` (0: a verify of any rows costs one decode step, as on a GPU): what a cheaper drafter or a flatter
-    verify would be worth, priced over the same recorded drafts (`scripts/replay_schedules.py bounds`)."""
+    verify would be worth, priced over the same recorded drafts (`scripts/experiments/replay_schedules.py bounds`)."""
     d = table["decode"]
     return {**table, "draft_base": table["draft_base"] * draft, "draft_per_row": table["draft_per_row"] * draft,
             "verify": [0.0, *(d + (v - d) * verify for v in table["verify"][1:])]}
@@ -249,8 +248,8 @@ def scaled_costs(table: dict, draft: float = 1.0, verify: float = 1.0) -> dict:
 
 def load_schedules(items: Sequence[str]) -> dict:
     """NAME=FILE -> the `AutoSchedule` class of FILE (another version of dflash2/runtime/schedule.py, e.g. `git show
-    REV:...`), to compare schedules in one process. A version from before draft tails declines them: the loop and
-    `replay` treat a schedule without `wants_reuse` as one that never reuses."""
+    REV:...`), to compare schedules in one process. A version from before draft tails (no `wants_reuse`) is refused
+    here, in one line, rather than deep in the loop: the DraftSchedule protocol is what the loop calls."""
     out = {}
     for item in items:
         name, _, path = item.partition("=")
@@ -262,5 +261,8 @@ def load_schedules(items: Sequence[str]) -> dict:
         spec.loader.exec_module(mod)
         if not hasattr(mod, "AutoSchedule"):
             raise ValueError(f"--schedule {item}: expected a class AutoSchedule in it, found none")
+        if not callable(getattr(mod.AutoSchedule, "wants_reuse", None)):
+            raise ValueError(f"--schedule {item}: its AutoSchedule predates draft tails (no wants_reuse); add "
+                             f"`def wants_reuse(self): return False` to replay it")
         out[name] = mod.AutoSchedule
     return out

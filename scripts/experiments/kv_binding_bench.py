@@ -1,5 +1,5 @@
 """ONNX Runtime CPU: the portable prefix-view target vs the fixed-shape TensorRT flavour (target.trt.onnx) of one
-export, in one interleaved run; checks both give the same ids. `python scripts/kv_binding_bench.py EXPORT_DIR`
+export, in one interleaved run; checks both give the same ids. `python scripts/experiments/kv_binding_bench.py EXPORT_DIR`
 prints a table and JSON (ms per target step, median of 7 interleaved repeats)."""
 
 import json

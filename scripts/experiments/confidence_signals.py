@@ -1,6 +1,6 @@
 """Which per-draft signal tells best whether a draft will be accepted (what `--draft-len auto` reads), offline:
 
-    python scripts/confidence_signals.py --target T --corpus data/corpus/smollm2-135m-instruct DRAFTER [DRAFTER ...] \
+    python scripts/experiments/confidence_signals.py --target T --corpus data/corpus/smollm2-135m-instruct DRAFTER [DRAFTER ...] \
         [--rows 32] [--threads 1] [--json out.json]
 
 At every answer position of the first `--rows` held-out rows (whole conversations = 49 mod 50, never trained on),
@@ -10,7 +10,7 @@ schedule asks about): 0.5 = no information, 1 = a perfect ranking. Signals: `con
 selector's path probability: dflash2/ops/contract.py), and from the draft head's softmax over the draft vocabulary:
 `p_walk` (the walked candidate's probability), `p_top1`, `margin` (top-1 minus top-2 logit), `entropy` (negated), and
 `agree` (the walk took the head's top-1). How much a better signal could be worth end to end:
-`scripts/replay_schedules.py bounds` (perfect confidence).
+`scripts/experiments/replay_schedules.py bounds` (perfect confidence).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Several drafters on the same held-out blocks of the id corpus, offline (teacher-forced), one table:
 
-    python scripts/eval_drafters.py --target T --corpus data/corpus/smollm2-135m-instruct \
+    python scripts/experiments/eval_drafters.py --target T --corpus data/corpus/smollm2-135m-instruct \
         DRAFTER [DRAFTER ...] [--rows 192] [--anchors 16] [--loop-rows 64] [--threads 1] [--json out.json]
 
 The trainer's own evaluation (`training.json`) reads 48 held-out rows (768 blocks): neighbouring evaluations of one

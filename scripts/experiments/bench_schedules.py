@@ -1,7 +1,7 @@
 """Draft-length schedules against each other and against plain decoding, in ONE interleaved run:
 
     git show bc2e7b6:dflash2/runtime/schedule.py > /tmp/schedule_before.py
-    python scripts/bench_schedules.py EXPORT --schedule before=/tmp/schedule_before.py \
+    python scripts/experiments/bench_schedules.py EXPORT --schedule before=/tmp/schedule_before.py \
         --schedule now=dflash2/runtime/schedule.py [--prompts default|sharegpt:eval:24] [--threads 1] \
         [--repeats 2] [--json out.json]
 
@@ -11,7 +11,7 @@ runtime session does. Per prompt, autoregressive and every schedule run in turns
 prompt to prompt; this machine's speed drifts between runs, not within one). Prints per prompt and overall
 tok/s, the ratio to autoregressive, drafted / skipped rounds and acceptance, and checks every output equals the
 autoregressive one. Besides wall time, every run is PRICED: its rounds at one cost table measured at the start
-(`dflash2.runtime.replay.cost_table`: median decode / draft / verify-of-k times), which removes this shared machine's
+(`dflash2.bench.replay.cost_table`: median decode / draft / verify-of-k times), which removes this shared machine's
 noise (one stall moves a prompt's wall-clock ratio by 30%) and keeps what the schedule decided; a draft after
 skipped rounds catches up their context rows and costs more than the table's, so priced ratios flatter a
 schedule that skips a little. This is the measurement behind docs/draft_len.md's "never loses" numbers.
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash2.prompts import parse_spec
     from dflash2.runtime.api import Runtime
-    from dflash2.runtime.replay import cost_table, load_schedules
+    from dflash2.bench.replay import cost_table, load_schedules
     from dflash2.speculative import generate
 
     rt = Runtime(a.export, threads=a.threads)

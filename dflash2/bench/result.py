@@ -30,6 +30,9 @@ class ModeResult:
     new_tokens: int
     decode_seconds: float  # tok/s = (new_tokens - generations) / decode_seconds
     host_overhead_share: float  # of the mode's wall time outside engine calls
+    # the speedup once per independent pass (each repeat, or each half of the prompts: bench/ratio.py), its spread;
+    # empty in files written before it
+    speedup_samples: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -130,6 +133,7 @@ class CombinedMode:
     k_histogram: dict[str, int]
     acceptance_length: float
     speedup: float = 0.0
+    speedup_samples: list[float] = field(default_factory=list)  # each part's own speedup: the spread
 
 
 @dataclass
@@ -180,6 +184,9 @@ class QuantBenchResult:
     top1_agreement_vs_first: dict[str, float]
     genai_prefix_agreement_vs_first: float | None
     best: BestConfig
+    # per configuration, tok/s once per independent pass (each repeat, or each half of the prompts: bench/ratio.py):
+    # the spread of every ratio the table prints
+    tokens_per_second_by_pass: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def reference(self) -> str:

@@ -1,6 +1,6 @@
 """ONNX Runtime's CPU weight-MatMul kernels at the row counts speculative decoding runs, in one interleaved run:
 
-    python scripts/bench_matmul_kernels.py [--threads 1] [--rows 1,2,8] [--repeats 200] [--json out.json]
+    python scripts/experiments/bench_matmul_kernels.py [--threads 1] [--rows 1,2,8] [--repeats 200] [--json out.json]
 
 Per weight shape of the SmolLM2 default pair (the drafter's 8192-row head, gate|up, down) and per row count M:
 MatMulNBits int4 / int8 at blocks 32 and 128 (accuracy level 4: int8 activations, the fast path), DynamicQuantizeMatMul

@@ -1,5 +1,5 @@
 """Autoregressive, fixed draft lengths and `auto` in ONE process, interleaved per prompt, plus the
-acceptance of alternative draft paths. Returns a BenchResult (bench_result.py); prints its table."""
+acceptance of alternative draft paths. Returns a BenchResult (result.py); prints its table."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ from pathlib import Path
 from typing import Callable
 
 from dflash2 import dtypes
+from dflash2.bench.policies import POLICIES, PolicySession
+from dflash2.bench.ratio import describe_ratio, pass_of, ratio_cell
+from dflash2.bench.result import (BenchProgress, BenchResult, BenchResultError, CombinedMode, CombinedResult,
+                                  ModeResult, PromptResult, SweepPoint)
 from dflash2.manifest import ExportManifest
 from dflash2.errors import Dflash2Error
 from dflash2.native.bench import random_inputs
 from dflash2.onnxrt import open_session
 from dflash2.prompts import default_prompts, load_prompts  # noqa: F401 (re-exported for callers)
-from dflash2.quantization import describe, label
+from dflash2.quant_manifest import describe, label
 from dflash2.runtime.api import Runtime
-from dflash2.runtime.bench_result import (BenchProgress, BenchResult, BenchResultError, CombinedMode,
-                                          CombinedResult, ModeResult, PromptResult, SweepPoint)
-from dflash2.runtime.policies import POLICIES, PolicySession
 from dflash2.speculative import FixedSchedule, Stats, gap_closed, generate, parse_draft_len
 
 
@@ -119,11 +120,13 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
     engine_s = {m: 0.0 for m in modes}
     per_policy: dict[str, list[Stats]] = {p: [] for p in policies}
     per_prompt, lossless = [], True
+    passes: list[int] = []  # per generation (prompt, repeat): the independent sample it belongs to (ratio.pass_of)
     for i, prompt in enumerate(prompts):
         ids = rt.prompt_ids(text=prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         main.check_capacity(len(ids), max_new_tokens)
         row = PromptResult(len(ids), {})
-        for _ in range(repeats):
+        for rep in range(repeats):
+            passes.append(pass_of(i, rep, repeats))
             ids_of = {}
             for m in modes[i % len(modes):] + modes[:i % len(modes)]:  # rotated order
                 e0 = main.target.seconds + main.drafter.seconds
@@ -154,12 +157,13 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
         if partial is not None:  # what a run cut short still leaves: the prompts done so far
             ar_now = _merge(runs["ar"]).tokens_per_second
             partial(BenchProgress(i + 1, repeats, lossless,
-                                  {m: _mode_row(m, _merge(runs[m]), ar_now, engine_s[m]) for m in modes},
+                                  {m: _mode_row(m, _merge(runs[m]), ar_now, engine_s[m],
+                                                _samples(runs, m, passes)) for m in modes},
                                   auto.to_dict()["costs"], per_prompt))
     merged = {m: _merge(v) for m, v in runs.items()}
     calibration = auto.to_dict()["costs"]
     ar_tps = merged["ar"].tokens_per_second
-    mode_rows = {m: _mode_row(m, merged[m], ar_tps, engine_s[m]) for m in modes}
+    mode_rows = {m: _mode_row(m, merged[m], ar_tps, engine_s[m], _samples(runs, m, passes)) for m in modes}
     best = max(["ar", *map(str, fixed)], key=lambda m: mode_rows[m].tokens_per_second)
     A, M = merged["ar"], merged[main_mode]
     acc = {p: _merge(v).acceptance_length for p, v in per_policy.items()}
@@ -190,11 +194,20 @@ def bench(folder: str | Path, prompts: list[str], max_new_tokens: int = 128, cha
         draft_len_sweep=[_sweep_row(k, merged[str(k)], ar_tps) for k in sorted(fixed)])
 
 
-def _mode_row(mode: str, s: Stats, ar_tps: float, engine_seconds: float) -> ModeResult:
+def _samples(runs: dict[str, list[Stats]], mode: str, passes: list[int]) -> list[float]:
+    """The mode's speedup over "ar" once per independent pass (ratio.pass_of): the spread its headline carries."""
+    out = []
+    for p in sorted(set(passes)):
+        ar = _tps([s for s, q in zip(runs["ar"], passes) if q == p])
+        out.append(_tps([s for s, q in zip(runs[mode], passes) if q == p]) / ar if ar else 0.0)
+    return out
+
+
+def _mode_row(mode: str, s: Stats, ar_tps: float, engine_seconds: float, samples: list[float]) -> ModeResult:
     total = s.times["total"]
     return ModeResult(s.tokens_per_second, s.tokens_per_second / ar_tps if ar_tps else 0.0, s.acceptance_length,
                       s.rounds, s.k_histogram(), _round_ms(s) if s.rounds else None, s.new_tokens, s.decode_seconds,
-                      max(total - engine_seconds, 0.0) / total if total else 0.0)
+                      max(total - engine_seconds, 0.0) / total if total else 0.0, samples)
 
 
 def _sweep_row(k: int, s: Stats, ar_tps: float) -> SweepPoint:
@@ -228,7 +241,9 @@ def combine(results: list[BenchResult]) -> CombinedResult:
             for k, v in w.k_histogram.items():
                 hist[k] = hist.get(k, 0) + v
         tau = sum(w.acceptance_length * w.rounds for w in rows) / rounds if rounds else 0.0
-        modes[mode] = CombinedMode(tokens / secs if secs else 0.0, rounds, hist, tau)
+        # each part is one independent sample of the mode's speedup (its own process, prompts and calibration)
+        modes[mode] = CombinedMode(tokens / secs if secs else 0.0, rounds, hist, tau,
+                                   speedup_samples=[w.speedup for w in rows])
     ar = modes["ar"].tokens_per_second
     for w in modes.values():
         w.speedup = w.tokens_per_second / ar if ar else 0.0
@@ -241,10 +256,10 @@ def combine(results: list[BenchResult]) -> CombinedResult:
 def combined_table(c: CombinedResult) -> str:
     out = (f"{c.prompts} prompts in {c.parts} interleaved runs, lossless {c.lossless}, "
            f"auto / best of AR and fixed K {c.auto_vs_best:.3f} (best: {c.best_of_ar_and_fixed})\n"
-           "  mode    tau    tok/s  speedup  K per round\n")
+           "  mode    tau    tok/s  speedup, range over parts  K per round\n")
     return out + "\n".join(f"  {m:<5} {w.acceptance_length:>5.2f} {w.tokens_per_second:>8.1f} "
-                            f"{w.speedup:>7.2f}x  " + " ".join(f"{k}:{v}" for k, v in w.k_histogram.items() if v)
-                            for m, w in c.modes.items())
+                            f"{'1.00x (base)' if m == 'ar' else ratio_cell(w.speedup_samples, w.speedup):>25}  "
+                            + " ".join(f"{k}:{v}" for k, v in w.k_histogram.items() if v) for m, w in c.modes.items())
 
 
 def table(r: BenchResult) -> str:
@@ -254,7 +269,7 @@ def table(r: BenchResult) -> str:
             ("lossless (spec == AR ids)", "by distribution" if r.lossless is None else r.lossless),
             ("autoregressive tok/s", f"{r.autoregressive_tokens_per_second:.1f}"),
             ("speculative tok/s", f"{r.speculative_tokens_per_second:.1f}"),
-            ("speedup", f"{r.speedup:.2f}x"),
+            ("speedup", describe_ratio(r.main_mode.speedup_samples, r.speedup, over=_over(r))),
             ("auto / best of AR and fixed K", f"{r.auto_vs_best:.3f} (best: {r.best_of_ar_and_fixed})"),
             ("AR step ms / spec round ms", f"{r.ar_step_ms:.2f} / {r.spec_step_ms:.2f}"),
             ("host overhead (spec)", f"{100 * r.host_overhead_share:.1f}%"),
@@ -272,14 +287,20 @@ def table(r: BenchResult) -> str:
     out = "\n".join(f"{k:<34}{v!s:>18}" for k, v in rows)
     pos = "\n".join(f"  {p:<9}" + " ".join(f"{x:.2f}" for x in v) for p, v in r.position_acceptance.items())
     out += "\nacceptance per draft position (K=S):\n" + pos
-    out += "\nmodes (same run, interleaved):\n  mode    tau    tok/s  speedup   host  K per round\n"
-    out += "\n".join(f"  {m:<5} {w.acceptance_length:>5.2f} {w.tokens_per_second:>8.1f} {w.speedup:>7.2f}x "
+    out += (f"\nmodes (same run, interleaved; speedup range over {_over(r)}):\n"
+            "  mode    tau    tok/s      speedup, range   host  K per round\n")
+    out += "\n".join(f"  {m:<5} {w.acceptance_length:>5.2f} {w.tokens_per_second:>8.1f} "
+                      f"{'1.00x (base)' if m == 'ar' else ratio_cell(w.speedup_samples, w.speedup):>20} "
                       f"{100 * w.host_overhead_share:>5.1f}%  "
                       + " ".join(f"{k}:{v}" for k, v in w.k_histogram.items() if v)
                       for m, w in r.modes.items())
     if r.quantization:
         out += "\n" + r.quantization
     return out
+
+
+def _over(r: BenchResult) -> str:
+    return "repeats" if r.repeats > 1 else "halves of the prompts"
 
 
 def plot(r: BenchResult, path: str | Path) -> None:

@@ -1,6 +1,6 @@
 """Does torch.compile speed up the trainer's taps (`dflash2-train --live-taps`)? Eager against compiled, in turns:
 
-    python scripts/bench_taps_compile.py --target ~/.cache/dflash2/smollm2-135m-instruct [--threads 1] [--rounds 3]
+    python scripts/experiments/bench_taps_compile.py --target ~/.cache/dflash2/smollm2-135m-instruct [--threads 1] [--rounds 3]
 
 The taps model is transformers' target cut after the last tapped layer, cast to bf16 (dflash2/train/live.py), run on
 six random-id sequences of 380-700 tokens (chat turns' lengths; the time does not depend on the ids). The compiled

@@ -19,10 +19,11 @@ import json
 import time
 from pathlib import Path
 
+from dflash2.bench.ratio import describe_ratio, pass_of, ratio_cell
+from dflash2.bench.result import BestConfig, QuantBenchResult, QuantExport
 from dflash2.errors import Dflash2Error
-from dflash2.quantization import describe, label
+from dflash2.quant_manifest import describe, label
 from dflash2.runtime.api import Runtime
-from dflash2.runtime.bench_result import BestConfig, QuantBenchResult, QuantExport
 from dflash2.speculative import FixedSchedule, generate
 
 
@@ -114,6 +115,7 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
     names += ["onnxruntime-genai int4"] if runner else []
     tokens = {n: 0 for n in names}
     seconds = {n: 0.0 for n in names}
+    by_pass: dict[str, dict[int, list[float]]] = {n: {} for n in names}  # name -> pass -> [tokens, seconds]
     acc = {lab: [0, 0] for lab in labels}  # accepted + 1 summed, rounds
     agree = {lab: [0, 0] for lab in labels[1:]}
     lossless = {lab: True for lab in labels}
@@ -128,22 +130,22 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
                 generate(rt.session, ids, 8, rt.eos_ids, draft_len=warm_k)
             if runner:
                 runner.generate(ids, 8)
-        for _ in range(repeats):
+        for rep in range(repeats):
+            p = pass_of(i, rep, repeats)
             first_ar = None
             for lab, rt, sched in zip(labels, runtimes, schedules):
                 ar = generate(rt.session, ids, max_new_tokens, rt.eos_ids, speculative=False)
                 sp = generate(rt.session, ids, max_new_tokens, rt.eos_ids, schedule=sched)
                 lossless[lab] &= sp.ids == ar.ids
                 for mode, g in (("autoregressive", ar), ("speculative", sp)):
-                    tokens[f"{lab} {mode}"] += max(g.stats.new_tokens - 1, 0)
-                    seconds[f"{lab} {mode}"] += g.stats.decode_seconds
+                    _add(tokens, seconds, by_pass, f"{lab} {mode}", p, max(g.stats.new_tokens - 1, 0),
+                         g.stats.decode_seconds)
                 acc[lab][0] += sum(a + 1 for a in sp.stats.accepted)
                 acc[lab][1] += sp.stats.rounds
                 first_ar = ar.ids if first_ar is None else first_ar
             if runner:
                 out, s = runner.generate(ids, max_new_tokens)
-                tokens["onnxruntime-genai int4"] += max(len(out) - 1, 0)
-                seconds["onnxruntime-genai int4"] += s
+                _add(tokens, seconds, by_pass, "onnxruntime-genai int4", p, max(len(out) - 1, 0), s)
                 genai_vs_ref[0] += sum(a == b for a, b in zip(out, first_ar))
                 genai_vs_ref[1] += len(first_ar)
         for lab, rt in zip(labels[1:], runtimes[1:]):
@@ -162,11 +164,27 @@ def bench_quant(folders: list[str | Path], prompts: list[str], genai: str | Path
         exports={lab: QuantExport(str(f), describe(rt.manifest), _quantization(rt.manifest))
                  for lab, f, rt in zip(labels, folders, runtimes)},
         genai={"folder": str(genai), "version": runner.version} if runner else None,
-        tokens_per_second=tps, lossless=lossless, acceptance_length=tau,
+        tokens_per_second=tps, tokens_per_second_by_pass={n: [t / s if s else 0.0 for _, (t, s) in sorted(v.items())]
+                                                          for n, v in by_pass.items()},
+        lossless=lossless, acceptance_length=tau,
         acceptance_change={lab: tau[lab] - tau[labels[0]] for lab in labels[1:]},
         top1_agreement_vs_first={lab: a / n if n else 0.0 for lab, (a, n) in agree.items()},
         genai_prefix_agreement_vs_first=genai_vs_ref[0] / genai_vs_ref[1] if genai_vs_ref[1] else None,
         best=BestConfig(best, tps[best], tps[best] / genai_tps if genai_tps else None))
+
+
+def _add(tokens, seconds, by_pass, name: str, p: int, n: int, s: float) -> None:
+    tokens[name] += n
+    seconds[name] += s
+    cell = by_pass[name].setdefault(p, [0, 0.0])
+    cell[0] += n
+    cell[1] += s
+
+
+def _vs(r: QuantBenchResult, name: str, other: str) -> list[float]:
+    """name's tok/s over other's, once per independent pass (ratio.pass_of): the spread of their ratio."""
+    a, b = r.tokens_per_second_by_pass.get(name, []), r.tokens_per_second_by_pass.get(other, [])
+    return [x / y if y else 0.0 for x, y in zip(a, b)]
 
 
 def _quantization(m) -> dict | None:
@@ -178,7 +196,7 @@ def _quantization(m) -> dict | None:
 
 def table(r: QuantBenchResult) -> str:
     g = r.tokens_per_second.get("onnxruntime-genai int4")
-    head = f"{'configuration':<34}{'tok/s':>9}{'vs genai':>10}{'tau':>7}  lossless"
+    head = f"{'configuration':<34}{'tok/s':>9}{'vs genai, range':>20}{'tau':>7}  lossless"
     lines = [f"{r.prompts} prompts, {r.max_new_tokens} new tokens, greedy, speculative with K={r.draft_len} "
              f"drafts verified per round, intra-op threads {r.threads or 'ONNX Runtime default'}",
              head, "-" * len(head)]
@@ -186,7 +204,9 @@ def table(r: QuantBenchResult) -> str:
         lab, _, mode = name.rpartition(" ")
         tau = f"{r.acceptance_length[lab]:.2f}" if mode == "speculative" else "-"
         ok = str(r.lossless[lab]) if mode == "speculative" else "-"
-        lines.append(f"{name:<34}{v:>9.1f}{(f'{v / g:.2f}x' if g else '-'):>10}{tau:>7}  {ok}")
+        vs = "-" if not g else "1.00x (base)" if name == "onnxruntime-genai int4" else ratio_cell(
+            _vs(r, name, "onnxruntime-genai int4"), v / g)
+        lines.append(f"{name:<34}{v:>9.1f}{vs:>20}{tau:>7}  {ok}")
     for lab, a in r.top1_agreement_vs_first.items():
         lines.append(f"top-1 agreement {lab} vs {r.reference}: {100 * a:.1f}%  "
                      f"(acceptance length change {r.acceptance_change[lab]:+.2f})")
@@ -194,7 +214,15 @@ def table(r: QuantBenchResult) -> str:
         lines.append(f"onnxruntime-genai int4 ids equal to {r.reference} greedy ids at "
                      f"{100 * r.genai_prefix_agreement_vs_first:.1f}% of positions")
     b = r.best
+    over = "repeats" if r.repeats > 1 else "halves of the prompts"
     lines.append(f"best dflash2: {b.config} {b.tokens_per_second:.1f} tok/s"
-                 + (f" = {b.vs_genai_int4:.2f}x onnxruntime-genai int4" if b.vs_genai_int4 is not None else ""))
+                 + (" vs onnxruntime-genai int4: " + describe_ratio(_vs(r, b.config, "onnxruntime-genai int4"),
+                                                                    b.vs_genai_int4, over=over)
+                    if b.vs_genai_int4 is not None else ""))
+    for lab in r.exports:  # what speculative decoding bought each export, by the same rule
+        sp, ar = f"{lab} speculative", f"{lab} autoregressive"
+        if r.tokens_per_second.get(ar):
+            lines.append(f"{lab} speculative / autoregressive: " + describe_ratio(
+                _vs(r, sp, ar), r.tokens_per_second[sp] / r.tokens_per_second[ar], over=over))
     lines += [f"{lab}: {e.describe}" for lab, e in r.exports.items()]
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """What one speculative round costs against one target decode step, per export, in one interleaved run:
 
-    python scripts/bench_round_costs.py EXPORT [EXPORT ...] [--threads 1] [--repeats 30] [--json out.json]
+    python scripts/experiments/bench_round_costs.py EXPORT [EXPORT ...] [--threads 1] [--repeats 30] [--json out.json]
 
 Per export, the session's real calls (ONNX Runtime included, the same buffers the loop binds) at a context of
 ~100 tokens: a target decode step (1 row), a draft, and a verify of 2 .. B rows; each the median of `repeats`
