@@ -5,6 +5,7 @@
 #   bash plugins/build.sh                          TensorRT 10.14.1 headers from the kernel-lens wheel
 #   TENSORRT_ROOT=/opt/TensorRT bash plugins/build.sh      your own TensorRT (headers in $TENSORRT_ROOT/include)
 #   DFLASH2_CPU_ONLY=1 bash plugins/build.sh       CPU twin only (no nvcc, no TensorRT headers)
+#   DFLASH2_KERNEL_ONLY=1 bash plugins/build.sh    CPU twin + libdflash2_kernel.so (nvcc, no TensorRT headers)
 # Other knobs: BUILD_DIR (default build/plugins), JOBS (default 2), CUDA_ARCHS (e.g. "90-real"),
 # PYTHON (default python3; runs pip download and unzips the wheel).
 set -euo pipefail
@@ -49,6 +50,8 @@ EOF
 
 if [[ "${DFLASH2_CPU_ONLY:-0}" == "1" ]]; then
   CMAKE_ARGS+=(-DDFLASH2_CPU_ONLY=ON)
+elif [[ "${DFLASH2_KERNEL_ONLY:-0}" == "1" ]]; then
+  CMAKE_ARGS+=(-DDFLASH2_KERNEL_ONLY=ON)
 elif [[ -n "${TENSORRT_ROOT:-}" ]]; then
   CMAKE_ARGS+=(-DTENSORRT_ROOT="$TENSORRT_ROOT")
 else

@@ -5,6 +5,8 @@
 #   on the export: ids must be identical (lossless vs the ONNX Runtime path; fp16: spec == no-spec
 #   on TensorRT) -> CUDA graphs give the same ids -> speedup (--no-spec vs spec), per-stage times.
 #
+# A GPU machine WITHOUT TensorRT (the lent device image) runs scripts/device_check.sh instead; this
+# script then stops at its first step with one line saying so (docs/gpu.md: which check runs where).
 # Needs: an NVIDIA GPU, TensorRT 10.x Python (`pip install tensorrt-cu12`, or JetPack on Jetson),
 # cuda-python, nvcc + cmake, and this package installed with its export and trt extras (`pip install -e ".[export,trt]"`).
 # Knobs: PYTHON (default python3), WORK (default a temp folder), CUDA_ARCHS (default: this GPU's
@@ -20,13 +22,17 @@ IDS="5,17,42,99,7,250,31,64,12,300,8,77,140,23"
 step() { printf '\n=== %s (%ds) ===\n' "$*" "$SECONDS"; }
 
 step "environment"
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  echo "gpu_check: no GPU here (no nvidia-smi): the TensorRT path needs one; on a CPU machine run the tests (docs/gpu.md)" >&2
+  exit 2
+fi
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader
+if ! "$PY" -c "import tensorrt" >/dev/null 2>&1; then
+  echo "gpu_check: no TensorRT Python here: for the TensorRT path pip install tensorrt-cu12 (or JetPack); on a GPU without TensorRT run bash scripts/device_check.sh (docs/gpu.md)" >&2
+  exit 2
+fi
 "$PY" - <<'EOF'
-import sys
-try:
-    import tensorrt
-except ImportError as e:
-    sys.exit(f"gpu_check: TensorRT Python is not installed ({e}): pip install tensorrt-cu12 (or JetPack)")
+import tensorrt
 from dflash2.native.cudart import compute_capability
 print("tensorrt", tensorrt.__version__, "| device", compute_capability())
 EOF

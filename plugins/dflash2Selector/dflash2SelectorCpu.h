@@ -30,13 +30,18 @@ DF2_API int32_t dflash2_check_select_args(Df2SelectArgs const* args, char* err, 
 /* The op on the CPU with the kernel's exact arithmetic (ids outside [0, V) give -inf scores). */
 DF2_API int32_t dflash2_select_path_cpu(Df2SelectArgs const* args, char* err, size_t errLen);
 
-/* libdflash2_plugins.so only: copies host buffers to the GPU, runs the kernel once, copies the
+/* libdflash2_plugins.so / libdflash2_kernel.so: copies host buffers to the GPU, runs the kernel once, copies the
    outputs back. timingIters > 0 then times that many launches and writes microseconds per
    launch to *usPerCall. For tests and benchmarks, not for production. */
 DF2_API int32_t dflash2_select_path_cuda(
     Df2SelectArgs const* args, int32_t timingIters, float* usPerCall, char* err, size_t errLen);
 
-/* libdflash2_plugins.so only: number of visible CUDA devices, or -1 with the CUDA error in `err`
+/* libdflash2_plugins.so / libdflash2_kernel.so: one kernel launch on `stream` (a cudaStream_t; NULL: the
+   legacy default stream), every pointer in `args` a DEVICE pointer; no copy, no synchronisation, so it
+   can be captured into a CUDA graph. Returns the launch status (0, or 1 with the CUDA error in `err`). */
+DF2_API int32_t dflash2_launch_select_path(Df2SelectArgs const* args, void* stream, char* err, size_t errLen);
+
+/* libdflash2_plugins.so / libdflash2_kernel.so: number of visible CUDA devices, or -1 with the CUDA error in `err`
    (no driver, no device). Lets tests skip with the real reason. */
 DF2_API int32_t dflash2_cuda_device_count(char* err, size_t errLen);
 

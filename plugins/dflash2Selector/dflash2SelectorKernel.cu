@@ -268,6 +268,17 @@ extern "C" DF2_API int32_t dflash2_select_path_cuda(
     return what == nullptr ? 0 : dflash2::cudaFail(err, errLen, what, st);
 }
 
+extern "C" DF2_API int32_t dflash2_launch_select_path(
+    Df2SelectArgs const* args, void* stream, char* err, size_t errLen)
+{
+    if (dflash2_check_select_args(args, err, errLen) != 0)
+        return 1;
+    if (args->B > 0x7fffffff)
+        return dflash2::cudaFail(err, errLen, "grid size check (B > 2^31-1)", cudaErrorInvalidValue);
+    cudaError_t const st = dflash2::launchSelectPath(*args, static_cast<cudaStream_t>(stream));
+    return st == cudaSuccess ? 0 : dflash2::cudaFail(err, errLen, "kernel launch", st);
+}
+
 extern "C" DF2_API int32_t dflash2_cuda_device_count(char* err, size_t errLen)
 {
     int count = 0;
