@@ -433,16 +433,31 @@ def piece_kernel_time(ctx: dict) -> dict:
             "detail": (f"{len(bad)} mismatching: {bad[0]}; " if bad else "kernel == twin; ") + "us/launch " + summary}
 
 
-def piece_cuda_graph(ctx: dict) -> dict:
+def _checked(rt):
+    """dflash2.native.cudart.call for this runtime module (cuda.bindings.runtime, or a test's fake)."""
+    def call(result, what: str):
+        err, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+        if err != rt.cudaError_t.cudaSuccess:
+            msg = rt.cudaGetErrorString(err)
+            msg = msg[1] if isinstance(msg, tuple) else msg
+            raise RuntimeError(f"{what} failed: {msg.decode() if isinstance(msg, bytes) else msg} ({err})")
+        return rest[0] if len(rest) == 1 else (rest or None)
+    return call
+
+
+def piece_cuda_graph(ctx: dict, rt=None, lib=None, V: int = REAL_V) -> dict:
     """Capture one launch (dflash2_launch_select_path, device pointers) on a cuda-bindings stream into a
-    graph, zero the outputs, replay: the outputs equal the twin's; then time replays vs plain launches."""
-    _need_lib(ctx)
-    from dflash2.native import cudart as cr
+    graph, zero the outputs, replay: the outputs equal the twin's; then time replays vs plain launches.
+    rt / lib: cuda.bindings.runtime and the kernel library (a test passes fakes)."""
+    if lib is None:
+        _need_lib(ctx)
     from dflash2.native import selector
     from dflash2.ops import contract as C
-    rt = cr.cudart()
-    call = cr.call
-    lib = selector.load_plugin_library()
+    if rt is None:
+        from dflash2.native import cudart as cr
+        rt = cr.cudart()
+    call = _checked(rt)
+    lib = lib or selector.load_plugin_library()
     if not hasattr(lib, "dflash2_launch_select_path"):
         raise RuntimeError("the kernel library has no dflash2_launch_select_path (an older build?)")
     lib.dflash2_launch_select_path.argtypes = [ctypes.POINTER(selector._Args), ctypes.c_void_p, ctypes.c_char_p,
@@ -454,7 +469,7 @@ def piece_cuda_graph(ctx: dict) -> dict:
     err = ctypes.create_string_buffer(512)
     try:
         for block, mode in ((8, "greedy"), (16, "sample")):
-            x = real_inputs(1, block - 1, cache=ctx.setdefault("real_cache", {}))
+            x = real_inputs(1, block - 1, V=V, cache=ctx.setdefault("real_cache", {}) if V == REAL_V else {})
             names = C.input_names()
             args, outs, keep = selector._prepare(tuple(x[n] for n in names), {"top_k": REAL_K, "rank": REAL_R,
                                                                               "mode": mode})
@@ -469,7 +484,7 @@ def piece_cuda_graph(ctx: dict) -> dict:
                 ptrs.append(dev[n])
             for n in names + C.output_names():
                 setattr(args, n, dev[n])
-            sp = ctypes.c_void_p(stream.getPtr() if hasattr(stream, "getPtr") else int(stream))
+            sp = ctypes.c_void_p(int(stream))  # the handle's value (getPtr() would be its address)
 
             def launch():
                 if lib.dflash2_launch_select_path(ctypes.byref(args), sp, err, len(err)) != 0:
