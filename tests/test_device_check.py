@@ -263,6 +263,8 @@ def test_trainer_piece_on_a_fake_trainer(tmp_path):
     bad = [sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"]
     row = dc.piece_trainer({"work": str(tmp_path), "train_minutes": 3, "budget": 60}, command=bad)
     assert row["result"] == dc.FAIL and "exit 3" in row["detail"] and "CUDA out of memory" in row["detail"]
+    row = dc.piece_trainer({"work": str(tmp_path), "train_minutes": 3, "budget": dc.BUDGETS["trainer"] + 20})
+    assert row["result"] == dc.FAIL and "too little for a trainer run" in row["detail"]
     silent = [sys.executable, "-c", "pass"]
     row = dc.piece_trainer({"work": str(tmp_path), "train_minutes": 3, "budget": 60}, command=silent)
     assert row["result"] == dc.FAIL and "not printed" in row["detail"]
@@ -447,4 +449,13 @@ def test_main_on_a_faked_gpu_prints_one_table_and_writes_json(tmp_path, monkeypa
     assert rc == 1  # kernel-twin had no library: an ERROR row, not a pass
     doc = json.loads((tmp_path / "o" / "device_check.json").read_text())
     assert [(r["piece"], r["result"]) for r in doc["rows"]] == [("tensorrt", dc.SKIP), ("kernel-twin", dc.ERROR)]
+    assert doc["complete"] is True and doc["exit_code"] == 1
     assert out.count("piece  ") == 1 and "device_check: FAILED: kernel-twin" in out
+
+
+def test_plugins_cli_device_is_the_device_check(tmp_path, monkeypatch, capsys):
+    from dflash2.cli import plugins as plugins_cli
+    monkeypatch.setattr(dc, "gpu_present", lambda: (False, "no nvidia-smi on PATH"))
+    assert plugins_cli.main(["device", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no GPU here" in err[0]

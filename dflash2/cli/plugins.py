@@ -1,5 +1,6 @@
 """dflash2-plugins: the DFlash2Selector native libraries: where they are (find), the CPU twin vs the
-PyTorch reference (bench), the CUDA kernel vs the CPU twin (gpu)."""
+PyTorch reference (bench), the CUDA kernel vs the CPU twin (gpu), the whole device check on a GPU without
+TensorRT (device: dflash2/native/device_check.py)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference (no torch needed)")
     sub.add_parser("find", help="print the library paths that would be loaded")
     sub.add_parser("gpu", help="kernel vs CPU twin + kernel microseconds (needs a GPU, not torch)")
+    sub.add_parser("device", add_help=False,
+                   help="the device check on a GPU without TensorRT (kernel-only build, kernel vs twin, CUDA "
+                        "graphs, references, trainer); its options: dflash2-plugins device --help")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["device"]:
+        from dflash2.native.device_check import main as device_main
+        return device_main(argv[1:])
     args = ap.parse_args(argv)
     if args.cmd == "gpu":
         return _gpu()

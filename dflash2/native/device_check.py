@@ -650,7 +650,13 @@ def trainer_command(target: Path, out: Path, minutes: float, device: str = "cuda
 def piece_trainer(ctx: dict, command=None) -> dict:
     minutes = ctx["train_minutes"]
     work = Path(ctx["work"]) / "trainer"
+    cut = ""
     if command is None:
+        fit = (ctx["budget"] - BUDGETS["trainer"]) / 60  # what is left after setup, corpus and evaluation
+        if fit < minutes:
+            if fit < 0.5:
+                return {"result": FAIL, "detail": f"only {ctx['budget']:.0f} s left: too little for a trainer run"}
+            minutes, cut = round(fit, 2), f" (cut from {minutes:g} min to fit the check's budget)"
         from dflash2 import tiny
         shutil.rmtree(work, ignore_errors=True)
         target = tiny.make_target(work / "target", family="qwen3", hidden_size=256, num_layers=4,
@@ -680,7 +686,7 @@ def piece_trainer(ctx: dict, command=None) -> dict:
                                                         f"{'not printed' if rate is None else rate}: {tail}"}
     steps = re.findall(r"step (\d+)/", log)
     return {"result": PASS, "cases": int(steps[-1]) if steps else 0, "data": data,
-            "detail": f"{minutes:g} min of training: {rate:,.0f} label tok/s ({took:.0f} s in all, corpus and "
+            "detail": f"{minutes:g} min of training{cut}: {rate:,.0f} label tok/s ({took:.0f} s in all, corpus and "
                       f"evaluation included)"}
 
 
@@ -715,7 +721,8 @@ FUNCS = {"environment": piece_environment, "build": piece_build, "kernel-twin": 
          "trainer": piece_trainer, "tensorrt": piece_tensorrt}
 
 
-def run_all(ctx: dict, pieces=PIECES, funcs=None, total_s: float = TOTAL_BUDGET_S, echo=print) -> list[Row]:
+def run_all(ctx: dict, pieces=PIECES, funcs=None, total_s: float = TOTAL_BUDGET_S, echo=print,
+            on_row=None) -> list[Row]:
     """Each piece in order under min(its budget, what the whole check has left); a piece left no time is a
     TIMEOUT row. The trainer's budget is its minutes plus its setup allowance."""
     funcs = funcs or FUNCS
@@ -731,6 +738,8 @@ def run_all(ctx: dict, pieces=PIECES, funcs=None, total_s: float = TOTAL_BUDGET_
             ctx["budget"] = budget
             row = run_piece(name, funcs[name], ctx, budget)
         rows.append(row)
+        if on_row:
+            on_row(rows)
         if echo:
             echo(f"[device_check] {row.piece}: {row.result} ({row.seconds:.1f} s) {row.detail}", flush=True)
     return rows
@@ -775,10 +784,17 @@ def main(argv: list[str] | None = None) -> int:
         use_library(Path(a.lib))
         ctx["lib_ready"] = True
     t0 = time.monotonic()
-    rows = run_all(ctx, pieces, total_s=a.total_seconds)
-    meta = {"seconds": round(time.monotonic() - t0, 1), "environment": ctx.get("env"), "work": str(work),
-            "argv": sys.argv[1:] if argv is None else argv}
-    path = write_report(Path(a.out), rows, meta)
+    out = Path(a.out)
+
+    def report(rows, final=False):  # after every piece: a later crash or kill still leaves the rows so far
+        meta = {"seconds": round(time.monotonic() - t0, 1), "complete": final, "environment": ctx.get("env"),
+                "work": str(work), "argv": sys.argv[1:] if argv is None else argv}
+        return write_report(out, rows, meta)
+    rows = run_all(ctx, pieces, total_s=a.total_seconds, on_row=report)
+    path = report(rows, final=True)
+    for log in (ctx.get("trainer_log"), str(work / "kernel-build.log")):
+        if log and Path(log).is_file():
+            shutil.copy(log, out / Path(log).name)
     rc, line = verdict(rows)
     print()
     print(format_table(rows))
