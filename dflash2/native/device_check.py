@@ -642,9 +642,9 @@ def parse_throughput(log: str) -> float | None:
 
 def trainer_command(target: Path, out: Path, minutes: float, device: str = "cuda", prompts: int = 300) -> list[str]:
     return [sys.executable, "-m", "dflash2.cli.train", "--target", str(target), "--out", str(out),
-            "--prompts", f"templated:{prompts}", "--max-new-tokens", "48", "--minutes", f"{minutes:g}", "--device", device,
-            "--steps", "1000000", "--eval-every", "1000000", "--save-every", "1000000", "--block-size", "8",
-            "--top-k", "16", "--rank", "64", "--seed", "0"]
+            "--prompts", f"templated:{prompts}", "--max-new-tokens", "48", "--minutes", f"{minutes:g}",
+            "--device", device, "--steps", "1000000", "--eval-every", "1000000", "--save-every", "1000000",
+            "--block-size", "8", "--top-k", "16", "--rank", "64", "--seed", "0"]
 
 
 def piece_trainer(ctx: dict, command=None) -> dict:
