@@ -8,7 +8,7 @@
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (bash scripts/device_wheels.sh, here);
 # they are installed into /tmp/dflash2-site first. Without a GPU this refuses in one line (exit 2).
-# Extra arguments go to python -m dflash2.native.device_check (--only, --train-minutes, --lib, --archs).
+# Extra arguments go to python -m dflash2.bench.device (--only, --train-minutes, --lib, --archs).
 # Knobs: PYTHON (default python3).
 set -uo pipefail
 
@@ -21,4 +21,4 @@ if command -v nvidia-smi >/dev/null 2>&1 && compgen -G "$ROOT/.whl/*.whl" >/dev/
   export PYTHONPATH="/tmp/dflash2-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "$PY" -m dflash2.native.device_check --out "${OUT:-$ROOT/out/device-check}" "$@"
+exec "$PY" -m dflash2.bench.device --out "${OUT:-$ROOT/out/device-check}" "$@"

@@ -28,4 +28,4 @@ for w in .whl/*.whl; do
   printf '  %-60s %10d bytes\n' "$(basename "$w")" "$b"
 done
 printf '  %-60s %10d bytes (%.2f MiB; limit 64 MiB with the tree)\n' "total" "$total" "$(awk "BEGIN{print $total/1048576}")"
-PYTHONPATH="$ROOT" "$PY" -m dflash2.native.device_check --travel .whl
+PYTHONPATH="$ROOT" "$PY" -m dflash2.bench.device --travel .whl

@@ -1,6 +1,6 @@
 """dflash2-plugins: the DFlash2Selector native libraries: where they are (find), the CPU twin vs the
 PyTorch reference (bench), the CUDA kernel vs the CPU twin (gpu), the whole device check on a GPU without
-TensorRT (device: dflash2/native/device_check.py)."""
+TensorRT (device: dflash2/bench/device/)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                         "graphs, references, trainer); its options: dflash2-plugins device --help")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["device"]:
-        from dflash2.native.device_check import main as device_main
+        from dflash2.bench.device.main import main as device_main
         return device_main(argv[1:])
     args = ap.parse_args(argv)
     if args.cmd == "gpu":
