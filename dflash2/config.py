@@ -281,25 +281,16 @@ def _attention_shape(path: Path, f: _Fields) -> dict:
 
 
 def load_target_config(folder: str | Path) -> TargetConfig:
-    """A target folder's config, read by the family that claims its `architectures` (dflash2.families). What the
-    export, the trainer and the reference load: a family without export templates yet is refused here, in one
-    line naming it and what is supported."""
+    """A target folder's config, read by the family claiming its `architectures` (dflash2.families), for the
+    export, the trainer and the dense reference; a family without export templates is refused in one line."""
     from dflash2 import families
 
     path, raw = read_config(folder)
     supported = sorted(families.exportable_archs())
-    archs = raw.get("architectures")
-    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
-        raise CheckpointError(path, "architectures", "a list with one architecture name", repr(archs))
-    fam = families.by_arch(archs[0])
-    if fam is None:
-        raise CheckpointError(path, "architectures", f"one of {supported}", repr(archs[0]),
-                              "unsupported architecture")
+    fam, arch = families.claim(path, raw, supported)
     if not fam.exportable:
-        raise CheckpointError(path, "architectures", f"one of {supported}", repr(archs[0]),
-                              f"{fam.name}, {fam.description}: reference and tiny checkpoints only; export and "
-                              f"training not yet supported")
-    return fam.read_config(path, raw, archs[0])
+        raise CheckpointError(path, "architectures", f"one of {supported}", repr(arch), fam.not_exportable)
+    return fam.read_config(path, raw, arch)
 
 
 def read_dense_target(path: Path, raw: dict, arch: str, family: str, qk_norm: bool) -> TargetConfig:

@@ -15,7 +15,7 @@ from dflash2.families.qwen3_5 import QWEN3_5
 FAMILIES: tuple[TargetFamily, ...] = (LLAMA, QWEN3, QWEN3_5)
 
 __all__ = ["FAMILIES", "OP_SETS", "STATE_KINDS", "StateKind", "TargetFamily", "TinyShape", "by_arch", "by_name",
-           "exportable_archs", "load", "resolve"]
+           "claim", "exportable_archs", "load", "resolve"]
 
 
 def by_arch(arch: str) -> TargetFamily | None:
@@ -34,18 +34,25 @@ def exportable_archs() -> tuple[str, ...]:
     return tuple(a for f in FAMILIES if f.exportable for a in f.archs)
 
 
-def load(folder) -> tuple[TargetFamily, object]:
-    """(family, its config) of a target folder, any registered family (the reference and tiny checkpoints read
-    every family; the export and the trainer read config.load_target_config, which refuses one not exportable)."""
-    from dflash2.config import read_config
+def claim(path, raw: dict, supported: list[str]) -> tuple[TargetFamily, str]:
+    """(the family claiming config.json's `architectures`, the architecture); refused in one line naming
+    `supported` when no family claims it."""
     from dflash2.errors import CheckpointError
 
-    path, raw = read_config(folder)
     archs = raw.get("architectures")
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
         raise CheckpointError(path, "architectures", "a list with one architecture name", repr(archs))
     fam = by_arch(archs[0])
     if fam is None:
-        known = sorted(a for f in FAMILIES for a in f.archs)
-        raise CheckpointError(path, "architectures", f"one of {known}", repr(archs[0]), "unsupported architecture")
-    return fam, fam.read_config(path, raw, archs[0])
+        raise CheckpointError(path, "architectures", f"one of {supported}", repr(archs[0]), "unsupported architecture")
+    return fam, archs[0]
+
+
+def load(folder) -> tuple[TargetFamily, object]:
+    """(family, its config) of a target folder, any registered family (the reference and tiny checkpoints read
+    every family; the export and the trainer read config.load_target_config, which refuses one not exportable)."""
+    from dflash2.config import read_config
+
+    path, raw = read_config(folder)
+    fam, arch = claim(path, raw, sorted(a for f in FAMILIES for a in f.archs))
+    return fam, fam.read_config(path, raw, arch)

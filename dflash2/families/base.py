@@ -69,6 +69,12 @@ class TargetFamily:
     def exportable(self) -> bool:
         return bool(self.templates)
 
+    @property
+    def not_exportable(self) -> str:
+        """Why dflash2-export / dflash2-train refuse a family without templates (the hint of their one line)."""
+        return (f"{self.name}, {self.description}: reference and tiny checkpoints only; export and training not "
+                f"yet supported")
+
     def tap_points(self, config) -> tuple[int, ...]:
         """The layers whose OUTPUT a drafter may tap (HF hidden_states[i + 1]): every layer, for every family
         so far (a tap is the residual stream after the layer, whatever mixes the tokens inside it)."""
