@@ -1,6 +1,6 @@
 """Target and drafter configs read from Hugging Face folders, validated before any weight loads.
 
-Per-architecture differences are data (`TARGET_ARCHS`), not code paths. No torch here.
+Per-family differences are data (dflash2.families: one module per target family), not code paths. No torch here.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from pathlib import Path
 from dflash2.errors import CheckpointError, Dflash2Error
 from dflash2.folders import OutputError
 
-# architecture name -> (family, has q_norm/k_norm)
-TARGET_ARCHS = {"LlamaForCausalLM": ("llama", False), "Qwen3ForCausalLM": ("qwen3", True)}
 DRAFTER_ARCHS = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -283,9 +281,20 @@ def _attention_shape(path: Path, f: _Fields) -> dict:
 
 
 def load_target_config(folder: str | Path) -> TargetConfig:
+    """A target folder's config, read by the family claiming its `architectures` (dflash2.families), for the
+    export, the trainer and the dense reference; a family without export templates is refused in one line."""
+    from dflash2 import families
+
     path, raw = read_config(folder)
-    arch = _architecture(path, raw, TARGET_ARCHS)
-    family, qk_norm = TARGET_ARCHS[arch]
+    supported = sorted(families.exportable_archs())
+    fam, arch = families.claim(path, raw, supported)
+    if not fam.exportable:
+        raise CheckpointError(path, "architectures", f"one of {supported}", repr(arch), fam.not_exportable)
+    return fam.read_config(path, raw, arch)
+
+
+def read_dense_target(path: Path, raw: dict, arch: str, family: str, qk_norm: bool) -> TargetConfig:
+    """A dense Llama-shaped config.json (Llama, Qwen3: dflash2.families.dense) -> TargetConfig."""
     f = _Fields(path, raw)
     if raw.get("use_sliding_window"):
         raise CheckpointError(path, "use_sliding_window", "false (sliding-window targets are not supported)", True)

@@ -1,7 +1,8 @@
 """Deterministic tiny checkpoints in the exact Hugging Face / DFlash formats, for tests and demos.
 
-make_target(): Llama or Qwen3 folder (config.json, safetensors, optionally sharded, a byte-level
-BPE tokenizer with a ChatML template). make_drafter(): a DFlash v1 or DFlash2 drafter for it.
+make_target(): a folder of any registered target family (dflash2.families: Llama, Qwen3, Qwen3.5): config.json,
+safetensors, optionally sharded, a byte-level BPE tokenizer with a ChatML template. make_drafter(): a DFlash v1
+or DFlash2 drafter for it.
 Weights are scaled so logits are well separated (random models with near-ties would make
 token-for-token comparisons depend on float summation order).
 """
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dflash2.checkpoint import INDEX, drafter_tensor_shapes, target_tensor_shapes
-from dflash2.config import load_target_config
+from dflash2 import families
+from dflash2.checkpoint import INDEX, drafter_tensor_shapes
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -92,20 +93,11 @@ def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], shards: in
 def target_config(family: str, vocab: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                   intermediate_size: int, tie_word_embeddings: bool, eos: int, dtype: str = "float32",
                   attention_bias: bool = False, head_dim: int | None = None, **extra) -> dict:
-    """A Llama / Qwen3 config.json as transformers writes it (the fields dflash2 reads, and the usual rest)."""
-    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
-    config = {
-        "architectures": [arch], "model_type": family, "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim or hidden_size // num_heads, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": tie_word_embeddings,
-        "attention_bias": attention_bias, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": eos,
-        "pad_token_id": 0, "torch_dtype": dtype, **extra,
-    }
-    if family == "llama":
-        config["mlp_bias"] = False
-    return config
+    """A config.json of `family` as transformers writes it (the family's tiny_config: the fields dflash2 reads,
+    and the usual rest)."""
+    return families.by_name(family).tiny_config(families.TinyShape(
+        vocab, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, tie_word_embeddings, eos, dtype,
+        attention_bias, head_dim, extra))
 
 
 def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384, hidden_size: int = 64,
@@ -120,8 +112,8 @@ def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384
                            tie_word_embeddings, eos, str(dtype).replace("torch.", ""), attention_bias)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
-    shapes = target_tensor_shapes(load_target_config(folder))
-    tensors = {k: v.to(dtype) for k, v in _init(shapes, seed).items()}
+    fam, c = families.load(folder)
+    tensors = {k: v.to(dtype) for k, v in _init(fam.tensor_shapes(c), seed).items()}
     write_safetensors(folder, tensors, shards)
     return folder
 
@@ -138,7 +130,8 @@ def drafter_config(t, version: int, num_layers: int, block_size: int, taps: list
         "architectures": ["DFlash2DraftModel" if version == 2 else "DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": t.hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
         "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
-        "vocab_size": t.vocab_size, "rms_norm_eps": 1e-6, "rope_theta": t.rope.theta, "attention_bias": False,
+        "vocab_size": t.vocab_size, "rms_norm_eps": 1e-6,
+        "rope_theta": t.rope.theta if hasattr(t, "rope") else t.rope_theta, "attention_bias": False,
         "hidden_act": "silu", "num_target_layers": t.num_layers, "block_size": block_size,
         "is_causal": False, "dflash_config": dc, **extra,
     }
@@ -151,7 +144,7 @@ def make_drafter(folder: str | Path, target_dir: str | Path, version: int = 2, n
                  dtype: torch.dtype = torch.float32, extra: dict | None = None) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    t = load_target_config(target_dir)
+    _, t = families.load(target_dir)  # any registered family: a Qwen3.5 target's drafter is made the same way
     taps = list(tap_ids) if tap_ids is not None else sorted({1, t.num_layers - 2})
     config = drafter_config(t, version, num_layers, block_size, taps, SPECIALS.index("<|mask|>"), top_k, rank,
                             conv_group_size, conv_kernel_size, output_multiplier, softcap, 2 * t.hidden_size,

@@ -18,11 +18,12 @@ MAX_SEED = 2**63 - 2
 @cli_main("dflash2-make-tiny", "nothing was written (the pair is put in place only when complete)")
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-make-tiny", "export", 'torch', 'safetensors')
-    from dflash2 import tiny
+    from dflash2 import families, tiny
 
     p = argparse.ArgumentParser(prog="dflash2-make-tiny", description=__doc__)
     p.add_argument("--out", required=True, type=Path, help="folder; writes OUT/target and OUT/drafter")
-    p.add_argument("--family", choices=["llama", "qwen3"], default="llama")
+    p.add_argument("--family", choices=[f.name for f in families.FAMILIES], default="llama",
+                   help="target family (dflash2.families); qwen3_5: reference and tiny checkpoints only, not exportable")
     p.add_argument("--drafter", choices=["v1", "v2"], default="v2")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--layers", type=int, default=1, help="drafter layers")

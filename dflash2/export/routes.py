@@ -12,8 +12,9 @@ from pathlib import Path
 
 from dflash2 import manifest as mf
 from dflash2.checkpoint import Weights
-from dflash2.export import dedupe, fused_drafter, plain, stages
+from dflash2.export import dedupe, fused_drafter, stages
 from dflash2.export import signature as sig
+from dflash2.export.family import template
 from dflash2.export import trace as tr
 from dflash2.export import weights as W
 from dflash2.export.graphs import graph_specs
@@ -81,7 +82,8 @@ def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
         dw, tw = Weights(run.sources[0]), Weights(run.sources[1])
         with W.DataFile(run.tmp / f"{job.name}.onnx.data") as data:
             if job.name == "target":
-                model, fixed = plain.build(p.tc, p.dc, tw, dw, p.fuse_context, p.dtype, data, progress=step.layer)
+                build = template(p.tc, "plain")  # the family's standard-op templates (plain.build)
+                model, fixed = build(p.tc, p.dc, tw, dw, p.fuse_context, p.dtype, data, progress=step.layer)
             else:
                 model, fixed = fused_drafter.build_plain(p.dc, p.tc, dw, tw, p.fuse_context, p.dtype, ids, data,
                                                          progress=step.layer)

@@ -16,9 +16,10 @@ from dflash2 import dtypes
 from dflash2 import manifest as mf
 from dflash2.checkpoint import Weights
 from dflash2.errors import Dflash2Error, ValidationError
-from dflash2.export import deviation, fused_drafter, gqa, plain, qdq
+from dflash2.export import deviation, fused_drafter, gqa, qdq
 from dflash2.export import quantize as qz
 from dflash2.export import signature as sig
+from dflash2.export.family import template
 from dflash2.export import trace as tr
 from dflash2.export import weights as W
 from dflash2.export.graphs import graph_specs
@@ -111,7 +112,8 @@ def plain_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context: b
     with progress.step(f"{name}.onnx + {name}.trt.onnx: the templates end to end ({short_tc.num_layers} layers, "
                        f"the real embedding and head), {dtype}") as step:
         with W.DataFile(tmp / f"{name}.onnx.data") as data:
-            model, fixed = plain.build(short_tc, short_dc, tw, dw, fuse_context, dtype, data, progress=step.layer)
+            build = template(short_tc, "plain")  # the family's standard-op templates (plain.build)
+            model, fixed = build(short_tc, short_dc, tw, dw, fuse_context, dtype, data, progress=step.layer)
         onnx.save_model(model, str(tmp / f"{name}.onnx"))
         onnx.save_model(fixed, str(tmp / f"{name}.trt.onnx"))
         del model, fixed
@@ -208,7 +210,8 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
     with progress.step(f"{name}.onnx: the templates end to end ({short_tc.num_layers} layers, the real embedding "
                        f"and head), ONNX Runtime's fused ops") as step:
         with W.DataFile(tmp / f"{name}.onnx.data") as data:
-            model = gqa.build(short_tc, short_dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer)
+            build = template(short_tc, "fused")  # the family's fused-op templates (gqa.build)
+            model = build(short_tc, short_dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer)
         onnx.save_model(model, str(tmp / f"{name}.onnx"))
         del model
     checked[name] = validated(progress, f"{name}.onnx: validating against PyTorch on ONNX Runtime", short_spec,
@@ -225,8 +228,8 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
 
             native = GgufBlocks(q.native, tc.num_heads, tc.num_kv_heads)
         with W.DataFile(tmp / "target.onnx.data") as data:
-            model = gqa.build(tc, dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer, quant=q,
-                              native=native)
+            model = template(tc, "fused")(tc, dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer,
+                                          quant=q, native=native)
         files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False)
     if q is None:
         checked["target"] = validated(progress, "target.onnx: validating against PyTorch on ONNX Runtime", spec,
@@ -245,8 +248,9 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
                            f"deviation from PyTorch (the whole graph's {size / 2**30:.2f} GiB is past "
                            f"{WHOLE_GRAPH_BYTES / 2**30:.0f} GiB)") as step:
             with W.DataFile(tmp / f"{name}.onnx.data") as data:
-                model_short = gqa.build(short_tc, short_dc, tw, dw, fuse_context, max_seq_len, data,
-                                        progress=step.layer, quant=q, native=native)
+                build = template(short_tc, "fused")
+                model_short = build(short_tc, short_dc, tw, dw, fuse_context, max_seq_len, data,
+                                    progress=step.layer, quant=q, native=native)
             onnx.save_model(model_short, str(tmp / f"{name}.onnx"))
             del model_short
             failures, steps, dev = deviation.measure(short_spec, tmp / f"{name}.onnx")

@@ -11,6 +11,8 @@ modeling_qwen3_5.py:
 - interleaved M-RoPE: frequency i takes its angle from the T, H or W position (mrope_section); for text all three
   positions are the token index, so the angles are plain RoPE's (mrope_cos_sin; the tests check both cases);
 - an in-checkpoint MTP head (`mtp.*`) and the vision tower (`model.visual.*`) are ignored by name.
+The config reader (Qwen35Config, read_qwen3_5_config) is the family's, torch-free: dflash2.families.qwen3_5;
+re-exported here. load_target(folder) is the family's reference entry point.
 
 State (batch 1, no batch axis):
     kv   [P, La, 2, kv_heads, head_dim]   the full-attention layers' K/V, sequence-major (a prefix of a
@@ -23,158 +25,17 @@ rows and the GDN states after EACH row. commit(state, step, a) keeps a of the n 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from dflash2.config import _Fields, _is_int, _json_type, _object, read_config
-from dflash2.errors import CheckpointError, TensorSetError
+from dflash2.errors import TensorSetError
+from dflash2.families.qwen3_5 import (ARCHS, LAYER_TYPES, Qwen35Config, load_qwen3_5_config,  # noqa: F401 (re-exported)
+                                      read_qwen3_5_config)
 from dflash2.reference.gated_deltanet import GatedDeltaNet, compute_dtype
 from dflash2.reference.layers import MLP
-
-ARCHS = {"Qwen3_5ForCausalLM": False, "Qwen3_5ForConditionalGeneration": True}  # -> keeps the text in text_config
-LAYER_TYPES = ("linear_attention", "full_attention")
-
-
-@dataclass(frozen=True)
-class Qwen35Config:
-    arch: str
-    hidden_size: int
-    intermediate_size: int
-    layer_types: tuple[str, ...]
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int  # head_dim * partial_rotary_factor (even)
-    rope_theta: float
-    mrope_section: tuple[int, int, int]
-    vocab_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
-    def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
-
-    @property
-    def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
-            self.linear_num_value_heads * self.linear_value_head_dim
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def read_qwen3_5_config(raw: dict, path: str | Path = "config.json") -> Qwen35Config:
-    """A Qwen3.5 config.json dict (Qwen3_5ForCausalLM, or Qwen3_5ForConditionalGeneration with the text model's
-    fields under `text_config`) -> Qwen35Config. Every refusal names the file, the field, what was expected and
-    what was found."""
-    path = Path(path)
-    archs = raw.get("architectures")
-    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
-        raise CheckpointError(path, "architectures", "a list with one architecture name", repr(archs))
-    arch = archs[0]
-    if arch not in ARCHS:
-        hint = "the MoE variant (qwen3_5_moe) is not supported by this reference" if "Moe" in arch else \
-            "not a Qwen3.5 dense checkpoint"
-        raise CheckpointError(path, "architectures", f"one of {sorted(ARCHS)}", repr(arch), hint)
-    text, prefix = raw, ""
-    if ARCHS[arch]:
-        if not isinstance(raw.get("text_config"), dict):
-            raise CheckpointError(path, "text_config", "an object {...} (the text model's config)",
-                                  "the field missing" if "text_config" not in raw else
-                                  f"a JSON {_json_type(raw['text_config'])}")
-        text, prefix = raw["text_config"], "text_config."
-    f = _Fields(path, text, prefix)
-
-    def bad(name, expected, found, hint=""):
-        return CheckpointError(path, prefix + name, expected, found, hint)
-
-    hidden = f.int("hidden_size", minimum=1)
-    heads = f.int("num_attention_heads", minimum=1)
-    kv = f.int("num_key_value_heads", heads, minimum=1)
-    if heads % kv:
-        raise bad("num_key_value_heads", f"a divisor of num_attention_heads={heads}", kv)
-    head_dim = f.int("head_dim", 256, minimum=2)
-    layers = f.int("num_hidden_layers", minimum=1)
-    if text.get("hidden_act", "silu") != "silu":
-        raise bad("hidden_act", "'silu'", repr(text.get("hidden_act")))
-    if text.get("attn_output_gate", True) is not True:
-        raise bad("attn_output_gate", "true (transformers' qwen3_5 always gates attention)",
-                  repr(text.get("attn_output_gate")))
-    types = text.get("layer_types")
-    if types is None:
-        every = f.int("full_attention_interval", 4, minimum=1)
-        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
-        raise bad("layer_types", f"{layers} entries (num_hidden_layers) of {LAYER_TYPES}", repr(types)[:200])
-    rope = {**_object(path, text, "rope_scaling"), **_object(path, text, "rope_parameters")}
-    r = _Fields(path, rope, prefix + "rope_parameters.")
-    theta = r.float("rope_theta", f.float("rope_theta", 10000.0))
-    if not theta > 0:
-        raise bad("rope_parameters.rope_theta", "> 0", theta)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise bad("rope_parameters.rope_type", "'default'", repr(kind), "scaled RoPE is not supported for qwen3_5")
-    factor = r.float("partial_rotary_factor", f.float("partial_rotary_factor", 0.25))
-    rotary = int(head_dim * factor)
-    if not 0 < factor <= 1 or rotary < 2 or rotary % 2:
-        raise bad("rope_parameters.partial_rotary_factor", f"a factor in (0, 1] giving an even rotary width of "
-                  f"head_dim={head_dim}", factor)
-    section = rope.get("mrope_section", [11, 11, 10])
-    if not isinstance(section, list) or len(section) != 3 or not all(_is_int(s) and s >= 0 for s in section):
-        raise bad("rope_parameters.mrope_section", "a list of 3 non-negative integers", repr(section))
-    k_heads = f.int("linear_num_key_heads", 16, minimum=1)
-    v_heads = f.int("linear_num_value_heads", 32, minimum=1)
-    if v_heads % k_heads:
-        raise bad("linear_num_value_heads", f"a multiple of linear_num_key_heads={k_heads}", v_heads)
-    vocab = f.int("vocab_size", minimum=2)
-    eos = text.get("eos_token_id", raw.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    if not all(_is_int(e) and 0 <= e < vocab for e in eos_ids):
-        raise bad("eos_token_id", f"an id or a list of ids < vocab_size={vocab}", repr(eos))
-    bos = text.get("bos_token_id", raw.get("bos_token_id"))
-    if bos is not None and not _is_int(bos):
-        raise bad("bos_token_id", "an integer or null", repr(bos))
-    # transformers ties by the TOP-LEVEL config's flag (the wrapper's, not text_config's)
-    tie = _Fields(path, raw).bool("tie_word_embeddings", False)
-    return Qwen35Config(
-        arch=arch, hidden_size=hidden, intermediate_size=f.int("intermediate_size", minimum=1),
-        layer_types=tuple(types), num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rotary_dim=rotary,
-        rope_theta=theta, mrope_section=tuple(section), vocab_size=vocab, rms_norm_eps=f.float("rms_norm_eps", 1e-6),
-        tie_word_embeddings=tie, attention_bias=f.bool("attention_bias", False),
-        linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
-        linear_key_head_dim=f.int("linear_key_head_dim", 128, minimum=1),
-        linear_value_head_dim=f.int("linear_value_head_dim", 128, minimum=1),
-        linear_conv_kernel_dim=f.int("linear_conv_kernel_dim", 4, minimum=1),
-        max_position_embeddings=f.int("max_position_embeddings", 32768, minimum=1),
-        eos_token_ids=eos_ids, bos_token_id=bos)
-
-
-def load_qwen3_5_config(folder: str | Path) -> Qwen35Config:
-    path, raw = read_config(folder)
-    return read_qwen3_5_config(raw, path)
-
 
 class ZeroCentredRMSNorm(nn.Module):
     """transformers' Qwen3_5RMSNorm: (x_hat * (1 + w)) in fp32, then cast (weights stored as w, zero at init)."""
@@ -400,3 +261,15 @@ def load_hf_state_dict(model: Qwen35Target, tensors: dict[str, torch.Tensor], wh
     if missing or unexpected or misshaped:
         raise TensorSetError(where, missing, sorted(unexpected), misshaped)
     model.load_state_dict({k: t.to(own[k].dtype) for k, t in mapped.items()}, strict=True)
+
+
+def load_target(folder: str | Path, tap_ids: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+                config: Qwen35Config | None = None) -> Qwen35Target:
+    """A Qwen3.5 checkpoint folder (either architecture; safetensors, sharded or not) -> the reference, eval mode.
+    The family's entry point (dflash2.families.qwen3_5.QWEN3_5.reference)."""
+    from dflash2 import checkpoint as ckpt
+
+    c = config or load_qwen3_5_config(folder)
+    model = Qwen35Target(c, tap_ids)
+    load_hf_state_dict(model, ckpt.load_tensors(folder), where=str(folder))
+    return model.to(dtype).eval()

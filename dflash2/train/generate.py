@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from dflash2 import families
 from dflash2.config import load_target_config
 from dflash2.train.corpus import save_shard, shard_path, start_or_resume, write_meta
 
@@ -24,12 +25,12 @@ DTYPES = ("fp32", "bf16")
 
 def load_hf_target(target_dir: str | Path, device: str = "cpu"):
     """(model, tokenizer, target config) with transformers' own model code (the independent reference)."""
-    from transformers import AutoTokenizer, LlamaForCausalLM, Qwen3ForCausalLM
+    import transformers
 
     tc = load_target_config(target_dir)  # checked: architecture, EOS ids, shapes
-    cls = Qwen3ForCausalLM if tc.family == "qwen3" else LlamaForCausalLM
+    cls = getattr(transformers, families.by_name(tc.family).hf_class)  # LlamaForCausalLM, Qwen3ForCausalLM, ...
     model = cls.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(target_dir), tc
+    return model, transformers.AutoTokenizer.from_pretrained(target_dir), tc
 
 
 def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
