@@ -60,6 +60,41 @@ def check_train_folders(target: str | Path, out: str | Path, corpora: list[str |
         check_apart(c, {"--target": target}, out_flag="--corpus")
 
 
+def check_filled_in_place(folder: str | Path, flag: str, marker: str, what: str) -> None:
+    """The one rule for a folder a command fills in place and reads back (a corpus it generates, resumes or
+    reads): absent, empty (hidden files and a killed run's `.tmp-` files aside), or one it made, which holds
+    `marker`. A folder holding other files is somebody's input (a corpus whose `corpus.json` was lost, a
+    checkpoint): refused before anything is read or written, left as it is."""
+    folder = Path(folder)
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        raise OutputError(f"{flag} {folder}: expected {what} folder, found a file (left as it is)")
+    if not folder.is_dir() or (folder / marker).exists():
+        return
+    try:
+        others = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and ".tmp-" not in p.name)
+    except OSError as e:
+        raise OutputError(f"{flag} {folder}: cannot list the folder: {_why(e)}") from None
+    if others:
+        raise OutputError(f"{flag} {folder}: expected {what} folder (with {marker}), a new or an empty one; found a "
+                          f"folder holding other files (e.g. {others[0]}), left as it is; nothing was read or "
+                          f"written: restore its {marker} or choose another folder")
+
+
+def check_replaceable_file(path: str | Path, force: bool, ours, what: str) -> None:
+    """A single output file written into a folder the user owns (draft_vocab.json): created when absent;
+    replaced only with `--force` and only when `ours(path)` says dflash2 wrote it. Checked before any work."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_symlink() or not path.is_file():
+        raise OutputError(f"{path}: expected {what} to write, found a link or something else; left as it is")
+    if not force:
+        raise OutputError(f"{path}: exists; left as it is: pass --force to replace it")
+    if not ours(path):
+        raise OutputError(f"{path}: format: expected {what} (the only file --force replaces), found another file; "
+                          f"left as it is")
+
+
 def written_by_dflash2(folder: Path) -> bool:
     """A folder --force may replace: it holds a manifest.json whose format is one of ours."""
     try:

@@ -56,9 +56,10 @@ def negative_ids_joined(argv: list[str]) -> list[str]:
     return out
 
 
-def check_output_file(path: Path | None, flag: str, inputs: dict[str, Path]) -> None:
+def check_output_file(path: Path | None, flag: str, inputs) -> None:
     """A file a CLI writes when its work is done (--json, --plot): checked before the work, so a bad
-    path does not waste a run, and never inside an input folder (e.g. over an export's manifest)."""
+    path does not waste a run, and never inside an input folder (e.g. over an export's manifest), nor one of the
+    input files (`--combine A.json --json A.json`). inputs: flag -> path, or (flag, path) pairs."""
     if path is None:
         return
     check_apart(path, inputs, out_flag=flag)

@@ -39,7 +39,7 @@ def run_training(a: TrainOptions) -> dict | None:
 
     from dflash2 import draft_vocab
     from dflash2.config import distinct_target_layer_ids, load_target_config
-    from dflash2.folders import check_train_folders
+    from dflash2.folders import check_filled_in_place, check_train_folders
     from dflash2.train.data import corpus_complete, corpus_prompts, generate_corpus, load_corpus
     from dflash2.train.trainer import TrainConfig, train
 
@@ -49,6 +49,8 @@ def run_training(a: TrainOptions) -> dict | None:
         raise Dflash2Error(f"--device {a.device}: expected a CUDA device, found none (torch "
                            f"{torch.__version__}{', a CPU build' if torch.version.cuda is None else ''})")
     check_train_folders(a.target, a.out, a.corpus or [a.out.parent / "corpus"])  # before anything is read
+    for c in a.corpus or [a.out.parent / "corpus"]:  # a folder of shards without its corpus.json is an input
+        check_filled_in_place(c, "--corpus", "corpus.json", "a corpus")
     tc = load_target_config(a.target)
     for flag, v in (("--mask-token-id", a.mask_token_id), ("--draft-vocab", a.draft_vocab)):
         if v is not None and v >= tc.vocab_size + (flag == "--draft-vocab"):
