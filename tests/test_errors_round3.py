@@ -80,3 +80,156 @@ def test_draft_vocab_never_replaces_an_existing_file_without_force(pair, tmp_pat
         assert code == 2
         assert "format: expected a draft vocabulary" in one_line_error(err, "dflash2-draft-vocab")
         assert snapshot(tmp_path, target) == before
+
+
+# (2) the tamper hole: the file table covers the folder, stays inside it, and dflash2-compare checks it too
+
+def _drop(name):
+    return lambda m: m["files"].pop(name)
+
+
+def _add(name, path):
+    import hashlib
+    from pathlib import Path
+
+    data = Path(path).read_bytes()
+    return lambda m: m["files"].update({name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}})
+
+
+TAMPER = {
+    "dropped_weights": (_drop("target.onnx.data"), "target.onnx.data"),
+    "dropped_tokenizer": (_drop("tokenizer.json"), "tokenizer.json"),
+    "outside_dotdot": (_add("../../x", "/etc/hostname"), "../../x"),
+    "outside_absolute": (_add("/etc/hostname", "/etc/hostname"), "/etc/hostname"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPER))
+def test_resealed_file_table_is_refused_by_run_and_compare(case, export_dir, tmp_path, capsys):
+    import shutil
+
+    from dflash2.cli import compare as compare_cli
+    from dflash2.cli import run as run_cli
+    from tests.errorcheck import one_error
+    from tests.exports import edit_manifest
+
+    folder = tmp_path / "export"
+    shutil.copytree(export_dir, folder)
+    edit, named = TAMPER[case]
+    if named in ("target.onnx.data", "tokenizer.json") and not (folder / named).is_file():
+        pytest.skip(f"{named} not in this export")
+    edit_manifest(folder, edit)
+    if case == "dropped_weights":  # the edited weights then ran with exit 0, --verify-files included
+        with open(folder / named, "r+b") as fh:
+            fh.seek(100)
+            fh.write(b"\x7f\x7f\x7f\x7f")
+    before = snapshot(tmp_path)
+    for prog, call in {"dflash2-run": lambda: run_cli.main([str(folder), "--prompt-ids", "1,2",
+                                                              "--max-new-tokens", "2", "--verify-files"]),
+                       "dflash2-compare": lambda: compare_cli.main([str(folder)])}.items():
+        assert call() == 2, prog
+        err = "\n".join(ln for ln in capsys.readouterr().err.splitlines() if " allocating " not in ln)
+        msg = one_error(err, prog)
+        assert named in msg and "manifest.json" in msg, msg
+    assert snapshot(tmp_path) == before
+
+
+def test_compare_checks_the_hashes(export_dir, tmp_path, capsys):
+    import shutil
+
+    from dflash2.cli import compare as compare_cli
+    from tests.errorcheck import one_error
+
+    folder = tmp_path / "export"
+    shutil.copytree(export_dir, folder)
+    with open(folder / "target.onnx.data", "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\x7f\x7f\x7f\x7f")
+    before = snapshot(tmp_path)
+    assert compare_cli.main([str(folder)]) == 2
+    msg = one_error(capsys.readouterr().err, "dflash2-compare")
+    assert "target.onnx.data: sha256 does not match" in msg
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("field, value, want", [("vocab_size", 500, "vocab_size: expected 384"),
+                                                ("dtype", "float16", "dtype: expected float32")])
+def test_resealed_vocab_size_or_dtype_is_named_not_a_runtime_traceback(field, value, want, export_dir, tmp_path,
+                                                                        capsys):
+    import shutil
+
+    from dflash2.cli import run as run_cli
+    from tests.errorcheck import one_error
+    from tests.exports import edit_manifest
+
+    folder = tmp_path / "export"
+    shutil.copytree(export_dir, folder)
+    edit_manifest(folder, lambda m: m.update({field: value}))
+    before = snapshot(tmp_path)
+    assert run_cli.main([str(folder), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    err = "\n".join(ln for ln in capsys.readouterr().err.splitlines() if " allocating " not in ln)
+    assert want in one_error(err, "dflash2-run")
+    assert snapshot(tmp_path) == before
+
+
+# (3) GGUF headers parsed with bounds; thread counts bounded
+
+def _gguf(path):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llamb")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _patch(at, value):
+    def edit(b: bytearray):
+        b[at:at + 8] = value.to_bytes(8, "little")
+    return edit
+
+
+GGUF = {"huge_tensor_count": (_patch(8, 1 << 60), "tensor_count"),
+        "huge_kv_count": (_patch(16, 1 << 60), "kv_count"),
+        "garbage_after_header": (lambda b: b.__setitem__(slice(24, None), bytes([0xEE]) * (len(b) - 24)), "header"),
+        "non_utf8_architecture": (lambda b: b.__setitem__(slice(b.index(b"llamb"), b.index(b"llamb") + 5),
+                                                          b"\xff\xfeamb"), "header")}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF))
+def test_hostile_gguf_header_is_a_named_checkpoint_error(case, tmp_path):
+    from dflash2.errors import CheckpointError
+    from dflash2.gguf_blocks import GgufBlocks
+
+    path = _gguf(tmp_path / "m.gguf")
+    data = bytearray(path.read_bytes())
+    edit, field = GGUF[case]
+    edit(data)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as e:
+        GgufBlocks(path, 4, 2)
+    assert str(e.value).startswith(f"{path}: {field}: expected ")
+
+
+def test_thread_counts_are_bounded_by_the_cores(pair, tmp_path, capsys, monkeypatch, export_dir):
+    from dflash2.cli import corpus as corpus_cli
+    from dflash2.cli import run as run_cli
+    from dflash2.cli import train as train_cli
+
+    drafter, target = pair
+    before = snapshot(tmp_path, target)
+    assert train_cli.main(["--target", str(target), "--out", str(tmp_path / "d"), "--corpus", str(tmp_path / "c"),
+                           "--threads", "10000"]) == 2
+    assert "--threads: expected at most" in one_line_error(capsys.readouterr().err, "dflash2-train")
+    with pytest.raises(SystemExit) as e:
+        corpus_cli.main(["taps", str(tmp_path / "c"), "--target", str(target), "--threads", "10000"])
+    assert e.value.code == 2 and "expected at most" in capsys.readouterr().err
+    monkeypatch.setenv("DFLASH2_THREADS", "10000")
+    assert run_cli.main([str(export_dir), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    err = "\n".join(ln for ln in capsys.readouterr().err.splitlines() if " allocating " not in ln)
+    assert "DFLASH2_THREADS: expected at most" in one_line_error(err, "dflash2-run")
+    assert snapshot(tmp_path, target) == before

@@ -7,8 +7,20 @@ import re
 import sys
 from pathlib import Path
 
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, check_threads, cores  # noqa: F401 (re-exported)
 from dflash2.folders import check_apart, check_writable
+
+
+def threads_arg(s: str) -> int:
+    """argparse type of --threads: an integer in 1..cores()."""
+    try:
+        v = int(s)
+        check_threads(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, found {s!r}") from None
+    except Dflash2Error as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--threads: ")) from None
+    return v
 
 
 def parse_ids(s: str) -> list[int]:
