@@ -233,3 +233,142 @@ def test_thread_counts_are_bounded_by_the_cores(pair, tmp_path, capsys, monkeypa
     err = "\n".join(ln for ln in capsys.readouterr().err.splitlines() if " allocating " not in ln)
     assert "DFLASH2_THREADS: expected at most" in one_line_error(err, "dflash2-run")
     assert snapshot(tmp_path, target) == before
+
+
+# (4) files that are not files: one check before a file is opened, one rule for every entry of an input folder
+
+def _fifo(p):
+    import os
+
+    p.unlink(missing_ok=True)
+    os.mkfifo(p)
+
+
+def _dir(p):
+    p.unlink(missing_ok=True)
+    p.mkdir()
+
+
+def _loop(p):
+    p.unlink(missing_ok=True)
+    p.symlink_to(p.name)
+
+
+def _deep(p):
+    p.write_text("[" * 100_000 + "]" * 100_000)
+
+
+NOT_FILES = {  # case -> (folder, file, how, what the line names)
+    "fifo_weights": ("target", "model.safetensors", _fifo, "found a FIFO"),
+    "fifo_tokenizer": ("target", "tokenizer.json", _fifo, "found a FIFO"),
+    "dir_weights": ("target", "model.safetensors", _dir, "found a folder"),
+    "loop_weights": ("target", "model.safetensors", _loop, "found a symbolic link loop"),
+    "loop_drafter_weights": ("drafter", "model.safetensors", _loop, "found a symbolic link loop"),
+    "deep_config": ("target", "config.json", _deep, "deeper nesting"),
+}
+
+
+@pytest.fixture
+def alarm():
+    """A hang fails the test instead of blocking the suite (a FIFO read blocked forever)."""
+    import signal
+
+    def hung(signum, frame):
+        raise TimeoutError("hung: a read blocked")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("case", sorted(NOT_FILES))
+def test_export_refuses_entries_that_are_not_files(case, pair, tmp_path, capsys, alarm):
+    import shutil
+
+    from dflash2.cli import export as export_cli
+
+    drafter, target = (shutil.copytree(p, tmp_path / n) for p, n in zip(pair, ("drafter", "target")))
+    which, name, how, want = NOT_FILES[case]
+    how((tmp_path / which) / name)
+    before = snapshot(tmp_path)
+    assert export_cli.main(["--model", str(drafter), "--target", str(target), "--out", str(tmp_path / "out"),
+                            "--quiet"]) == 2
+    msg = one_line_error(capsys.readouterr().err, "dflash2-export")
+    assert name in msg and want in msg, msg
+    assert snapshot(tmp_path) == before
+
+
+def test_model_link_loop_and_long_out_name_are_one_line(pair, tmp_path, capsys, alarm):
+    from dflash2.cli import export as export_cli
+
+    drafter, target = pair
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    before = snapshot(tmp_path)
+    assert export_cli.main(["--model", str(loop), "--target", str(target), "--out", str(tmp_path / "out")]) == 2
+    assert "symbolic link loop" in one_line_error(capsys.readouterr().err, "dflash2-export")
+    assert export_cli.main(["--model", str(drafter), "--target", str(target), "--out", str(tmp_path / ("o" * 300))]) \
+        == 2
+    assert "at most 255 bytes" in one_line_error(capsys.readouterr().err, "dflash2-export")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_fifo_in_an_export_folder_is_refused_by_run(export_dir, tmp_path, capsys, alarm):
+    import shutil
+
+    from dflash2.cli import run as run_cli
+    from tests.errorcheck import one_error
+
+    folder = tmp_path / "export"
+    shutil.copytree(export_dir, folder)
+    _fifo(folder / "tokenizer.json")
+    before = snapshot(tmp_path)
+    assert run_cli.main([str(folder), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = "\n".join(ln for ln in capsys.readouterr().err.splitlines() if " allocating " not in ln)
+    assert "tokenizer.json" in one_error(err, "dflash2-run")
+    assert snapshot(tmp_path) == before
+
+
+# (5) the environment: closed streams, cache folders that are files
+
+def _sh(script: str, env: dict | None = None):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    full = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    return subprocess.run(["bash", "-c", script.replace("PY", sys.executable)], capture_output=True, text=True,
+                          env=full, timeout=300, cwd=root)
+
+
+def test_closed_stdout_and_stdin_are_no_traceback(export_dir, tmp_path):
+    before = snapshot(export_dir)
+    r = _sh(f"PY -m dflash2.cli.run {export_dir} --prompt-ids 1,2 --max-new-tokens 2 >&-")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    r = _sh(f"PY -m dflash2.cli.run {export_dir} --prompt - --max-new-tokens 2 <&-")
+    assert r.returncode == 2, r.stderr
+    assert "stdin: expected the prompt" in one_line_error(
+        "\n".join(ln for ln in r.stderr.splitlines() if " allocating " not in ln), "dflash2-run")
+    assert snapshot(export_dir) == before
+
+
+@pytest.mark.parametrize("var", ["HOME", "DFLASH2_VERIFIED_DIR"])
+def test_a_cache_folder_that_is_a_file_is_no_traceback(var, export_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "export"
+    shutil.copytree(export_dir, folder)
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    env = {var: str(afile)}
+    if var == "HOME":
+        env["DFLASH2_CACHE"] = ""
+    before = snapshot(tmp_path)
+    r = _sh(f"{'unset DFLASH2_CACHE; ' if var == 'HOME' else ''}PY -m dflash2.cli.run {folder} --prompt-ids 1,2 "
+            f"--max-new-tokens 2", {k: v for k, v in env.items() if v})
+    assert "Traceback" not in r.stderr and r.returncode in (0, 1), r.stderr
+    assert afile.read_text() == "mine" and snapshot(tmp_path) == before

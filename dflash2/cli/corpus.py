@@ -100,9 +100,11 @@ def _info(corpus, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-corpus", "train", 'torch', 'transformers', 'safetensors')
     a = _parser().parse_args(argv)
-    from dflash2.folders import check_apart
+    from dflash2.folders import check_apart, check_input
     from dflash2.train.idcorpus import IdCorpus
 
+    for flag in ("target", "corpus", "out", "cache"):  # FIFOs, link loops, folders named like files: refused first
+        check_input(getattr(a, flag, None), f"--{flag}" if flag != "corpus" else "CORPUS")
     if a.cmd == "grow":
         check_apart(a.out, {"--target": a.target})
         from dflash2.train.grow import grow
