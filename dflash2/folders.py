@@ -73,6 +73,11 @@ def check_apart(out: str | Path, inputs: Inputs, out_flag: str = "--out") -> Non
 READ_SUFFIXES = (".json", ".safetensors", ".jinja", ".gguf", ".onnx", ".data", ".txt", ".engine", ".so")
 
 
+# JSON files whose dflash2 readers name every problem themselves (field by field)
+OWN_READERS = {"config.json", "model.safetensors.index.json", MANIFEST, "corpus.json", "draft_vocab.json",
+               "progress.json"}
+
+
 def not_a_file(p: Path) -> str | None:
     """What `p` is when it cannot be read as a file or listed as a folder without blocking or failing: a FIFO,
     a socket, a device, a symbolic link loop, a name too long; None for a regular file, a folder, or nothing."""
@@ -83,6 +88,8 @@ def not_a_file(p: Path) -> str | None:
             return "a symbolic link loop"
         if e.errno == errno.ENAMETOOLONG:
             return "a name longer than the file system allows"
+        if e.errno == errno.ENOENT and os.path.islink(p):
+            return f"a dangling symbolic link (to {os.readlink(p)})"
         return None  # missing, permission: named by whoever reads it
     except ValueError:  # an embedded NUL
         return "a name with a NUL byte"
@@ -125,8 +132,27 @@ def check_input(path: str | Path | None, flag: str) -> None:
     except OSError:
         return  # named by the reader (permission)
     for p in entries:
-        if p.suffix in READ_SUFFIXES or p.name.endswith(".safetensors.index.json"):
+        if p.suffix in READ_SUFFIXES:
             check_regular_file(p)
+        if p.suffix == ".json" and p.name not in OWN_READERS:  # read by libraries that end in their own traceback
+            _check_json(p)                                      # (transformers, tokenizers)
+
+
+def _check_json(p: Path) -> None:
+    from dflash2.errors import CheckpointError
+
+    try:
+        data = p.read_bytes()
+    except OSError:
+        return  # named by the reader (permission)
+    try:
+        json.loads(data)
+    except UnicodeDecodeError:
+        raise CheckpointError(p, "file", "UTF-8 JSON text", "undecodable bytes") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(p, "file", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
+    except RecursionError:
+        raise CheckpointError(p, "file", "JSON nested less than 1,000 deep", "deeper nesting") from None
 
 
 def check_train_folders(target: str | Path, out: str | Path, corpora: list[str | Path]) -> None:
@@ -173,6 +199,43 @@ def check_replaceable_file(path: str | Path, force: bool, ours, what: str) -> No
     if not ours(path):
         raise OutputError(f"{path}: format: expected {what} (the only file --force replaces), found another file; "
                           f"left as it is")
+
+
+@contextmanager
+def output_lock(out: str | Path, flag: str = "--out") -> Iterator[None]:
+    """One writer per output folder that is filled in place over a long run (dflash2-train --out): an flock on a
+    hidden `.OUT.lock` sibling, released by the kernel if the process dies (no stale lock), removed on leaving.
+    A second run on the same OUT is refused at once, naming the process that holds it."""
+    import fcntl
+
+    out = Path(out)
+    if not out.parent.is_dir():  # a new parent: made by the run itself, nobody else can be writing there yet
+        yield
+        return
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only parent: the run itself names that
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            raise OutputError(f"{flag} {out}: expected a folder no other run is writing, found it locked by process "
+                              f"{holder} ({lock}); wait for it to end or choose another {flag}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            yield
+        finally:
+            try:
+                lock.unlink()
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
 
 
 def written_by_dflash2(folder: Path) -> bool:

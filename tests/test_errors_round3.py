@@ -372,3 +372,71 @@ def test_a_cache_folder_that_is_a_file_is_no_traceback(var, export_dir, tmp_path
             f"--max-new-tokens 2", {k: v for k, v in env.items() if v})
     assert "Traceback" not in r.stderr and r.returncode in (0, 1), r.stderr
     assert afile.read_text() == "mine" and snapshot(tmp_path) == before
+
+
+# (6) training state checked like a manifest; one dflash2-train per --out
+
+def _state(folder, data: bytes | None = None, metadata=None):
+    from dflash2.train import state
+
+    p = state.path(folder)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if data is None:
+        import torch
+        from safetensors.torch import save_file
+
+        save_file({"rng/torch": torch.zeros(3)}, str(p), metadata=metadata)
+    else:
+        p.write_bytes(data)
+    return p
+
+
+STATES = {
+    "truncated": lambda f: _state(f, b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\""),
+    "eight_bytes": lambda f: _state(f, b"\x00" * 8),
+    "random": lambda f: _state(f, bytes(range(256)) * 4),
+    "no_metadata": lambda f: _state(f),
+    "metadata_not_ours": lambda f: _state(f, metadata={"resume": "[1, 2]"}),
+    "state_is_a_file": lambda f: (f / "train_state").write_text("mine"),
+    "state_is_a_fifo": lambda f: _fifo(_state(f)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STATES))
+def test_a_damaged_training_state_is_named(case, tmp_path, alarm):
+    from dflash2.errors import Dflash2Error
+    from dflash2.train import state
+
+    out = tmp_path / "d"
+    out.mkdir()
+    STATES[case](out)
+    before = snapshot(tmp_path)
+    with pytest.raises(Dflash2Error) as e:
+        state.step_of(out)
+    msg = str(e.value)
+    assert "train_state" in msg and "\n" not in msg, msg
+    assert snapshot(tmp_path) == before
+
+
+def test_a_resume_under_another_block_size_is_refused(tmp_path):
+    from dflash2.errors import Dflash2Error
+    from dflash2.train import state
+
+    with pytest.raises(Dflash2Error, match=r"config.block_size: expected 4 \(this run's\), found 8"):
+        state.check_same_drafter(tmp_path / "resume.safetensors", {"block_size": 8, "layers": 1},
+                                 {"block_size": 4, "layers": 1})
+
+
+def test_two_trainers_on_one_out_the_second_is_refused(pair, tmp_path, capsys):
+    from dflash2.cli import train as train_cli
+    from dflash2.folders import output_lock
+
+    drafter, target = pair
+    with output_lock(tmp_path / "d"):  # a first dflash2-train holds --out
+        before = snapshot(tmp_path, target)
+        assert train_cli.main(["--target", str(target), "--out", str(tmp_path / "d"), "--corpus",
+                               str(tmp_path / "c"), "--prompts", "templated:4", "--threads", "1"]) == 2
+        msg = one_line_error(capsys.readouterr().err, "dflash2-train")
+        assert "locked by process" in msg and str(tmp_path / "d") in msg
+        assert snapshot(tmp_path, target) == before
+    assert not list(tmp_path.glob(".d.lock"))

@@ -31,6 +31,20 @@ def _world() -> int:
 
 
 def run_training(a: TrainOptions) -> dict | None:
+    """Train as dflash2-train does (`_run_training`), holding the lock on --out: a second dflash2-train on the same
+    OUT is refused instead of both writing it (torchrun's ranks share one lock: rank 0 holds it)."""
+    check_options(a)
+    from contextlib import nullcontext
+
+    from dflash2.folders import check_train_folders, output_lock
+
+    check_train_folders(a.target, a.out, a.corpus or [a.out.parent / "corpus"])  # refusals before the lock file
+
+    with output_lock(a.out) if _rank() == 0 else nullcontext():
+        return _run_training(a)
+
+
+def _run_training(a: TrainOptions) -> dict | None:
     """Train as dflash2-train does. Returns what `train` returns (`history`: the held-out evaluations, ...) on
     the process that reports (rank 0 under torchrun), None where nothing was trained here (corpus_only, other
     ranks). Every check of `check_options` runs first, before torch is imported."""
