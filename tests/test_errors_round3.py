@@ -440,3 +440,33 @@ def test_two_trainers_on_one_out_the_second_is_refused(pair, tmp_path, capsys):
         assert "locked by process" in msg and str(tmp_path / "d") in msg
         assert snapshot(tmp_path, target) == before
     assert not list(tmp_path.glob(".d.lock"))
+
+
+# the chat template and --repair-corpus (the last class)
+
+@pytest.mark.parametrize("template", ["{{ 1 / 0 }}", "{{ messages[5].content }}", "{{ undefined_fn() }}"])
+def test_a_template_that_fails_while_rendering_is_named(template, export_dir, tmp_path):
+    import shutil
+
+    from dflash2.runtime.text import Text, TokenizerError
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(export_dir / "tokenizer.json", folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with pytest.raises(TokenizerError, match=r"tok: chat template: expected a template that renders these messages"):
+        Text(folder).encode("hi", chat=True)
+
+
+def test_repair_corpus_knows_the_same_target_under_another_path(pair, tmp_path):
+    import shutil
+
+    from dflash2.train.api import same_target
+
+    drafter, target = pair
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    copy = shutil.copytree(target, tmp_path / "copy")
+    assert same_target(str(target), link) and same_target(str(target), copy)
+    assert same_target(str(target), str(target) + "/")
+    assert not same_target(str(target), drafter)

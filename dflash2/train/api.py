@@ -154,6 +154,35 @@ def _run_training(a: TrainOptions) -> dict | None:
     return r
 
 
+def _fingerprint(folder: Path) -> str:
+    """The model a folder holds, whatever its path: config.json's bytes and each safetensors file's name and
+    sha256 (hashed in full: a repair is rare, and a regeneration with other weights would mix two models)."""
+    import hashlib
+
+    from dflash2.folders import check_regular_file
+    from dflash2.manifest.sealing import sha256
+
+    h = hashlib.sha256(check_regular_file(folder / "config.json").read_bytes())
+    for w in sorted(folder.glob("*.safetensors")):
+        h.update(f"{w.name}:{sha256(check_regular_file(w))}\n".encode())
+    return h.hexdigest()
+
+
+def same_target(recorded: str, given: str | Path) -> bool:
+    """Whether the corpus's recorded target and --target are one model: the same path (links followed), the same
+    folder (another mount, a hard link), or a folder with the same config and weights (a copy): the same target
+    named by another path was refused as 'another model'."""
+    import os
+
+    r, g = Path(recorded), Path(given)
+    try:
+        if r.resolve() == g.resolve() or (r.is_dir() and os.path.samefile(r, g)):
+            return True
+        return r.is_dir() and g.is_dir() and _fingerprint(r) == _fingerprint(g)
+    except (OSError, RuntimeError, Dflash2Error):
+        return False
+
+
 def _repair(a: TrainOptions, corpora: list[Path]) -> None:
     """--repair-corpus: regenerate the damaged shards of each generated corpus given, with the settings it records
     and the model it records (refused: another --target, torchrun, an id corpus, nothing damaged)."""
@@ -170,7 +199,7 @@ def _repair(a: TrainOptions, corpora: list[Path]) -> None:
         meta = read_meta(c)
         if meta is None or not meta.get("complete") or not damage(c, meta):
             continue  # nothing to repair here (an unfinished corpus resumes by itself)
-        if Path(str(meta.get("target"))).resolve() != Path(a.target).resolve():
+        if not same_target(str(meta.get("target")), a.target):
             raise Dflash2Error(f"--repair-corpus: {c} holds the answers of {meta.get('target')}, --target is {a.target}: "
                                "regenerating its shards with another model would mix two models' answers")
         meta, redo = repair(c)
