@@ -17,6 +17,7 @@ import numpy as np
 
 from dflash2.config import DrafterConfig, TargetConfig
 from dflash2.errors import CheckpointError, TensorSetError
+from dflash2.folders import check_regular_file
 
 INDEX = "model.safetensors.index.json"
 
@@ -30,8 +31,8 @@ MAX_HEADER = 100_000_000
 
 def _weight_map(index: Path) -> dict[str, str]:
     try:
-        doc = json.loads(index.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        doc = json.loads(check_regular_file(index).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(index, "file", "a JSON index", "unreadable JSON") from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not wm:
@@ -67,7 +68,7 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape) from a safetensors header, without reading the data. The header is
     checked as safetensors itself would (entries, dtypes, contiguous offsets, file length), so a
     truncated or malformed file is named here instead of failing inside the loader."""
-    size = path.stat().st_size
+    size = check_regular_file(path).stat().st_size  # a FIFO blocked forever, a folder was IsADirectoryError
     with open(path, "rb") as fh:
         raw = fh.read(8)
         if len(raw) != 8:

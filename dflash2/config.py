@@ -98,6 +98,8 @@ def read_config(folder: str | Path) -> tuple[Path, dict]:
         raise CheckpointError(path, "config.json", "a config.json file", "nothing")
     try:
         raw = json.loads(path.read_bytes())
+    except RecursionError:  # nested 100,000 deep
+        raise CheckpointError(path, "config.json", "JSON nested less than 1,000 deep", "deeper nesting") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(path, "config.json", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
     except UnicodeDecodeError:
@@ -115,6 +117,8 @@ def read_json_object(path: Path) -> dict:
     """A JSON file that must hold an object; every other content named (file, expected, found)."""
     try:
         doc = json.loads(path.read_bytes())
+    except RecursionError:
+        raise CheckpointError(path, "file", "JSON nested less than 1,000 deep", "deeper nesting") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(path, "file", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
     except UnicodeDecodeError:

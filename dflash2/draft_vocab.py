@@ -31,6 +31,15 @@ def path_in(drafter_dir: str | Path) -> Path:
     return Path(drafter_dir) / FILE
 
 
+def is_ours(path: Path) -> bool:
+    """Whether `path` is a draft vocabulary dflash2 wrote (its format field), the only file --force replaces."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == FORMAT
+
+
 def min_size(c) -> int:
     """A DrafterConfig's top-K needs at least K ids (1 for DFlash v1's top-1)."""
     return c.selector_top_k if c.version == 2 else 1

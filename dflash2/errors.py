@@ -50,3 +50,23 @@ def require_extra(prog: str, extra: str, *modules: str) -> None:
         print(f"{prog}: error: needs {', '.join(missing)}, which this install lacks: pip install 'dflash2[{extra}]'",
               file=sys.stderr)
         raise SystemExit(2)
+
+
+def cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def check_threads(value: int | None, flag: str = "--threads") -> None:
+    """A thread count is 1..the cores this process may use: `--threads 10000` started 10,000 threads on 2 cores."""
+    if value is None:
+        return
+    if value < 1:
+        raise Dflash2Error(f"{flag}: expected >= 1, found {value}")
+    if value > cores():
+        raise Dflash2Error(f"{flag}: expected at most {cores()} (the CPU cores this process may use), found {value}")

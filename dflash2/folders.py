@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,17 +28,34 @@ OUR_FORMAT_PREFIX = "dflash2-"  # "dflash2-export", "dflash2-engines"
 Inputs = dict[str, "str | Path | None"] | list[tuple[str, "str | Path | None"]]
 
 
+def _resolved(path: str | Path, flag: str) -> Path:
+    try:
+        return Path(path).expanduser().resolve()
+    except (OSError, RuntimeError):  # Python 3.11 raises RuntimeError on a link loop
+        raise OutputError(f"{flag} {path}: expected a path, found a symbolic link loop; nothing was read or "
+                          f"written") from None
+
+
+def check_name(out: str | Path, flag: str = "--out") -> None:
+    """Every component of an output path within the file system's name length (a 300-character --out name was
+    an OSError traceback at the first `exists()`)."""
+    for part in Path(out).parts:
+        if len(os.fsencode(part)) > 255:
+            raise OutputError(f"{flag} {out}: expected names of at most 255 bytes, found one of "
+                              f"{len(os.fsencode(part))}; nothing was written")
+
+
 def check_apart(out: str | Path, inputs: Inputs, out_flag: str = "--out") -> None:
     """Refuse an output that is, contains or lies inside an input (paths resolved, symlinks followed).
 
     Checked before anything is read or deleted: `--force` replaces the output folder, and writing
     into an input would change the checkpoint the output's checksums were taken from.
     inputs: flag -> path or (flag, path) pairs, None paths skipped: {"--model": drafter, "--target": target}."""
-    o = Path(out).expanduser().resolve()
+    o = _resolved(out, out_flag)
     for flag, path in inputs.items() if isinstance(inputs, dict) else inputs:
         if path is None:
             continue
-        i = Path(path).expanduser().resolve()
+        i = _resolved(path, flag)
         if o == i:
             how = "is"
         elif o in i.parents:
@@ -51,13 +69,173 @@ def check_apart(out: str | Path, inputs: Inputs, out_flag: str = "--out") -> Non
                           f"input (nothing was read or written); choose another {out_flag}")
 
 
+# entries an input folder holds that a command opens as files: they must be regular files (links followed)
+READ_SUFFIXES = (".json", ".safetensors", ".jinja", ".gguf", ".onnx", ".data", ".txt", ".engine", ".so")
+
+
+# JSON files whose dflash2 readers name every problem themselves (field by field)
+OWN_READERS = {"config.json", "model.safetensors.index.json", MANIFEST, "corpus.json", "draft_vocab.json",
+               "progress.json"}
+
+
+def not_a_file(p: Path) -> str | None:
+    """What `p` is when it cannot be read as a file or listed as a folder without blocking or failing: a FIFO,
+    a socket, a device, a symbolic link loop, a name too long; None for a regular file, a folder, or nothing."""
+    try:
+        st = os.stat(p)  # links followed
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if e.errno == errno.ENAMETOOLONG:
+            return "a name longer than the file system allows"
+        if e.errno == errno.ENOENT and os.path.islink(p):
+            return f"a dangling symbolic link (to {os.readlink(p)})"
+        return None  # missing, permission: named by whoever reads it
+    except ValueError:  # an embedded NUL
+        return "a name with a NUL byte"
+    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+        return None
+    return "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) \
+        else "a device"
+
+
+def check_regular_file(path: str | Path, field: str = "file") -> Path:
+    """The one check before a file is opened for reading: a regular file (links followed), never a FIFO that
+    blocks forever, a folder, a device or a link loop. CheckpointError `PATH: FIELD: expected a regular file,
+    found ...` otherwise."""
+    from dflash2.errors import CheckpointError
+
+    path = Path(path)
+    kind = not_a_file(path)
+    if kind is None and path.is_dir():
+        kind = "a folder"
+    if kind is not None:
+        raise CheckpointError(path, field, "a regular file", kind)
+    return path
+
+
+def check_input(path: str | Path | None, flag: str) -> None:
+    """The one rule for an input path (a checkpoint, an export, a corpus, a plugin): itself a regular file or a
+    folder, and every entry of a folder that a command opens as a file (by its suffix) a regular file: a FIFO
+    blocked forever, a folder or a link loop named `model.safetensors` was a traceback. Checked before
+    anything is read or written."""
+    if path is None:
+        return
+    path = Path(path)
+    kind = not_a_file(path)
+    if kind is not None:
+        raise OutputError(f"{flag} {path}: expected a file or a folder, found {kind}; nothing was read or written")
+    if not path.is_dir():
+        return
+    try:
+        entries = sorted(path.iterdir())
+    except OSError:
+        return  # named by the reader (permission)
+    for p in entries:
+        if p.suffix in READ_SUFFIXES:
+            check_regular_file(p)
+        if p.suffix == ".json" and p.name not in OWN_READERS:  # read by libraries that end in their own traceback
+            _check_json(p)                                      # (transformers, tokenizers)
+
+
+def _check_json(p: Path) -> None:
+    from dflash2.errors import CheckpointError
+
+    try:
+        data = p.read_bytes()
+    except OSError:
+        return  # named by the reader (permission)
+    try:
+        json.loads(data)
+    except UnicodeDecodeError:
+        raise CheckpointError(p, "file", "UTF-8 JSON text", "undecodable bytes") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(p, "file", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
+    except RecursionError:
+        raise CheckpointError(p, "file", "JSON nested less than 1,000 deep", "deeper nesting") from None
+
+
 def check_train_folders(target: str | Path, out: str | Path, corpora: list[str | Path]) -> None:
     """dflash2-train writes --out (the drafter) and the first --corpus (generated when empty): neither may
     be, hold or lie inside --target, nor overlap each other (a corpus shard inside a checkpoint, or a
     checkpoint inside a corpus, would be read back as the other)."""
     check_apart(out, [("--target", target)] + [("--corpus", c) for c in corpora])
+    check_input(target, "--target")
     for c in corpora:
         check_apart(c, {"--target": target}, out_flag="--corpus")
+        check_input(c, "--corpus")
+
+
+def check_filled_in_place(folder: str | Path, flag: str, marker: str, what: str) -> None:
+    """The one rule for a folder a command fills in place and reads back (a corpus it generates, resumes or
+    reads): absent, empty (hidden files and a killed run's `.tmp-` files aside), or one it made, which holds
+    `marker`. A folder holding other files is somebody's input (a corpus whose `corpus.json` was lost, a
+    checkpoint): refused before anything is read or written, left as it is."""
+    folder = Path(folder)
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        raise OutputError(f"{flag} {folder}: expected {what} folder, found a file (left as it is)")
+    if not folder.is_dir() or (folder / marker).exists():
+        return
+    try:
+        others = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and ".tmp-" not in p.name)
+    except OSError as e:
+        raise OutputError(f"{flag} {folder}: cannot list the folder: {_why(e)}") from None
+    if others:
+        raise OutputError(f"{flag} {folder}: expected {what} folder (with {marker}), a new or an empty one; found a "
+                          f"folder holding other files (e.g. {others[0]}), left as it is; nothing was read or "
+                          f"written: restore its {marker} or choose another folder")
+
+
+def check_replaceable_file(path: str | Path, force: bool, ours, what: str) -> None:
+    """A single output file written into a folder the user owns (draft_vocab.json): created when absent;
+    replaced only with `--force` and only when `ours(path)` says dflash2 wrote it. Checked before any work."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_symlink() or not path.is_file():
+        raise OutputError(f"{path}: expected {what} to write, found a link or something else; left as it is")
+    if not force:
+        raise OutputError(f"{path}: exists; left as it is: pass --force to replace it")
+    if not ours(path):
+        raise OutputError(f"{path}: format: expected {what} (the only file --force replaces), found another file; "
+                          f"left as it is")
+
+
+@contextmanager
+def output_lock(out: str | Path, flag: str = "--out") -> Iterator[None]:
+    """One writer per output folder that is filled in place over a long run (dflash2-train --out): an flock on a
+    hidden `.OUT.lock` sibling, released by the kernel if the process dies (no stale lock), removed on leaving.
+    A second run on the same OUT is refused at once, naming the process that holds it."""
+    import fcntl
+
+    out = Path(out)
+    if not out.parent.is_dir():  # a new parent: made by the run itself, nobody else can be writing there yet
+        yield
+        return
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only parent: the run itself names that
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            raise OutputError(f"{flag} {out}: expected a folder no other run is writing, found it locked by process "
+                              f"{holder} ({lock}); wait for it to end or choose another {flag}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            yield
+        finally:
+            try:
+                lock.unlink()
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
 
 
 def written_by_dflash2(folder: Path) -> bool:
@@ -72,6 +250,9 @@ def written_by_dflash2(folder: Path) -> bool:
 def check_output(out: Path, force: bool, inputs: Inputs | None = None) -> None:
     """Every output-folder rule, before anything is read: apart from the inputs, creatable, and an
     existing folder replaced only with --force and only when empty or written by dflash2."""
+    check_name(out)
+    for flag, path in (inputs or {}).items() if isinstance(inputs, dict) else inputs or []:
+        check_input(path, flag)
     check_apart(out, inputs or {})
     if out.is_symlink():
         raise OutputError(f"{out}: output is a symbolic link; pass the folder itself (or another --out)")

@@ -18,6 +18,7 @@ before it writes any block (a GGUF of another model, or of the same model quanti
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,34 @@ def _unpermute(n_heads: int, N: int) -> np.ndarray:
     return np.arange(N).reshape(n_heads, N // n_heads // 2, 2).swapaxes(1, 2).reshape(N)
 
 
+# the smallest encoding of one key-value pair (key length u64, 1 key byte, type u32, a u8 value) and of one
+# tensor info (name length u64, 1 name byte, dims u32, one dim u64, type u32, offset u64)
+_MIN_KV, _MIN_TENSOR = 8 + 1 + 4 + 1, 8 + 1 + 4 + 8 + 4 + 8
+
+
+def check_header(path: Path) -> None:
+    """The fixed header (magic, version, tensor and key-value counts) with its counts bounded by the file's size:
+    a count no file of this size can hold is named here, not an IndexError or a huge allocation in gguf-py."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(24)
+            size = fh.seek(0, 2)
+    except OSError as e:
+        raise CheckpointError(path, "(file)", "a readable GGUF file", e.strerror or str(e)) from None
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise CheckpointError(path, "magic", "a GGUF file (b'GGUF' and a 24-byte header)",
+                              f"{head[:4]!r} in {size} bytes")
+    version, tensors, kvs = struct.unpack("<IQQ", head[4:24])
+    if version not in (2, 3):
+        raise CheckpointError(path, "version", "2 or 3", version)
+    room = size - 24
+    if kvs * _MIN_KV > room:
+        raise CheckpointError(path, "kv_count", f"at most {room // _MIN_KV} (what {size} bytes can hold)", kvs)
+    if tensors * _MIN_TENSOR > room - kvs * _MIN_KV:
+        raise CheckpointError(path, "tensor_count", f"at most {(room - kvs * _MIN_KV) // _MIN_TENSOR} (what "
+                                                    f"{size} bytes can hold)", tensors)
+
+
 class GgufBlocks:
     """HF tensor name -> Blocks of a GGUF file (read lazily, one tensor at a time by gguf-py's memory map)."""
 
@@ -116,13 +145,18 @@ class GgufBlocks:
         import gguf
 
         self.path = Path(path)
+        check_header(self.path)  # counts bounded by the file's size before gguf-py allocates or indexes by them
         try:
             reader = gguf.GGUFReader(str(self.path))
-        except (OSError, ValueError) as e:
-            raise CheckpointError(self.path, "(file)", "a GGUF file", f"unreadable ({e})") from None
-        self.tensors = {t.name: t for t in reader.tensors}
-        arch = reader.fields.get("general.architecture")
-        self.arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "?"
+            self.tensors = {t.name: t for t in reader.tensors}
+            arch = reader.fields.get("general.architecture")
+            self.arch = bytes(arch.parts[arch.data[0]]).decode("utf-8") if arch is not None else "?"
+        except UnicodeDecodeError as e:  # a key, a name or the architecture string
+            raise CheckpointError(self.path, "header", "UTF-8 strings", f"undecodable bytes ({e.reason})") from None
+        except (OSError, ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError, struct.error) as e:
+            # gguf-py's reader indexes the memory map by the header's own numbers: garbage is any of these
+            raise CheckpointError(self.path, "header", "a GGUF file", f"unreadable ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from None
         self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
         self.used: dict[str, str] = {}  # graph node -> the ggml type(s) of the blocks it carries (the builder's)
 

@@ -83,7 +83,11 @@ Main = Callable[[list[str] | None], int]
 ENVIRONMENT_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                       errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
                       errno.EPERM: "operation not permitted (an immutable file or folder?)",
-                      errno.EFBIG: "file too large for the file system", errno.EIO: "input/output error"}
+                      errno.EFBIG: "file too large for the file system", errno.EIO: "input/output error",
+                      # a cache or output path through a file (HOME, DFLASH2_VERIFIED_DIR, --cache being a file)
+                      errno.ENOTDIR: "a file stands where a folder is needed",
+                      errno.EEXIST: "a file stands where a folder is needed",
+                      errno.ELOOP: "a symbolic link loop", errno.ENAMETOOLONG: "a name too long for the file system"}
 
 
 def environment_error(e: BaseException) -> str | None:
@@ -141,6 +145,18 @@ def _while_exiting(prog: str, code: int) -> None:
                 signal.signal(s, late)
 
 
+def _closed_streams() -> None:
+    """A stream closed at the start (`>&-`, `2>&-`) leaves sys.stdout / sys.stderr None, and every print and the
+    final flush failed with AttributeError: its output is discarded instead, as a shell's `>/dev/null` would (the
+    command still runs and writes its files). A closed stdin stays None: `--prompt -` names it."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            try:
+                setattr(sys, name, open(os.devnull, "w"))
+            except OSError:
+                pass
+
+
 def interruptible(prog: str, after: str = "nothing was written") -> Callable[[Main], Main]:
     """For a CLI's main(): Ctrl-C (SIGINT) or `kill` (SIGTERM) -> one line `PROG: interrupted; AFTER`
     on stderr and the shell's status, 130 / 143, instead of a KeyboardInterrupt traceback. No cleanup
@@ -150,6 +166,7 @@ def interruptible(prog: str, after: str = "nothing was written") -> Callable[[Ma
         @functools.wraps(main)
         def run(argv: list[str] | None = None) -> int:
             PLACED.clear()  # this run's outputs only (tests call several mains in one process)
+            _closed_streams()
             try:
                 with sigterm_raises():
                     code = main(argv)

@@ -15,6 +15,8 @@ def snapshot(*roots: Path) -> dict[str, str]:
                 out[str(p)] = f"link -> {p.readlink()}"
             elif p.is_dir():
                 out[str(p)] = "dir"
+            elif not p.is_file():  # a FIFO, a socket, a device: never read (a FIFO would block)
+                out[str(p)] = f"special {p.lstat().st_mode:o}"
             else:
                 out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out

@@ -29,3 +29,13 @@ def edit_manifest(folder: Path, edit) -> None:
     edit(data)
     data["manifest_sha256"] = mf.content_sha256(data)
     (folder / mf.NAME).write_text(json.dumps(data))
+
+
+def relabel_dtype(m: dict, dtype: str) -> None:
+    """An edit_manifest edit: the export's dtype, and the target's KV element type with it (the manifest checks
+    that they agree), so a test can reach what follows from the dtype alone (tolerances, provider refusals)."""
+    m["dtype"] = dtype
+    past = m["graphs"]["target"]["signature"]["kv"]["past"]
+    for spec in m["graphs"]["target"]["inputs"]:
+        if spec["name"] in past:
+            spec["dtype"] = dtype

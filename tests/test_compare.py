@@ -12,9 +12,14 @@ from dflash2 import manifest as mf
 from dflash2.cli import compare as compare_cli
 from dflash2.numerics import ID_MISMATCH_SHARE
 from dflash2.native import tensorrt as ntrt
-from tests.exports import edit_manifest
+from tests.exports import edit_manifest, relabel_dtype
 
 HAS_TRT = ntrt._trt is not None
+
+
+def _resealed(folder):
+    """The folder's file table rewritten after a test edited a file (dflash2-compare checks the hashes first)."""
+    mf.write(folder, mf.load(folder, check_files=False))
 
 
 # ------------------------------------------------------------------------------------------- compare
@@ -38,6 +43,7 @@ def test_compare_fails_on_tampered_reference(export_dir, tmp_path, capsys):
     it = ref["pytorch"][1]
     it["new_ctx_kv"] = it["new_ctx_kv"] + 0.5
     ref.save(str(copy / "drafter.reference.json"))
+    _resealed(copy)
     assert compare_cli.main([str(copy)]) == 1
     out = capsys.readouterr().out
     bad = next(ln for ln in out.splitlines() if ln.startswith("drafter") and "new_ctx_kv" in ln)
@@ -54,11 +60,12 @@ def test_compare_counts_differing_ids_like_the_export_validation(export_dir, tmp
 
     copy = tmp_path / "export"
     shutil.copytree(export_dir, copy)
-    edit_manifest(copy, lambda m: m.update(dtype=dtype))  # the rule follows the export dtype; graphs stay fp32
+    edit_manifest(copy, lambda m: relabel_dtype(m, dtype))  # the rule follows the export dtype; graphs stay fp32
     ref = RunResults.load(str(copy / "drafter.reference.json"))
     cand = ref["pytorch"][0]["cand_ids"]
     cand.flat[0] = cand.flat[1]  # [1, S, K]: another candidate's id
     ref.save(str(copy / "drafter.reference.json"))
+    _resealed(copy)
     compare_cli.main([str(copy)])
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("drafter") and "cand_ids" in ln)
     total = 2 * cand.size
@@ -69,6 +76,7 @@ def test_compare_missing_reference_file(export_dir, tmp_path, capsys):
     copy = tmp_path / "export"
     shutil.copytree(export_dir, copy)
     (copy / "target.reference.json").unlink()
+    _resealed(copy)
     assert compare_cli.main([str(copy)]) == 2
     assert "target.reference.json: expected the Polygraphy file" in capsys.readouterr().err
 
@@ -100,6 +108,7 @@ def test_compare_and_export_validation_share_one_rule(export_dir, tmp_path, caps
     want = np.asarray(it["new_ctx_kv"], np.float64)
     it["new_ctx_kv"] = (want + scale * (atol * magnitude(want) + rtol * np.abs(want))).astype(np.float32)
     ref.save(str(copy / "drafter.reference.json"))
+    _resealed(copy)
     compare_cli.main([str(copy), "--graph", "drafter"])
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("drafter") and "new_ctx_kv" in ln)
     assert f"  {verdict}" in line

@@ -93,7 +93,7 @@ def test_repair_refuses_another_target_and_torchrun(tmp_path, made, capsys, monk
     corpus = tmp_path / "corpus"
     shutil.copytree(original, corpus)
     DAMAGE["missing"][0](corpus)
-    other = tiny.make_target(tmp_path / "other")
+    other = tiny.make_target(tmp_path / "other", seed=1)  # other weights (a copy of the same model is the same target)
     before = snapshot(corpus)
     assert _train(other, corpus, tmp_path / "drafter", "--repair-corpus") == 2
     assert "would mix two models' answers" in one_line_error(capsys.readouterr().err, "dflash2-train")

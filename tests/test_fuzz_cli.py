@@ -23,7 +23,7 @@ from dflash2 import tiny
 from tests.errorcheck import snapshot
 
 CASES = {"make_tiny": 40, "draft_vocab": 30, "compare": 25, "run": 40, "bench": 25, "bench_quant": 15,
-         "export": 25, "train": 25, "prepare": 30}
+         "export": 25, "train": 25, "prepare": 30, "corpus": 30}
 MODULES = {"prepare": "dflash2.cli.prepare_smollm2"}  # the others: dflash2.cli.NAME
 PROGS = {"prepare": "dflash2-prepare-smollm2"}
 # flags that only make a valid run longer (they are range-checked in test_errors_*): kept at the base's value
@@ -51,7 +51,11 @@ def _flags(name: str) -> list[argparse.Action]:
         pass
     finally:
         argparse.ArgumentParser.parse_args = real
-    return [a for a in caught[0]._actions if a.option_strings and a.option_strings[-1] not in SLOW]
+    actions = caught[0]._actions
+    if name == "corpus":  # its subcommands' flags (grow answers ShareGPT for minutes: not fuzzed here)
+        subs = next(a for a in actions if isinstance(a, argparse._SubParsersAction)).choices
+        actions = [a for sub in ("info", "verify", "taps") for a in subs[sub]._actions]
+    return [a for a in actions if a.option_strings and a.option_strings[-1] not in SLOW]
 
 
 def _pool(paths: dict[str, Path]) -> list[str]:
@@ -88,6 +92,8 @@ def _base(name: str, w: dict, out: Path) -> list[str]:
         "train": ["--target", str(w["target"]), "--out", str(out), "--corpus", str(w["root"] / "no-corpus"),
                   "--steps", "1", "--threads", "1", "--max-new-tokens", "2", "--prompts", "templated:2"],
         "prepare": ["--out", str(out)],
+        "corpus": ["taps", str(w["root"] / "no-corpus"), "--target", str(w["target"]), "--taps", "1",
+                   "--cache", str(out)],
     }[name]
 
 
@@ -148,3 +154,102 @@ def test_cli_argument_fuzz(name, world, tmp_path, capsys, monkeypatch):
     assert snapshot(*inputs) == before  # no input changed, whatever was asked
     assert failures == [], "\n".join(failures)
     assert codes.get(2, 0) > 0, codes  # the bad values were refused (not all ignored)
+
+
+# ------------------------------------------------------------------ a hostile filesystem (issue 49)
+# FIFOs, link loops, dangling links, folders where files are read and files where folders are: in every path
+# argument and in place of every file an input folder holds. Each call ends with a status and one line, within
+# the alarm (a FIFO read blocks forever), no input changed, nothing left behind.
+
+HOSTILE_CASES = 36
+
+
+def _make_hostile(p: Path, kind: str) -> None:
+    import os
+    import shutil
+
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "loop":
+        p.symlink_to(p.name)
+    elif kind == "dangling":
+        p.symlink_to(p.name + ".nowhere")
+    elif kind == "dir":
+        p.mkdir()
+        (p / "inner.json").write_text("{}")
+    else:  # a file in place of a folder (or of a file: an empty one)
+        p.write_bytes(b"")
+
+
+def test_hostile_filesystem_fuzz(world, tmp_path, capsys, monkeypatch):
+    import shutil
+    import signal
+
+    monkeypatch.chdir(tmp_path)
+    rng = random.Random("fuzz/hostile")
+    inputs = [world["drafter"], world["target"], world["export"], world["prompts"], world["file"]]
+    before = snapshot(*inputs)
+    failures = []
+
+    def hung(signum, frame):
+        raise TimeoutError("hung")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    try:
+        for case in range(HOSTILE_CASES):
+            root = tmp_path / f"c{case}"
+            root.mkdir()
+            copies = {k: shutil.copytree(world[k], root / k, symlinks=True) for k in ("drafter", "target", "export")}
+            name = rng.choice(["run", "compare", "export", "train", "draft_vocab", "corpus", "bench"])
+            out = root / "out"
+            if name == "draft_vocab":
+                shutil.copytree(world["drafter"], out)
+            w = {**world, **copies, "root": root}
+            argv = _base(name, w, out)
+            kind = rng.choice(["fifo", "loop", "dangling", "dir", "file"])
+            paths = [i for i, a in enumerate(argv) if a.startswith(str(root))]
+            if rng.random() < 0.5:  # an entry inside an input folder
+                folder = rng.choice([copies[k] for k in copies if str(copies[k]) in " ".join(argv)] or
+                                    list(copies.values()))
+                victim = rng.choice(sorted(p for p in folder.iterdir()))
+            else:  # a path argument itself
+                victim = Path(argv[rng.choice(paths)])
+            _make_hostile(victim, kind)
+            snap = snapshot(root)
+            mod = importlib.import_module(MODULES.get(name, f"dflash2.cli.{name}"))
+            prog = PROGS.get(name, f"dflash2-{name.replace('_', '-')}")
+            what = f"case {case}: {name} {kind} at {victim.relative_to(root)}"
+            signal.alarm(120)
+            try:
+                code = mod.main(argv)
+            except SystemExit as e:
+                code = e.code
+            except BaseException as e:  # noqa: BLE001 - nothing else may escape (a TimeoutError is a hang)
+                failures.append(f"{what}: {type(e).__name__}: {e}"[:300])
+                continue
+            finally:
+                signal.alarm(0)
+            err = capsys.readouterr().err
+            if "Traceback" in err:
+                failures.append(f"{what}: traceback: {err[-300:]}")
+            elif code not in (0, 1, 2):
+                failures.append(f"{what}: exit {code!r}")
+            elif code != 0 and not re.search(rf"^({re.escape(prog)}: error: |usage: )", err, re.M):
+                failures.append(f"{what}: exit {code} without an error line: {err[-300:]!r}")
+            inputs_now = {k: v for k, v in snapshot(root).items()
+                          if not k.startswith((str(out), str(root / "corpus"), str(root / "no-corpus")))}
+            if inputs_now != {k: v for k, v in snap.items()
+                              if not k.startswith((str(out), str(root / "corpus"), str(root / "no-corpus")))}:
+                failures.append(f"{what}: an input changed")
+            left = [str(p) for p in root.rglob("*") if ".tmp-" in p.name or ".old-" in p.name or
+                    p.name.endswith(".lock")]
+            if left:
+                failures.append(f"{what}: left behind {left}")
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    assert snapshot(*inputs) == before
+    assert failures == [], "\n".join(failures)

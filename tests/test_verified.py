@@ -90,7 +90,9 @@ def test_an_unreadable_record_only_costs_a_rehash(folder, hashed, tmp_path):
 
 
 def test_what_cannot_run_here_is_refused_before_hashing(folder, monkeypatch):
-    edit_manifest(folder, lambda d: d.update(dtype="bfloat16"))
+    from tests.exports import relabel_dtype
+
+    edit_manifest(folder, lambda d: relabel_dtype(d, "bfloat16"))
 
     def no_hashing(path):
         raise AssertionError(f"hashed {path} before refusing")

@@ -7,8 +7,20 @@ import re
 import sys
 from pathlib import Path
 
-from dflash2.errors import Dflash2Error
-from dflash2.folders import check_apart, check_writable
+from dflash2.errors import Dflash2Error, check_threads, cores  # noqa: F401 (re-exported)
+from dflash2.folders import check_apart, check_name, check_writable
+
+
+def threads_arg(s: str) -> int:
+    """argparse type of --threads: an integer in 1..cores()."""
+    try:
+        v = int(s)
+        check_threads(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, found {s!r}") from None
+    except Dflash2Error as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--threads: ")) from None
+    return v
 
 
 def parse_ids(s: str) -> list[int]:
@@ -25,7 +37,12 @@ def parse_ids(s: str) -> list[int]:
 def read_prompt(prompt: str) -> str:
     """`-` reads the prompt from stdin; bytes that are not UTF-8 are named, not passed to the tokenizer."""
     if prompt == "-":
-        data = sys.stdin.buffer.read()
+        if sys.stdin is None or getattr(sys.stdin, "closed", False):
+            raise Dflash2Error("stdin: expected the prompt (--prompt -), found standard input closed")
+        try:
+            data = sys.stdin.buffer.read()
+        except (OSError, ValueError) as e:  # a closed or unreadable descriptor
+            raise Dflash2Error(f"stdin: expected the prompt (--prompt -), found it unreadable ({e})") from None
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -56,11 +73,13 @@ def negative_ids_joined(argv: list[str]) -> list[str]:
     return out
 
 
-def check_output_file(path: Path | None, flag: str, inputs: dict[str, Path]) -> None:
+def check_output_file(path: Path | None, flag: str, inputs) -> None:
     """A file a CLI writes when its work is done (--json, --plot): checked before the work, so a bad
-    path does not waste a run, and never inside an input folder (e.g. over an export's manifest)."""
+    path does not waste a run, and never inside an input folder (e.g. over an export's manifest), nor one of the
+    input files (`--combine A.json --json A.json`). inputs: flag -> path, or (flag, path) pairs."""
     if path is None:
         return
+    check_name(path, flag)
     check_apart(path, inputs, out_flag=flag)
     if path.is_dir():
         raise Dflash2Error(f"{flag} {path}: expected a file name, found a folder")

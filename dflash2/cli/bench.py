@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from dflash2.bench.result import BenchResult
 
+        check_output_file(a.json, "--json", [("--combine", f) for f in a.combine])  # before any is read
         try:
             c = b.combine([BenchResult.from_dict(_read_json(f), f) for f in a.combine])
         except (OSError, ValueError) as e:

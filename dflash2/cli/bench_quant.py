@@ -11,7 +11,7 @@ from pathlib import Path
 from dflash2.cli.args import check_output_file
 from dflash2.cli.run import draft_len_arg
 from dflash2.folders import write_atomic
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, check_threads
 from dflash2.cli.entry import cli_main
 
 
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag, v in (("--repeats", a.repeats), ("--max-new-tokens", a.max_new_tokens), ("--threads", a.threads)):
         if v is not None and v < 1:
             raise Dflash2Error(f"{flag}: expected >= 1, found {v}")
+    check_threads(a.threads)
     # the results file is checked before the run and never lies in an input (an export's manifest, say)
     check_output_file(a.json, "--json", [(f"FOLDER {i + 1}", f) for i, f in enumerate(a.folders)]
                       + [("--genai", a.genai)])

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from dflash2.cli import cli_main
+from dflash2.cli.args import threads_arg
 from dflash2.errors import require_extra
 
 
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--context-tokens", type=_positive(int), default=512,
                    help="prompt budget: earlier turns are dropped, oldest first, until the templated prompt fits")
     g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    g.add_argument("--threads", type=_positive(int), help="torch threads (default: all cores)")
+    g.add_argument("--threads", type=threads_arg, help="torch threads (default: all cores)")
     g.add_argument("--conversations", type=_range, default=(0, 15_000),
                    help="ShareGPT conversations A:B to answer (inside 0:15000; 15,000+ are held out)")
     i = sub.add_parser("info", help="what a corpus holds")
@@ -74,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--cache", type=Path, help="cache root (default ~/.cache/dflash2/taps)")
     t.add_argument("--shards", type=_positive(int), help="only the first N shards")
     t.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    t.add_argument("--threads", type=_positive(int))
+    t.add_argument("--threads", type=threads_arg)
     return p
 
 
@@ -99,9 +100,11 @@ def _info(corpus, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-corpus", "train", 'torch', 'transformers', 'safetensors')
     a = _parser().parse_args(argv)
-    from dflash2.folders import check_apart
+    from dflash2.folders import check_apart, check_input
     from dflash2.train.idcorpus import IdCorpus
 
+    for flag in ("target", "corpus", "out", "cache"):  # FIFOs, link loops, folders named like files: refused first
+        check_input(getattr(a, flag, None), f"--{flag}" if flag != "corpus" else "CORPUS")
     if a.cmd == "grow":
         check_apart(a.out, {"--target": a.target})
         from dflash2.train.grow import grow

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from dflash2.cli.entry import cli_main
+from dflash2.cli.args import threads_arg
 from dflash2.errors import require_extra
 
 
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--taps", default="1,14,27")
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=threads_arg)
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     import torch

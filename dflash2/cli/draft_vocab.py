@@ -22,8 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, type=Path, help="target folder (vocabulary size, EOS ids)")
     p.add_argument("--corpus", required=True, type=Path, nargs="+", help="corpus folder(s): a tap corpus from dflash2-train or an id corpus from dflash2-corpus")
     p.add_argument("--size", required=True, type=int, help="number of ids to keep")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing draft_vocab.json (only one dflash2 wrote)")
     a = p.parse_args(argv)
     from dflash2 import draft_vocab
+    from dflash2.folders import check_input, check_replaceable_file
+
+    for flag, path in [("--drafter", a.drafter), ("--target", a.target)] + [("--corpus", c) for c in a.corpus]:
+        check_input(path, flag)
+
+    check_replaceable_file(draft_vocab.path_in(a.drafter), a.force, draft_vocab.is_ours, "a draft vocabulary")
     from dflash2.config import load_drafter_config, load_target_config
     from dflash2.train.data import corpus_answers
 

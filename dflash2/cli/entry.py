@@ -51,8 +51,8 @@ def cli_main(prog: str, after: str = "nothing was written",
         def answered(argv: list[str] | None = None) -> int:
             try:
                 return main(argv)
-            except errors as e:
-                print(f"{prog}: error: {e}", file=sys.stderr)
+            except errors as e:  # a path of undecodable argv bytes is shown escaped, never an encoding error
+                print(f"{prog}: error: {e}".encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
                 return e.status if isinstance(e, CliError) else 2
         return interruptible(prog, after)(answered)
     return wrap

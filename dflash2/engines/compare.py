@@ -173,7 +173,7 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
     """Compare every graph (or `graphs`) of an export folder; returns the per-output report."""
     _quiet_polygraphy()
     export_dir = Path(export_dir)
-    export = mf.load(export_dir, mf.ExportManifest, check_files=False)
+    export = mf.load(export_dir, mf.ExportManifest)  # sizes and sha256 too, as dflash2-run checks them
     dtype = export.dtype
     d_atol, d_rtol = TOLERANCES.get(dtype, TOLERANCES["float32"])
     atol, rtol = (d_atol if atol is None else atol), (d_rtol if rtol is None else rtol)
@@ -193,7 +193,7 @@ def compare(export_dir: str | Path, engines_dir: str | Path | None = None, atol:
         from dflash2.native.library import recorded_library
         from dflash2.native.tensorrt import require_tensorrt
 
-        engines = mf.load(engines_dir, mf.EngineManifest, check_files=False)
+        engines = mf.load(engines_dir, mf.EngineManifest)
         if Path(engines.export_dir).resolve() != export_dir.resolve():
             report.notes.append(f"note: {engines_dir} was built from {engines.export_dir}, not {export_dir}")
         if engines.plugin is not None:  # the recorded library, else this machine's build

@@ -77,8 +77,11 @@ class Record:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"folder": str(self.folder), "files": self.entries}))
             os.replace(tmp, self.path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+        except OSError:  # a cache folder that is a file (HOME, DFLASH2_VERIFIED_DIR): only time is lost
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def now_ns() -> int:

@@ -103,14 +103,25 @@ class ModelFacts:
                   slice(1, None, 2)) if gqa else
                  ("kv.rows.target", rows and rows.target, dims("target", 0, "kv"), slice(1, None)),
                  ("context.width", self.context and self.context.width, dims("target", 1, "context"), -1),
-                 ("num_drafts", self.num_drafts, dims("drafter", 1, "draft_ids"), -1)]
+                 ("num_drafts", self.num_drafts, dims("drafter", 1, "draft_ids"), -1),
+                 # the logits' rows: a resealed vocab_size reached ONNX Runtime as "invalid dimensions"
+                 ("vocab_size", self.vocab_size, dims("target", 1, "logits"), -1)]
         problems = []
         for name, fact, shape, part in rules:
             if fact is None or not shape:
                 continue
             want = shape[part]
-            if fact != want:
+            if not isinstance(want, str) and fact != want:  # (a symbolic dim is no fact to compare)
                 problems.append(f"{name}: expected {want} (the {where} io shapes), found {fact}")
+        if where == "graphs'":  # the export's own graphs compute in its dtype: their KV buffers are of that type
+            kv = graphs.get("target")
+            sig = kv[2] if kv else None
+            past = sig.kv.past[0] if sig is not None and sig.kv is not None and sig.kv.past else None
+            spec = next((s for s in (kv[0] or []) if s is not None and s.name == past), None) if kv else None
+            if spec is not None and isinstance(self.dtype, str) and isinstance(spec.dtype, str) \
+                    and spec.dtype != self.dtype:
+                problems.append(f"dtype: expected {spec.dtype} (the target graph's {past} element type), "
+                                f"found {self.dtype!r}")
         return problems
 
 

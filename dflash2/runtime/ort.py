@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from dflash2 import dtypes
-from dflash2.errors import Dflash2Error
+from dflash2.errors import Dflash2Error, check_threads
 from dflash2.manifest import Signature
 from dflash2.onnxrt import open_session
 from dflash2.runtime.memory import Buffer, HostBuffer, View
@@ -103,6 +103,7 @@ def _env_threads(name: str) -> int | None:
         n = 0
     if n < 1:
         raise Dflash2Error(f"{name}: expected a positive integer (intra-op threads), found {raw!r}")
+    check_threads(n, name)
     return n
 
 

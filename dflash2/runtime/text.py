@@ -48,7 +48,7 @@ class Text:
         return self.tok.encode(text).ids
 
     def render(self, messages: list[dict]) -> str:
-        from jinja2 import TemplateSyntaxError
+        from jinja2 import TemplateError, TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg):
@@ -61,9 +61,16 @@ class Text:
         except TemplateSyntaxError as e:
             raise TokenizerError(f"{self.folder}: chat template: expected a jinja template, found a syntax error at "
                                  f"line {e.lineno}: {e.message}") from None
-        return template.render(
-            messages=messages, add_generation_prompt=True, bos_token=self._special("bos_token"),
-            eos_token=self._special("eos_token"))
+        try:
+            return template.render(
+                messages=messages, add_generation_prompt=True, bos_token=self._special("bos_token"),
+                eos_token=self._special("eos_token"))
+        except TokenizerError:
+            raise
+        except (TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError,
+                RecursionError, OverflowError) as e:  # a template that fails while rendering (undefined, 1 / 0, ...)
+            raise TokenizerError(f"{self.folder}: chat template: expected a template that renders these messages, "
+                                 f"found {type(e).__name__}: {str(e)[:200]}") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -31,6 +31,20 @@ def _world() -> int:
 
 
 def run_training(a: TrainOptions) -> dict | None:
+    """Train as dflash2-train does (`_run_training`), holding the lock on --out: a second dflash2-train on the same
+    OUT is refused instead of both writing it (torchrun's ranks share one lock: rank 0 holds it)."""
+    check_options(a)
+    from contextlib import nullcontext
+
+    from dflash2.folders import check_train_folders, output_lock
+
+    check_train_folders(a.target, a.out, a.corpus or [a.out.parent / "corpus"])  # refusals before the lock file
+
+    with output_lock(a.out) if _rank() == 0 else nullcontext():
+        return _run_training(a)
+
+
+def _run_training(a: TrainOptions) -> dict | None:
     """Train as dflash2-train does. Returns what `train` returns (`history`: the held-out evaluations, ...) on
     the process that reports (rank 0 under torchrun), None where nothing was trained here (corpus_only, other
     ranks). Every check of `check_options` runs first, before torch is imported."""
@@ -39,7 +53,7 @@ def run_training(a: TrainOptions) -> dict | None:
 
     from dflash2 import draft_vocab
     from dflash2.config import distinct_target_layer_ids, load_target_config
-    from dflash2.folders import check_train_folders
+    from dflash2.folders import check_filled_in_place, check_train_folders
     from dflash2.train.data import corpus_complete, corpus_prompts, generate_corpus, load_corpus
     from dflash2.train.trainer import TrainConfig, train
 
@@ -49,6 +63,8 @@ def run_training(a: TrainOptions) -> dict | None:
         raise Dflash2Error(f"--device {a.device}: expected a CUDA device, found none (torch "
                            f"{torch.__version__}{', a CPU build' if torch.version.cuda is None else ''})")
     check_train_folders(a.target, a.out, a.corpus or [a.out.parent / "corpus"])  # before anything is read
+    for c in a.corpus or [a.out.parent / "corpus"]:  # a folder of shards without its corpus.json is an input
+        check_filled_in_place(c, "--corpus", "corpus.json", "a corpus")
     tc = load_target_config(a.target)
     for flag, v in (("--mask-token-id", a.mask_token_id), ("--draft-vocab", a.draft_vocab)):
         if v is not None and v >= tc.vocab_size + (flag == "--draft-vocab"):
@@ -138,6 +154,35 @@ def run_training(a: TrainOptions) -> dict | None:
     return r
 
 
+def _fingerprint(folder: Path) -> str:
+    """The model a folder holds, whatever its path: config.json's bytes and each safetensors file's name and
+    sha256 (hashed in full: a repair is rare, and a regeneration with other weights would mix two models)."""
+    import hashlib
+
+    from dflash2.folders import check_regular_file
+    from dflash2.manifest.sealing import sha256
+
+    h = hashlib.sha256(check_regular_file(folder / "config.json").read_bytes())
+    for w in sorted(folder.glob("*.safetensors")):
+        h.update(f"{w.name}:{sha256(check_regular_file(w))}\n".encode())
+    return h.hexdigest()
+
+
+def same_target(recorded: str, given: str | Path) -> bool:
+    """Whether the corpus's recorded target and --target are one model: the same path (links followed), the same
+    folder (another mount, a hard link), or a folder with the same config and weights (a copy): the same target
+    named by another path was refused as 'another model'."""
+    import os
+
+    r, g = Path(recorded), Path(given)
+    try:
+        if r.resolve() == g.resolve() or (r.is_dir() and os.path.samefile(r, g)):
+            return True
+        return r.is_dir() and g.is_dir() and _fingerprint(r) == _fingerprint(g)
+    except (OSError, RuntimeError, Dflash2Error):
+        return False
+
+
 def _repair(a: TrainOptions, corpora: list[Path]) -> None:
     """--repair-corpus: regenerate the damaged shards of each generated corpus given, with the settings it records
     and the model it records (refused: another --target, torchrun, an id corpus, nothing damaged)."""
@@ -154,7 +199,7 @@ def _repair(a: TrainOptions, corpora: list[Path]) -> None:
         meta = read_meta(c)
         if meta is None or not meta.get("complete") or not damage(c, meta):
             continue  # nothing to repair here (an unfinished corpus resumes by itself)
-        if Path(str(meta.get("target"))).resolve() != Path(a.target).resolve():
+        if not same_target(str(meta.get("target")), a.target):
             raise Dflash2Error(f"--repair-corpus: {c} holds the answers of {meta.get('target')}, --target is {a.target}: "
                                "regenerating its shards with another model would mix two models' answers")
         meta, redo = repair(c)

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.folders import check_filled_in_place
 from dflash2.train.idcorpus import (KIND, VERSION, IdCorpus, chat_prompt, read_meta, sha256_file, shard_name,
                                     sharegpt_items, write_meta, write_shard)
 
@@ -88,13 +89,7 @@ def grow(target_dir: Path, folder: Path, minutes: float, shard_items: int = 256,
     # bf16 answers depend on how prompts were batched (padding): the batch size is a setting too
     settings = {"dtype": dtype, "max_new_tokens": max_new_tokens, "context_tokens": context_tokens,
                 "greedy": True, "chat_template": True, "batch": batch_size}
-    if folder.exists() and not folder.is_dir():
-        raise Dflash2Error(f"--out {folder}: expected a corpus folder, found a file (left as it is)")
-    others = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and ".tmp-" not in p.name) \
-        if folder.is_dir() and not (folder / "corpus.json").exists() else []  # (a .gitkeep, a killed run's temp)
-    if others:
-        raise Dflash2Error(f"--out {folder}: expected a corpus folder (with corpus.json), a new or an empty one; found "
-                           f"a folder holding other files (e.g. {others[0]}), left as it is")
+    check_filled_in_place(folder, "--out", "corpus.json", "a corpus")  # (a .gitkeep, a killed run's temp aside)
     target = target_identity(target_dir)
     items = sharegpt_items(conversations, sharegpt_file)  # a bad range is refused before anything is written
     folder.mkdir(parents=True, exist_ok=True)

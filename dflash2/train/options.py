@@ -94,6 +94,9 @@ def check_options(a: TrainOptions) -> None:
     for flag, (v, low) in at_least.items():
         if v is not None and v < low:
             raise Dflash2Error(f"{flag}: expected >= {low}, found {v}")
+    from dflash2.errors import check_threads
+
+    check_threads(a.threads)
     if not (math.isfinite(a.lr) and a.lr > 0):
         raise Dflash2Error(f"--lr: expected a finite number > 0, found {a.lr}")
     if not (math.isfinite(a.kd_weight) and a.kd_weight >= 0):

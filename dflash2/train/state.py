@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash2.errors import Dflash2Error
@@ -59,23 +59,86 @@ def save(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step:
         tmp.unlink(missing_ok=True)
 
 
+# the settings that make a drafter what it is: a state saved under others is another drafter
+IDENTITY = ("block_size", "layers", "top_k", "rank", "tap_ids")
+
+
+def has_state(folder: Path) -> bool:
+    """Whether OUT holds a full training state; `train_state` a file (or anything not a folder) is named."""
+    folder_ = Path(folder) / STATE
+    if (folder_.exists() or folder_.is_symlink()) and not folder_.is_dir():
+        raise Dflash2Error(f"{folder_}: expected the training state folder, found a file (or something else); "
+                           f"move it away to start over")
+    p = path(folder)
+    return p.exists() or p.is_symlink()
+
+
+def read_meta(folder: Path) -> dict:
+    """The one reader of resume.safetensors' header and metadata, checked like a manifest before anything is
+    loaded: a regular file, a whole safetensors header (truncated, 8-byte or random files named), and its
+    `resume` metadata with every field typed."""
+    from dflash2.checkpoint import read_header
+    from dflash2.errors import CheckpointError
+    from dflash2.folders import check_regular_file
+
+    p = path(folder)
+    hint = "move train_state/ away to start over"
+    try:
+        check_regular_file(p)
+        read_header(p)
+    except CheckpointError as e:
+        raise Dflash2Error(f"{e}; {hint}") from None
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            raw = (f.metadata() or {}).get("resume")
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        raise Dflash2Error(f"{p}: header: expected a readable safetensors file, found {e}; {hint}") from None
+    if raw is None:
+        raise Dflash2Error(f"{p}: metadata.resume: expected dflash2's training state, found none; {hint}")
+    try:
+        meta = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        raise Dflash2Error(f"{p}: metadata.resume: expected JSON, found unreadable text; {hint}") from None
+    if not isinstance(meta, dict):
+        raise Dflash2Error(f"{p}: metadata.resume: expected a JSON object, found {type(meta).__name__}; {hint}")
+    for key, typ in (("step", int), ("config", dict), ("log", list), ("py_rng", list), ("extra", dict)):
+        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
+            raise Dflash2Error(f"{p}: metadata.resume.{key}: expected {typ.__name__}, found "
+                               f"{meta.get(key)!r:.60}; {hint}")
+    if meta["step"] < 0 or len(meta["py_rng"]) != 3 or not isinstance(meta["py_rng"][1], list):
+        raise Dflash2Error(f"{p}: metadata.resume: expected step >= 0 and a Python random state, found step "
+                           f"{meta['step']}; {hint}")
+    return meta
+
+
+def check_same_drafter(where: Path, saved: dict, config: dict) -> None:
+    """A resumed state continues the drafter it was saved from: another --block-size, --layers, ... is refused
+    (it relabelled the drafter), naming the field and both values."""
+    for key in IDENTITY:
+        if key in saved and key in config and _plain(saved[key]) != _plain(config[key]):
+            raise Dflash2Error(f"{where}: config.{key}: expected {_plain(config[key])} (this run's), found "
+                               f"{_plain(saved[key])} (the saved state's); resume with the settings it was saved "
+                               f"with, or train into another --out")
+
+
+def _plain(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
 def step_of(folder: Path) -> int | None:
     """The step a folder's saved state is at, or None when it has none."""
-    p = path(folder)
-    if not p.is_file():
+    if not has_state(folder):
         return None
-    with safe_open(str(p), framework="pt") as f:
-        return json.loads(f.metadata()["resume"])["step"]
+    return read_meta(folder)["step"]
 
 
 def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list, tuple, dict]:
     """Restores weights, moments and the torch generator; returns (step, history, python rng state, extra)."""
     p = path(folder)
+    meta = read_meta(folder)
     try:
-        with safe_open(str(p), framework="pt") as f:
-            meta = json.loads(f.metadata()["resume"])
         t = load_file(str(p))
-    except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
         raise Dflash2Error(f"{p}: not a readable dflash2 training state ({e}); move it away to start over") from None
     own = model.state_dict()
     state = {k[6:]: v for k, v in t.items() if k.startswith("param/")}

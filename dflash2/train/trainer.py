@@ -228,7 +228,11 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, history, warm_from, seen = 0, [], 0, {"answer_tokens": 0, "blocks": 0, "records": 0}
-    full = state.step_of(out) if state.path(out).is_file() else None
+    full = state.step_of(out) if state.has_state(out) else None  # the state checked like a manifest
+    if full is not None:
+        state.check_same_drafter(state.path(out), state.read_meta(out)["config"], asdict(c))
+    if compact is not None:
+        state.check_same_drafter(out / state.PROGRESS, compact["config"], asdict(c))
     if full is not None and (compact is None or full >= compact["step"]):
         step, history, py_state, extra = state.load(out, d, opt)
         rng.setstate(py_state)
@@ -361,7 +365,7 @@ def _read_compact(out: Path) -> tuple[dict | None, str | None]:
     try:
         return state.load_progress(out), None
     except Dflash2Error as e:
-        if state.path(out).is_file() and state.step_of(out) is not None:
+        if state.has_state(out) and state.step_of(out) is not None:
             return None, str(e)
         raise
 
