@@ -17,7 +17,7 @@ import numpy as np
 
 from dflash2.config import DrafterConfig, TargetConfig
 from dflash2.errors import CheckpointError, TensorSetError
-from dflash2.folders import check_regular_file
+from dflash2.inputs import check_regular_file
 
 INDEX = "model.safetensors.index.json"
 

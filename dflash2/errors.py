@@ -7,6 +7,10 @@ class Dflash2Error(Exception):
     """Base class: every error this package raises on bad input."""
 
 
+class OutputError(Dflash2Error):
+    """An output (or input) path refused before anything is written (dflash2.folders, dflash2.inputs)."""
+
+
 class CheckpointError(Dflash2Error):
     def __init__(self, file: str, field: str, expected: str, found: str, hint: str = ""):
         self.file, self.field, self.expected, self.found = str(file), field, expected, found

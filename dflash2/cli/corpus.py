@@ -100,7 +100,8 @@ def _info(corpus, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-corpus", "train", 'torch', 'transformers', 'safetensors')
     a = _parser().parse_args(argv)
-    from dflash2.folders import check_apart, check_input
+    from dflash2.folders import check_apart
+    from dflash2.inputs import check_input
     from dflash2.train.idcorpus import IdCorpus
 
     for flag in ("target", "corpus", "out", "cache"):  # FIFOs, link loops, folders named like files: refused first

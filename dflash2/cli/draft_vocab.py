@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace an existing draft_vocab.json (only one dflash2 wrote)")
     a = p.parse_args(argv)
     from dflash2 import draft_vocab
-    from dflash2.folders import check_input, check_replaceable_file
+    from dflash2.folders import check_replaceable_file
+    from dflash2.inputs import check_input
 
     for flag, path in [("--drafter", a.drafter), ("--target", a.target)] + [("--corpus", c) for c in a.corpus]:
         check_input(path, flag)

@@ -159,7 +159,7 @@ def _fingerprint(folder: Path) -> str:
     sha256 (hashed in full: a repair is rare, and a regeneration with other weights would mix two models)."""
     import hashlib
 
-    from dflash2.folders import check_regular_file
+    from dflash2.inputs import check_regular_file
     from dflash2.manifest.sealing import sha256
 
     h = hashlib.sha256(check_regular_file(folder / "config.json").read_bytes())

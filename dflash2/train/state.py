@@ -79,7 +79,7 @@ def read_meta(folder: Path) -> dict:
     `resume` metadata with every field typed."""
     from dflash2.checkpoint import read_header
     from dflash2.errors import CheckpointError
-    from dflash2.folders import check_regular_file
+    from dflash2.inputs import check_regular_file
 
     p = path(folder)
     hint = "move train_state/ away to start over"
