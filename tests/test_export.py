@@ -271,6 +271,7 @@ def test_portable_selector_confidence_special_rows():
     np.testing.assert_allclose(conf[0], want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_graph_no_provider_here_can_run_is_recorded_not_validated(tmp_path, pairs, capsys, monkeypatch):
     """bf16 without a bf16-capable provider: nothing is reported validated that was not."""
     from dflash2.export import validate

@@ -157,6 +157,7 @@ def _rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@pytest.mark.slow
 def test_5000_tokens_without_memory_growth(exports):
     rt = Runtime(exports[("qwen3", 2)])
     g1 = rt.generate(PROMPT, max_new_tokens=5000)

@@ -71,6 +71,7 @@ def test_two_gloo_processes_train_the_same_weights_as_one(tmp_path, tiny_corpus)
     assert state.step_of(tmp_path / "two") == 6 and (tmp_path / "two" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_corpus):
     target, corpus = tiny_corpus
     steps, extra = 60, ("--save-every", "4")
@@ -141,6 +142,7 @@ def test_drafter_written_as_capped_shards_loads_the_same(tmp_path, tiny_corpus):
     assert whole.keys() == sharded.keys() and all(torch.equal(whole[k], sharded[k]) for k in whole)
 
 
+@pytest.mark.slow
 def test_gpu_train_script_at_toy_size_on_the_cpu(tmp_path, tiny_corpus):
     """scripts/gpu_train.sh end to end (corpus -> torchrun training -> draft vocabulary -> flat result)
     with DEVICE=cpu and a tiny target: the command a GPU machine runs, shown to work."""

@@ -31,8 +31,6 @@ def main(argv: list[str] | None = None) -> int:
 
     for flag, path in [("--drafter", a.drafter), ("--target", a.target)] + [("--corpus", c) for c in a.corpus]:
         check_input(path, flag)
-
-    check_replaceable_file(draft_vocab.path_in(a.drafter), a.force, draft_vocab.is_ours, "a draft vocabulary")
     from dflash2.config import load_drafter_config, load_target_config
     from dflash2.train.data import corpus_answers
 
@@ -45,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         answers = [ans for c in a.corpus for ans in corpus_answers(c)]
         ids = draft_vocab.from_sequences(answers, a.size, tc.vocab_size, tc.eos_token_ids)
         draft_vocab.check_ids(ids, dc.vocab_size, draft_vocab.min_size(dc), str(a.drafter))
+        # last of the checks (what is wrong with the inputs is said first), still before anything is written
+        check_replaceable_file(draft_vocab.path_in(a.drafter), a.force, draft_vocab.is_ours, "a draft vocabulary")
         path = draft_vocab.write(a.drafter, ids, tc.vocab_size, f"dflash2-draft-vocab --size {a.size} over "
                                  f"{len(answers)} answers of {[c.name for c in a.corpus]}", a.size)
     except OSError as e:  # a read-only or full disk: the old file (if any) is untouched (written atomically)
