@@ -405,3 +405,19 @@ def test_demo_never_replaces_a_folder_it_did_not_write(tmp_path):
         ensure_export(drafter, target, tmp_path / "mine", True)
     assert "--force" not in str(e.value)
     assert snapshot(tmp_path) == before
+
+
+def test_the_demos_export_runs_and_is_reused(tmp_path):
+    """dflash2-demo's export is a runnable folder (its stamp is not an unlisted file that dflash2-run refuses: the
+    README's main command once failed so) and a second call with the same checkpoints exports nothing."""
+    from dflash2.cli.demo import STAMP, ensure_export
+    from dflash2.runtime.api import Runtime
+
+    drafter, target = tiny.make_pair(tmp_path / "pair")
+    out = tmp_path / "out"
+    ensure_export(drafter, target, out, True)
+    rt = Runtime(out)  # checks every file of the folder against the manifest
+    assert rt.generate([5, 17, 42], 4).ids
+    before = (out / "manifest.json").stat().st_mtime_ns
+    ensure_export(drafter, target, out, True)
+    assert (out / "manifest.json").stat().st_mtime_ns == before and (out / STAMP).is_file()

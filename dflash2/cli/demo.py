@@ -30,6 +30,9 @@ def default_drafter() -> Path:
 # fastest drafter measured at its 8 rows, same acceptance as int4 (docs/quantization.md, "The drafter's own
 # quantization"); the target stays the row-invariant int4 that keeps the output lossless
 DRAFTER_QUANT = "int8-dynamic"
+# what the demo exported OUT from: hidden, because an export folder holds only the files its manifest lists
+# (dflash2-run refuses any other entry: a dropped manifest entry must not let a file be read unchecked)
+STAMP = ".demo.json"
 
 
 def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize: str = "none") -> None:
@@ -43,7 +46,7 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize:
     if quantize != "none":  # target and drafter, both fused-op graphs built from templates (auto: gqa)
         stamp["quantize"], stamp["layout"] = quantize, "gqa target + fused drafter"
         stamp["drafter_quantize"] = DRAFTER_QUANT
-    if (out / "demo.json").is_file() and json.loads((out / "demo.json").read_text()) == stamp:
+    if (out / STAMP).is_file() and json.loads((out / STAMP).read_text()) == stamp:
         return
     from dflash2.export.api import export
     from dflash2.export.quantize import OrtQuant
@@ -58,7 +61,7 @@ def ensure_export(drafter: Path, target: Path, out: Path, quiet: bool, quantize:
     print(f"exporting {drafter.name} + {target.name} -> {out}", file=sys.stderr)
     export(drafter, target, out, force=True, quiet=quiet,
            quantize=None if quantize == "none" else OrtQuant(quantize, drafter_method=DRAFTER_QUANT))
-    (out / "demo.json").write_text(json.dumps(stamp))
+    (out / STAMP).write_text(json.dumps(stamp))
 
 
 @cli_main("dflash2-demo", "nothing half-written was left (a finished export stays for the next run)",
