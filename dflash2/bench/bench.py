@@ -257,8 +257,10 @@ def combined_table(c: CombinedResult) -> str:
     out = (f"{c.prompts} prompts in {c.parts} interleaved runs, lossless {c.lossless}, "
            f"auto / best of AR and fixed K {c.auto_vs_best:.3f} (best: {c.best_of_ar_and_fixed})\n"
            "  mode    tau    tok/s  speedup, range over parts  K per round\n")
-    return out + "\n".join(f"  {m:<5} {w.acceptance_length:>5.2f} {w.tokens_per_second:>8.1f} "
-                            f"{'1.00x (base)' if m == 'ar' else ratio_cell(w.speedup_samples, w.speedup):>25}  "
+    def cell(m, w) -> str:
+        return "1.00x (base)" if m == "ar" else ratio_cell(w.speedup_samples, w.speedup, w.acceptance_length)
+
+    return out + "\n".join(f"  {m:<5} {w.acceptance_length:>5.2f} {w.tokens_per_second:>8.1f} {cell(m, w):>25}  "
                             + " ".join(f"{k}:{v}" for k, v in w.k_histogram.items() if v) for m, w in c.modes.items())
 
 
@@ -269,7 +271,8 @@ def table(r: BenchResult) -> str:
             ("lossless (spec == AR ids)", "by distribution" if r.lossless is None else r.lossless),
             ("autoregressive tok/s", f"{r.autoregressive_tokens_per_second:.1f}"),
             ("speculative tok/s", f"{r.speculative_tokens_per_second:.1f}"),
-            ("speedup", describe_ratio(r.main_mode.speedup_samples, r.speedup, over=_over(r))),
+            ("speedup", describe_ratio(r.main_mode.speedup_samples, r.speedup, over=_over(r),
+                                       ceiling=r.main_mode.acceptance_length)),
             ("auto / best of AR and fixed K", f"{r.auto_vs_best:.3f} (best: {r.best_of_ar_and_fixed})"),
             ("AR step ms / spec round ms", f"{r.ar_step_ms:.2f} / {r.spec_step_ms:.2f}"),
             ("host overhead (spec)", f"{100 * r.host_overhead_share:.1f}%"),
@@ -290,7 +293,7 @@ def table(r: BenchResult) -> str:
     out += (f"\nmodes (same run, interleaved; speedup range over {_over(r)}):\n"
             "  mode    tau    tok/s      speedup, range   host  K per round\n")
     out += "\n".join(f"  {m:<5} {w.acceptance_length:>5.2f} {w.tokens_per_second:>8.1f} "
-                      f"{'1.00x (base)' if m == 'ar' else ratio_cell(w.speedup_samples, w.speedup):>20} "
+                      f"{'1.00x (base)' if m == 'ar' else ratio_cell(w.speedup_samples, w.speedup, w.acceptance_length):>20} "
                       f"{100 * w.host_overhead_share:>5.1f}%  "
                       + " ".join(f"{k}:{v}" for k, v in w.k_histogram.items() if v)
                       for m, w in r.modes.items())
