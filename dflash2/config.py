@@ -5,12 +5,12 @@ Per-family differences are data (dflash2.families: one module per target family)
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash2.errors import CheckpointError, Dflash2Error
 from dflash2.folders import OutputError
+from dflash2.inputs import parse_json
 
 DRAFTER_ARCHS = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -96,14 +96,7 @@ def read_config(folder: str | Path) -> tuple[Path, dict]:
         raise CheckpointError(folder, "folder", "a Hugging Face model folder", "no such directory")
     if not path.is_file():
         raise CheckpointError(path, "config.json", "a config.json file", "nothing")
-    try:
-        raw = json.loads(path.read_bytes())
-    except RecursionError:  # nested 100,000 deep
-        raise CheckpointError(path, "config.json", "JSON nested less than 1,000 deep", "deeper nesting") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(path, "config.json", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
-    except UnicodeDecodeError:
-        raise CheckpointError(path, "config.json", "UTF-8 JSON text", "undecodable bytes") from None
+    raw = parse_json(path, path.read_bytes(), "config.json")
     if not isinstance(raw, dict):
         raise CheckpointError(path, "config.json", "a JSON object {...}", f"a JSON {_json_type(raw)}")
     return path, raw
@@ -115,14 +108,7 @@ TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map
 
 def read_json_object(path: Path) -> dict:
     """A JSON file that must hold an object; every other content named (file, expected, found)."""
-    try:
-        doc = json.loads(path.read_bytes())
-    except RecursionError:
-        raise CheckpointError(path, "file", "JSON nested less than 1,000 deep", "deeper nesting") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(path, "file", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
-    except UnicodeDecodeError:
-        raise CheckpointError(path, "file", "UTF-8 JSON text", "undecodable bytes") from None
+    doc = parse_json(path, path.read_bytes())
     if not isinstance(doc, dict):
         raise CheckpointError(path, "file", "a JSON object {...}", f"a JSON {_json_type(doc)}")
     return doc

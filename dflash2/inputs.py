@@ -83,16 +83,22 @@ def check_input(path: str | Path | None, flag: str) -> None:
             _check_json(p)                                      # (transformers, tokenizers)
 
 
+def parse_json(path: Path, data: bytes, field: str = "file"):
+    """`data` (the bytes of `path`) as JSON; undecodable, malformed or too deeply nested text named (file, field,
+    expected, found). The one parse of the JSON files a command checks (config.py's readers too)."""
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError:
+        raise CheckpointError(path, field, "UTF-8 JSON text", "undecodable bytes") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, field, "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
+    except RecursionError:
+        raise CheckpointError(path, field, "JSON nested less than 1,000 deep", "deeper nesting") from None
+
+
 def _check_json(p: Path) -> None:
     try:
         data = p.read_bytes()
     except OSError:
         return  # named by the reader (permission)
-    try:
-        json.loads(data)
-    except UnicodeDecodeError:
-        raise CheckpointError(p, "file", "UTF-8 JSON text", "undecodable bytes") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(p, "file", "valid JSON", f"a parse error at line {e.lineno}: {e.msg}") from None
-    except RecursionError:
-        raise CheckpointError(p, "file", "JSON nested less than 1,000 deep", "deeper nesting") from None
+    parse_json(p, data)
