@@ -1,7 +1,9 @@
 """The held-out curve of a drafter's training.json: acceptance (selector / top-1 / oracle) and position-1
 acceptance against the answer tokens seen, as JSON, a markdown table and a text plot.
 
-    python scripts/train_curve.py data/train/smollm2-135m-dflash2/training.json [--json out.json]
+    python scripts/train_curve.py dflash2/data/drafters/smollm2-135m-dflash2/training.json [--json out.json]
+
+(the shipped drafter's phase-4 run; a run's own is `<dflash2-train --out>/training.json`).
 
 Reads both layouts: a run's {"config", "history"} and a shipped drafter's {"phases": [{name, history}]}.
 Entries without a `seen` count (runs before the id corpus) are plotted by step only.

@@ -3,6 +3,9 @@
     python scripts/experiments/confidence_signals.py --target T --corpus data/corpus/smollm2-135m-instruct DRAFTER [DRAFTER ...] \
         [--rows 32] [--threads 1] [--json out.json]
 
+`data/` is not tracked: `dflash2-corpus grow` regenerates the corpus (docs/training.md), or
+`git archive ad2524c2d0e37bfd1d1d668e3431dbd898bbf0e3 data/ | tar -x` restores it and the research drafters.
+
 At every answer position of the first `--rows` held-out rows (whole conversations = 49 mod 50, never trained on),
 each drafter drafts a block (teacher-forced, the taps bf16 as in training) and each signal of draft s is scored by
 its AUC for "draft s matches the target's token", over the blocks whose drafts 1..s-1 all matched (the only ones the

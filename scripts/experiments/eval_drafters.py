@@ -3,6 +3,9 @@
     python scripts/experiments/eval_drafters.py --target T --corpus data/corpus/smollm2-135m-instruct \
         DRAFTER [DRAFTER ...] [--rows 192] [--anchors 16] [--loop-rows 64] [--threads 1] [--json out.json]
 
+`data/` is not tracked: `dflash2-corpus grow` regenerates the corpus (docs/training.md), or
+`git archive ad2524c2d0e37bfd1d1d668e3431dbd898bbf0e3 data/ | tar -x` restores it and the research drafters.
+
 The trainer's own evaluation (`training.json`) reads 48 held-out rows (768 blocks): neighbouring evaluations of one
 run move by ~0.04, too much to tell two drafters ~0.05 apart. This reads the first `--rows` held-out rows
 (whole conversations = 49 mod 50, never trained on, dflash2/train/live.py), computes their taps once (bf16, as
