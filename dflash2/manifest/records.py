@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash2.dtypes import BY_NAME as DTYPE_NAMES
+
 @dataclass
 class FileEntry:
     sha256: str
@@ -108,6 +110,64 @@ class KvSignature:
     length: str | None = None
 
 
+STATE_KINDS = ("rows",)
+
+
+@dataclass
+class StateSignature:
+    """How a hybrid target (Gated DeltaNet layers) binds its recurrent state (dflash2.runtime.state.RowStates):
+    rows  past = [conv_state, rec_state], each [1, *row]: the state before the step;
+          present = [conv_states, rec_states], each [W', *row], W' = min(n, window): the state after each of
+          the step's last W' rows (so any accepted prefix of a verify of <= window rows has its state kept)
+    rows: the per-row shape of each past tensor (e.g. [Lg, C, K-1], [Lg, Hv, dk, dv]); dtypes: each element type;
+    window: W, the most rows whose states one step keeps (the pair's block size)."""
+    kind: str
+    past: list[str]
+    present: list[str]
+    rows: list[list[int]]
+    dtypes: list[str]
+    window: int
+
+    def problems(self, where: str, io: "GraphIo | None") -> list[str]:
+        """The binding is well formed and, where the graph's io is given, agrees with its tensors' shapes and
+        element types. (Fields that failed their type check are None here, already reported.)"""
+        out, w = [], f"{where}.state"
+        if self.kind is not None and self.kind not in STATE_KINDS:
+            out.append(f"{w}.kind: expected one of {list(STATE_KINDS)}, found {self.kind!r}")
+        for name in ("past", "present", "rows", "dtypes"):
+            value = getattr(self, name)
+            if value is not None and len(value) != 2:
+                out.append(f"{w}.{name}: expected 2 entries (conv state, recurrent state), found {len(value)}")
+        if self.window is not None and self.window < 1:
+            out.append(f"{w}.window: expected >= 1, found {self.window}")
+        for i, row in enumerate(self.rows or []):
+            if row is not None and (not row or any(not isinstance(d, int) or d < 1 for d in row)):
+                out.append(f"{w}.rows[{i}]: expected a shape of positive ints, found {row}")
+        for i, dt in enumerate(self.dtypes or []):
+            if dt is not None and dt not in DTYPE_NAMES:
+                out.append(f"{w}.dtypes[{i}]: expected one of {list(DTYPE_NAMES)}, found {dt!r}")
+        names = [n for n in (self.past or []) + (self.present or []) if n is not None]
+        if len(set(names)) != len(names):
+            out.append(f"{w}: expected distinct tensor names, found past {self.past}, present {self.present}")
+        if out or io is None or None in (self.past, self.present, self.rows, self.dtypes) or \
+                io.inputs is None or io.outputs is None:
+            return out
+        specs = [{s.name: s for s in io.inputs if s is not None}, {s.name: s for s in io.outputs if s is not None}]
+        for side, names, lead in ((0, self.past, "1"), (1, self.present, "W'")):
+            for name, row, dt in zip(names, self.rows, self.dtypes):
+                spec = specs[side].get(name)
+                if spec is None:
+                    out.append(f"{w}: {name} is not an {('input', 'output')[side]} of the graph "
+                               f"({sorted(specs[side])})")
+                    continue
+                shape = list(spec.shape or [])
+                if shape[1:] != row or (side == 0 and shape[:1] != [1]):
+                    out.append(f"{w}: {name} expected shape [{', '.join(map(str, [lead, *row]))}], found {shape}")
+                if spec.dtype != dt:
+                    out.append(f"{w}: {name} expected element type {dt}, found {spec.dtype}")
+        return out
+
+
 @dataclass
 class Signature:
     """A graph's typed contract with the runtime: tensor name per role (`ids`, `next_ids`, `draft_ids`, ...),
@@ -117,12 +177,17 @@ class Signature:
     outputs: dict[str, str]
     kv: KvSignature | None = None  # None: a graph without a cache (the standalone selector)
     capabilities: list[str] = field(default_factory=list)  # "logits", "confidence", "lattice", "sampled-walk"
+    state: StateSignature | None = None  # a hybrid target's recurrent state; None: a graph without one
 
     def names(self) -> tuple[set[str], set[str]]:
         """(input names, output names) the signature binds."""
         kv = self.kv or KvSignature("", [], [])
         ins = set((self.inputs or {}).values()) | set(kv.past or []) | ({kv.length} if kv.length else set())
-        return ins, set((self.outputs or {}).values()) | set(kv.present or [])
+        outs = set((self.outputs or {}).values()) | set(kv.present or [])
+        if self.state is not None:
+            ins |= set(self.state.past or [])
+            outs |= set(self.state.present or [])
+        return ins, outs
 
     def has(self, capability: str) -> bool:
         return capability in (self.capabilities or [])
@@ -162,6 +227,11 @@ class Signature:
             caps = capabilities_of(self.inputs, self.outputs)
             if isinstance(self.capabilities, list) and sorted(map(str, self.capabilities)) != sorted(caps):
                 out.append(f"{where}.capabilities: expected {caps} (what its roles give), found {self.capabilities}")
+        if self.state is not None:
+            if graph and graph != "target":
+                out.append(f"{where}.state: expected none (only a target graph keeps a recurrent state), found "
+                           f"a {self.state.kind!r} binding")
+            out += self.state.problems(where, io)
         if out or io is None or self.inputs is None or self.outputs is None or io.inputs is None or io.outputs is None:
             return out
         ins, outs = self.names()

@@ -113,6 +113,13 @@ class ModelFacts:
             want = shape[part]
             if not isinstance(want, str) and fact != want:  # (a symbolic dim is no fact to compare)
                 problems.append(f"{name}: expected {want} (the {where} io shapes), found {fact}")
+        target = (graphs.get("target") or (None,) * 3)[2]
+        state = target.state if target is not None else None
+        # a verify of B rows may accept only its first row: its state must be among the W' = min(B, W) kept
+        if state is not None and isinstance(state.window, int) and isinstance(self.block_size, int) \
+                and state.window < self.block_size:
+            problems.append(f"target signature state.window: expected >= block_size = {self.block_size} (the "
+                            f"{where} target keeps the states of a step's last window rows), found {state.window}")
         if where == "graphs'":  # the export's own graphs compute in its dtype: their KV buffers are of that type
             kv = graphs.get("target")
             sig = kv[2] if kv else None

@@ -10,6 +10,8 @@ Buffer plan (T = max_seq_len):
     anchor [1], draft [S], cand [S, K] int32 (cand stays on the device unless a policy reads it),
     confidence [S] fp32          the drafter's per-position confidence (the draft-length schedule reads it)
     logits [B, V] fp32           the target's last min(n, B) logits rows (read only when sampling)
+    states                       a hybrid target's recurrent state, (2W + 1) rows per state tensor
+                                 (dflash2.runtime.state.RowStates: committed by moving a pointer, no copy)
     uniforms [S], temperature [1], draft_probs [S, K] fp32   DFlash2's sampled walk (T > 0) and its q
 Views that never move (KV buffers of the gqa binding, the anchor, drafts, the walk's inputs) are bound once
 at session start; a step binds only what changes. Rollback after a rejection moves `pos`; rows past it
@@ -27,19 +29,25 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dflash2 import dtypes
+from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
-from dflash2.manifest import ModelFacts
 from dflash2.runtime.binding import CapacityError, make_kv
 from dflash2.runtime.ort import Backend
+from dflash2.runtime.state import RowStates, state_bytes
 from dflash2.speculative import Drafted, Verified
 
 
-def buffer_bytes(manifest: ModelFacts, max_seq_len: int) -> int:
-    """Bytes of the session's buffers (plan in the module docstring): known before allocating."""
+def buffer_bytes(manifest: mf.ModelFacts, max_seq_len: int, target: mf.Signature | None = None) -> int:
+    """Bytes of the session's buffers (plan in the module docstring): known before allocating.
+    target: the target graph's signature (None: the manifest's own, where it is an export or engine manifest);
+    a hybrid target's recurrent state counts too."""
     m = manifest
     itemsize = dtypes.get(m.dtype).itemsize
     row = int(np.prod(m.kv.rows.target)) + int(np.prod(m.kv.rows.drafter)) + m.context.width
-    return max_seq_len * (row * itemsize + 2 * 4)  # + ids / next_ids int32
+    if target is None and isinstance(m, (mf.ExportManifest, mf.EngineManifest)):
+        target = m.signature("target")
+    state = state_bytes(target.state if target is not None else None)
+    return max_seq_len * (row * itemsize + 2 * 4) + state  # + ids / next_ids int32
 
 
 def available_host_bytes() -> int | None:
@@ -59,23 +67,29 @@ class SamplingUnsupported(Dflash2Error, ValueError):
 
 
 class SpecSession:
-    def __init__(self, manifest: ModelFacts, backend: Backend, max_seq_len: int | None = None,
+    def __init__(self, manifest: mf.ModelFacts, backend: Backend, max_seq_len: int | None = None,
                  log: Callable[[str], None] | None = None):
         m = manifest
         self.manifest, self.backend = m, backend
         self.block_size, S = m.block_size, m.num_drafts
         self.vocab_size = m.vocab_size
         self.max_seq_len = T = min(max_seq_len or m.max_seq_len, m.max_seq_len)
-        self.buffer_bytes = need = buffer_bytes(m, T)
+        ts, ds = self.target_sig, self.drafter_sig = backend.signature("target"), backend.signature("drafter")
+        self.buffer_bytes = need = buffer_bytes(m, T, ts)
+        what = "KV, context and recurrent-state" if ts.state is not None else "KV and context"
         if log is not None:
-            log(f"allocating {need / 2**20:.1f} MiB of KV and context buffers (max_seq_len {T})")
+            log(f"allocating {need / 2**20:.1f} MiB of {what} buffers (max_seq_len {T})")
         free = available_host_bytes() if backend.name == "onnxruntime" else None  # host buffers only
         if free is not None and need > free:
-            raise CapacityError(f"max_seq_len {T}: the KV and context buffers need {need / 2**30:.1f} GiB, "
+            raise CapacityError(f"max_seq_len {T}: the {what} buffers need {need / 2**30:.1f} GiB, "
                                 f"{free / 2**30:.1f} GiB of memory is available (export with a smaller --max-seq-len)")
+        if ts.state is not None and ts.state.window < self.block_size:
+            raise Dflash2Error(f"target signature: state.window expected >= block_size {self.block_size} (a verify "
+                               f"may accept only its first row), found {ts.state.window}")
         dt = dtypes.numpy_dtype(m.dtype)  # bfloat16: ml_dtypes' type, the engines' own element type
         self.target, self.drafter = backend.engine("target"), backend.engine("drafter")
-        ts, ds = self.target_sig, self.drafter_sig = backend.signature("target"), backend.signature("drafter")
+        # a hybrid target's recurrent state; None: a dense target
+        self.states = RowStates(ts.state, backend) if ts.state is not None else None
         self.target_kv = make_kv(ts.kv, backend, "target", m.kv.rows.target, T, dt)
         self.drafter_kv = make_kv(ds.kv, backend, "drafter", m.kv.rows.drafter, T, dt)
         self.kv, self.ctx_kv = self.target_kv.buffer, self.drafter_kv.buffer
@@ -128,12 +142,17 @@ class SpecSession:
 
     def reset(self) -> None:
         self.pos = self.ctx_pos = self.pending = 0
+        self.last_rows = 0  # rows of the last target step (what a state commit counts from)
+        if self.states is not None:
+            self.states.reset()
 
     def buffers(self) -> dict[str, int]:
         """name -> base address: constant for the life of the session (tested)."""
         out = {n: b.ptr for n, b in vars(self).items() if hasattr(b, "rows")}
         for kv in ("target_kv", "drafter_kv"):
             out |= {f"{kv}.{n}": b.ptr for n, b in vars(getattr(self, kv)).items() if hasattr(b, "rows")}
+        if self.states is not None:
+            out |= {f"states.{n}": b.ptr for n, b in self.states.named_buffers().items()}
         return out
 
     def check_capacity(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -152,11 +171,14 @@ class SpecSession:
         self.ids.push(n)
         rows = min(n, self.block_size)
         k_in, k_out = kv.step(self.pos, n)
+        # a hybrid target: the state before the step in, the state after each of its last min(n, W) rows out
+        s_in, s_out = self.states.step(n) if self.states is not None else ({}, {})
+        self.last_rows = n
         staged = n <= self.block_size  # decode and verify steps: bound views that do not move (docstring)
         ctx = self.context_stage.rows(0, n) if staged else self.context.rows(c, c + n)
-        self.target.run({self._t_ids: self.ids.rows(0, n), **k_in},
+        self.target.run({self._t_ids: self.ids.rows(0, n), **k_in, **s_in},
                         {self._t_next: self.next_ids.rows(0, n), self._t_ctx: ctx,
-                         self._t_logits: self.logits_buf.rows(0, rows), **k_out})
+                         self._t_logits: self.logits_buf.rows(0, rows), **k_out, **s_out})
         if staged:
             self.context.copy_rows(self.context_stage, n, c)
         kv.after(self.pos, n)
@@ -175,6 +197,8 @@ class SpecSession:
         self.reset()
         out = self._run_target(ids)
         self.pos, self.pending = len(ids), len(ids)
+        if self.states is not None:
+            self.states.commit(len(ids), len(ids))
         return out
 
     def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> Drafted:
@@ -211,8 +235,12 @@ class SpecSession:
     def commit(self, n: int) -> None:
         self.pos += n
         self.pending += n  # verify's first n context rows join the drafter's next input, in place
+        if self.states is not None:  # the state after the last accepted row: a pointer moves, nothing is copied
+            self.states.commit(n, self.last_rows)
 
     def decode(self, token: int) -> Verified:
         out = self._run_target([token])
         self.pos += 1
+        if self.states is not None:
+            self.states.commit(1, 1)
         return out

@@ -1,0 +1,99 @@
+"""The recurrent state of a hybrid target (Gated DeltaNet layers: a conv state and a recurrent state per layer),
+rolled back with the KV cache without copying: `RowStates`, built once from the graph's `StateSignature`.
+
+The graph reads the state before the step (`conv_state`, `rec_state`: [1, *row]) and writes the state after each
+of the step's last W' = min(n, W) rows (`conv_states`, `rec_states`: [W', *row]). A verify of n <= W rows may be
+accepted at any a in 1..n, and the next step must start from the state after row a - 1.
+
+Why ping-pong: the binding keeps per state tensor two row buffers A and B [W, *row] and a zero initial row
+[1, *row]. A step reads its state as a 1-row view of wherever the accepted row lies and writes its rows into the
+buffer that does not hold it; commit only moves the (buffer, row) pointer. The other design, a resident state
+that commit overwrites with row a - 1 of the step's output (ONNX Runtime GenAI's state_window, TensorRT Edge-LLM's
+intermediate_states), copies the whole state (every layer) once per round on the device; here nothing is copied,
+and the addresses a step binds are one of 2W + 1 fixed views (a decode step alternates between two: CUDA graphs
+replay). No torch: the runtime imports it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash2 import dtypes
+from dflash2 import manifest as mf
+from dflash2.errors import Dflash2Error
+
+INITIAL = 2  # buffer index of the zero initial state (0 and 1 are A and B)
+
+
+def state_bytes(sig: mf.StateSignature | None) -> int:
+    """Bytes a RowStates of this binding allocates: (2W + 1) rows of each state tensor."""
+    if sig is None:
+        return 0
+    rows = 2 * sig.window + 1
+    return sum(rows * int(np.prod(row, dtype=np.int64)) * dtypes.get(dt).itemsize
+               for row, dt in zip(sig.rows, sig.dtypes))
+
+
+class RowStates:
+    """Per state tensor i: buffers[k][i] for k = A (0), B (1): [W, *row]; buffers[INITIAL][i]: [1, *row], zero.
+    `current` = (k, row): where the state the next step reads lies.
+        step(n)       -> (inputs {past name: the current 1-row view}, outputs {present name: rows [0, W') of the
+                         buffer that does not hold current}); views are built once, nothing is allocated per step
+        commit(a, n)  a of the last step's n rows accepted: current = (the written buffer, a - 1 - (n - W'))
+        reset()       current = the zero initial state
+    """
+
+    def __init__(self, sig: mf.StateSignature, backend, graph: str = "target"):
+        if sig.kind != "rows":
+            raise Dflash2Error(f"{graph} signature: state.kind expected 'rows', found {sig.kind!r}")
+        self.window = W = sig.window
+        self.past, self.present = list(sig.past), list(sig.present)
+        self.buffers = [[backend.device_buffer((W, *row), dtypes.numpy_dtype(dt)) for row, dt in
+                         zip(sig.rows, sig.dtypes)] for _ in range(2)]
+        self.buffers.append([backend.device_buffer((1, *row), dtypes.numpy_dtype(dt)) for row, dt in
+                             zip(sig.rows, sig.dtypes)])
+        for b in self.buffers[INITIAL]:  # zeroed once; the graph only reads it, so it stays zero
+            b.host[...] = 0
+            b.push(1)
+        # every view a step can bind, built once: inputs per (buffer, row), outputs per (buffer, W')
+        self._in = {(k, r): {p: b.rows(r, r + 1) for p, b in zip(self.past, self.buffers[k])}
+                    for k in range(3) for r in range(1 if k == INITIAL else W)}
+        self._out = {(k, w): {p: b.rows(0, w) for p, b in zip(self.present, self.buffers[k])}
+                     for k in range(2) for w in range(1, W + 1)}
+        self.reset()
+
+    def reset(self) -> None:
+        self.current = (INITIAL, 0)
+        self._written: int | None = None  # the buffer the last step wrote (None: no step since the last commit)
+        self._n = 0  # that step's rows
+
+    def _target(self) -> int:
+        """The buffer a step writes: A after the initial state, else the one current does not lie in."""
+        k = self.current[0]
+        return 0 if k == INITIAL else 1 - k
+
+    def step(self, n: int) -> tuple[dict, dict]:
+        """The views a target step of n rows binds (the caller must not edit the dicts: they are reused)."""
+        k = self._written = self._target()
+        self._n = n
+        return self._in[self.current], self._out[(k, min(n, self.window))]
+
+    def commit(self, a: int, n: int) -> None:
+        """a of the last step's n rows accepted (0: the step is discarded, current stays)."""
+        if a == 0:
+            return
+        kept = min(n, self.window)
+        r = a - 1 - (n - kept)  # the accepted row's index among the kept rows
+        if self._written is None or n != self._n or not 0 < a <= n or not 0 <= r < kept:
+            what = ("no target step since the last commit" if self._written is None else
+                    f"a commit of a {n}-row step after a {self._n}-row one" if n != self._n else
+                    f"row {a - 1} of a {n}-row step, where the graph keeps the states of rows [{n - kept}, {n}) "
+                    f"(window {self.window})")
+            raise Dflash2Error(f"recurrent state commit of {a} rows: expected an accepted row whose state the target "
+                               f"graph kept, found {what}")
+        self.current, self._written = (self._written, r), None
+
+    def named_buffers(self) -> dict:
+        """name -> buffer, for the session's address check (constant for the session)."""
+        names = ("a", "b", "initial")
+        return {f"{names[k]}.{p}": b for k in range(3) for p, b in zip(self.past, self.buffers[k])}
