@@ -156,6 +156,13 @@ def target_tensor_shapes(c: TargetConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def family_tensor_shapes(c) -> dict[str, tuple[int, ...]]:
+    """The target's tensors as its checkpoint names them, for any registered family (dflash2.families)."""
+    from dflash2 import families
+
+    return families.by_name(c.family).tensor_shapes(c)
+
+
 def _block_shapes(p, H, I, q, kv, hd, qk_norm, attn_bias, mlp_bias) -> dict:
     s = {p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
          p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
@@ -246,7 +253,7 @@ CHUNK_BYTES = 64 << 20  # a tensor is widened / checked this many source bytes a
 class Weights:
     """name -> fp32 numpy array, read from a safetensors folder on demand (module docstring)."""
 
-    def __init__(self, folder: str | Path, prefixes: tuple[str, ...] = ("", "model.")):
+    def __init__(self, folder: str | Path, prefixes: tuple[str, ...] = ("", "model.", "model.language_model.")):
         self.folder, self.prefixes = Path(folder), prefixes
         self.where: dict[str, tuple[Path, str, tuple[int, ...], int]] = {}  # name -> (file, dtype, shape, offset)
         for f in shard_files(self.folder):

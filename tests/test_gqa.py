@@ -148,12 +148,16 @@ def test_auto_picks_gqa_only_where_the_kernel_fits():
     from dflash2.export.qdq import TrtQuant
 
     dc, int4 = NS(block_size=8), qz.OrtQuant("int4")
-    assert _attention("auto", int4, NS(head_dim=64), dc, 256) == "gqa"
-    assert _attention("auto", None, NS(head_dim=64), dc, 256) == "plain"  # float exports keep TensorRT's flavour
-    assert _attention("auto", TrtQuant("fp8"), NS(head_dim=64), dc, 256) == "plain"
-    assert _attention("auto", int4, NS(head_dim=24), dc, 256) == "plain"  # the kernel's rotary wants hd % 16
+    tc = lambda hd, family="llama": NS(head_dim=hd, family=family, arch="X")  # noqa: E731
+    assert _attention("auto", int4, tc(64), dc, 256) == "gqa"
+    assert _attention("auto", None, tc(64), dc, 256) == "plain"  # float exports keep TensorRT's flavour
+    assert _attention("auto", TrtQuant("fp8"), tc(64), dc, 256) == "plain"
+    assert _attention("auto", int4, tc(24), dc, 256) == "plain"  # the kernel's rotary wants hd % 16
     with pytest.raises(OutputError, match="head_dim divisible by 16"):
-        _attention("gqa", int4, NS(head_dim=24), dc, 256)
+        _attention("gqa", int4, tc(24), dc, 256)
+    assert _attention("auto", int4, tc(64, "qwen3_5"), dc, 256) == "plain"  # a family without fused templates
+    with pytest.raises(OutputError, match="fused-op templates"):
+        _attention("gqa", int4, tc(64, "qwen3_5"), dc, 256)
 
 
 def test_tensorrt_build_refuses_a_gqa_export(gqa_exports, tmp_path):

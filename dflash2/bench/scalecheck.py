@@ -51,12 +51,34 @@ class Shape:
     sliding_window: int | None = 2048
     tokens: int = QWEN3_TOKENS
     max_positions: int = 40960
+    family: str = "qwen3"  # dflash2.families name: its tiny_config writes the config.json
+    extra: tuple[tuple[str, object], ...] = ()  # more config.json fields (a hybrid's GDN heads, layer interval)
+
+
+# Qwen3.5 / 3.8 dense hybrids: 3 Gated DeltaNet layers to 1 gated full-attention layer, GDN heads of 128 x 128
+# (transformers' Qwen3_5TextConfig defaults and the public configs' fields, docs/families/qwen3_5.md)
+QWEN3_5_TOKENS = 248_077  # ids below the mask id of most Qwen3.5 drafters (248,320 embedding rows)
+
+
+def _hybrid(k_heads: int, v_heads: int) -> tuple[tuple[str, object], ...]:
+    return (("full_attention_interval", 4), ("linear_num_key_heads", k_heads), ("linear_num_value_heads", v_heads),
+            ("linear_key_head_dim", 128), ("linear_value_head_dim", 128), ("linear_conv_kernel_dim", 4),
+            ("rope_parameters", {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True}))
 
 
 SHAPES = {
     "qwen3-8b": Shape("qwen3-8b", 4096, 36, 32, 8, 12288, 151_936, False, 5, (1, 9, 17, 25, 33)),
     "qwen3-0.6b": Shape("qwen3-0.6b", 1024, 28, 16, 8, 3072, 151_936, True, 1, (1, 13, 25)),
     # CI-sized: the vocabulary of a real model, a few narrow layers (the embedding is the largest tensor)
+    # Qwen3.5-0.8B-shaped (24 layers, hidden 1024; the edge pair Qwen3.5-0.8B-DFlash, block 16)
+    "qwen3.5-0.8b": Shape("qwen3.5-0.8b", 1024, 24, 8, 2, 3584, 248_320, True, 1, (1, 12, 22), head_dim=256,
+                          tokens=QWEN3_5_TOKENS, max_positions=262_144, sliding_window=None, family="qwen3_5",
+                          extra=_hybrid(16, 16)),
+    # Qwen3.8-27B-shaped DFlash2 pair (64 layers = 48 GDN + 16 full, hidden 5120; drafter 5 layers, block 8)
+    "qwen3.8-27b": Shape("qwen3.8-27b", 5120, 64, 24, 4, 17408, 248_320, False, 5, (5, 19, 33, 47, 61), block=8,
+                         head_dim=256, tokens=QWEN3_5_TOKENS, max_positions=262_144, family="qwen3_5",
+                         extra=_hybrid(16, 48)),
     "wide-vocab": Shape("wide-vocab", 256, 2, 4, 2, 512, 151_936, False, 1, (0, 1), block=8, top_k=8, rank=32,
                         head_dim=64, tokens=QWEN3_TOKENS),
 }
@@ -151,7 +173,7 @@ def write_tokenizer(folder: Path, tokens: int) -> None:
 def make_pair(shape: Shape, root: Path | None = None) -> tuple[Path, Path]:
     """(drafter folder, target folder) of random weights, written once (a DONE marker makes it reusable)."""
     from dflash2 import tiny
-    from dflash2.checkpoint import drafter_tensor_shapes, target_tensor_shapes
+    from dflash2.checkpoint import drafter_tensor_shapes, family_tensor_shapes
     from dflash2.config import load_drafter_config, load_target_config
 
     root = Path(root or cache_root() / "scale" / shape.name)
@@ -161,9 +183,9 @@ def make_pair(shape: Shape, root: Path | None = None) -> tuple[Path, Path]:
     for d in (target, drafter):
         d.mkdir(parents=True, exist_ok=True)
     eos = tiny.SPECIALS.index("<|im_end|>")
-    cfg = tiny.target_config("qwen3", shape.vocab, shape.hidden, shape.layers, shape.heads, shape.kv_heads,
+    cfg = tiny.target_config(shape.family, shape.vocab, shape.hidden, shape.layers, shape.heads, shape.kv_heads,
                              shape.intermediate, shape.tied, eos, shape.dtype, head_dim=shape.head_dim,
-                             rope_theta=1_000_000.0, max_position_embeddings=shape.max_positions)
+                             rope_theta=1_000_000.0, max_position_embeddings=shape.max_positions, **dict(shape.extra))
     (target / "config.json").write_text(json.dumps(cfg, indent=2))
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
     write_tokenizer(target, shape.tokens)
@@ -175,7 +197,7 @@ def make_pair(shape: Shape, root: Path | None = None) -> tuple[Path, Path]:
                                shape.rank, 16, 2, 1.0, None, shape.intermediate, torch_dtype=shape.dtype, **extra)
     (drafter / "config.json").write_text(json.dumps(dcfg, indent=2))
     print(f"scale check: writing {shape.name} random weights to {root} ...", file=sys.stderr, flush=True)
-    write_safetensors(target, target_tensor_shapes(tc), shape.dtype, seed=0)
+    write_safetensors(target, family_tensor_shapes(tc), shape.dtype, seed=0)
     write_safetensors(drafter, drafter_tensor_shapes(load_drafter_config(drafter), shape.hidden), shape.dtype, seed=1)
     (root / "DONE").write_text("random weights: dflash2.bench.scalecheck.make_pair\n")
     return drafter, target

@@ -205,10 +205,15 @@ def graph_specs(target: Target, drafter: Drafter, fuse_context: bool = True) -> 
     d_example = (torch.zeros(5, ctx_width, dtype=dtype), ckv(3), torch.tensor([1], dtype=torch.int32))
     if v2:
         d_example += tuple(sampling[1].values())
+    if hasattr(target, "empty_state"):  # a hybrid target (recurrent state besides the KV cache): its own spec
+        from dflash2.export.qwen3_5_graph import target_spec
+        t_spec = target_spec(target, drafter, fuse_context, _gen)
+    else:
+        t_spec = GraphSpec("target", TargetGraph(target, drafter, fuse_context), [N.INPUT_IDS, N.PAST_KV], t_out,
+                           {N.INPUT_IDS: {0: "n"}, N.PAST_KV: {0: "past"}},
+                           (torch.arange(5, dtype=torch.int32), kv(3)), target_feeds)
     specs = [
-        GraphSpec("target", TargetGraph(target, drafter, fuse_context), [N.INPUT_IDS, N.PAST_KV], t_out,
-                  {N.INPUT_IDS: {0: "n"}, N.PAST_KV: {0: "past"}},
-                  (torch.arange(5, dtype=torch.int32), kv(3)), target_feeds),
+        t_spec,
         GraphSpec("drafter", graph, d_in, d_out,
                   {N.CONTEXT: {0: "n"}, N.PAST_CTX_KV: {0: "past"}, N.ANCHOR: {},
                    **({N.UNIFORMS: {}, N.TEMPERATURE: {}} if v2 else {})},

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash2 import draft_vocab, dtypes
+from dflash2 import draft_vocab, dtypes, families
 from dflash2.config import (DrafterConfig, TargetConfig, check_pair, check_tokenizer_files, check_tokenizer_vocab,
                             load_drafter_config, load_target_config, tokenizer_id_count)
 from dflash2.errors import Dflash2Error
@@ -209,7 +209,9 @@ def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dty
 
 def resolve_attention(asked: str, quantize, tc, dc, max_seq_len: int) -> str:
     """auto -> gqa for the ONNX Runtime quantizations when the target fits the kernel, else plain."""
-    why = gqa.unsupported(tc, dc, max_seq_len)
+    fam = families.by_name(tc.family)
+    why = gqa.unsupported(tc, dc, max_seq_len) if "fused" in fam.templates else \
+        f"expected a target family with fused-op templates, found {tc.arch} ({fam.name}, {fam.description})"
     if asked == "gqa" and why:
         raise OutputError(f"--target-attention gqa: {why}")
     if asked == "auto":
@@ -246,6 +248,7 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
                           + (f", --quantize {quantize.method}" if quantize is not None else ""))
     out = Path(out_dir).absolute()
     dc, tc = check_inputs(drafter_dir, target_dir, out, dtype, max_seq_len, force, beyond_max_positions, draft_block)
+    _family_rules(tc, dtype, quantize)
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     attention = resolve_attention(target_attention, quantize, tc, dc, max_seq_len)
     why_not_gqa = gqa.unsupported(tc, dc, max_seq_len)
@@ -263,6 +266,25 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
     plan = ExportPlan(drafter_dir, target_dir, out, dtype, max_seq_len, attention, fuse_context, full_vocab,
                       draft_block, force, quiet, quantize, dc, tc)
     return dataclasses.replace(plan, jobs=tuple(_job(plan, name) for name in _graphs(dc)))
+
+
+def _family_rules(tc, dtype: str, quantize) -> None:
+    """What a family's templates do not do yet, refused before any weight is read (the dense families: all)."""
+    fam = families.by_name(tc.family)
+    if fam.name in DENSE_FAMILIES:
+        return
+    from dflash2.export import qwen3_5 as hybrid
+
+    what = f"{tc.arch} ({fam.name}, {fam.description})"
+    if dtype not in hybrid.DTYPES:
+        raise OutputError(f"--dtype: expected one of {list(hybrid.DTYPES)} for {what}, found {dtype!r} (its layer "
+                          f"templates are float32 only so far)")
+    if isinstance(quantize, qdq.TrtQuant):
+        raise OutputError(f"--quantize {quantize.method}: not yet for {what} (the TensorRT calibration runs the dense "
+                          f"reference); ONNX Runtime's int4 / int8 are")
+
+
+DENSE_FAMILIES = ("llama", "qwen3")
 
 
 def _graphs(dc) -> tuple[str, ...]:

@@ -133,9 +133,10 @@ def _checked(run: Run, job: GraphJob, spec, files: dict, t0: float) -> mf.Graph:
     return mf.Graph(flavours=mf.Flavours(**files), data=f"{job.name}.onnx.data",
                     inputs=[mf.IoSpec(**d) for d in io["inputs"]], outputs=[mf.IoSpec(**d) for d in io["outputs"]],
                     seconds=time.perf_counter() - t0, tensorrt_io=tensorrt_io,
-                    signature=stages.graph_signature(job.name, "prefix", io, p.tc.num_layers),
+                    signature=stages.graph_signature(job.name, "prefix", io, p.tc.num_layers, p.dc.block_size),
                     tensorrt_signature=None if tensorrt_io is None else
-                    stages.graph_signature(job.name, "fixed", tr.io_spec(tmp / files["tensorrt"]), p.tc.num_layers))
+                    stages.graph_signature(job.name, "fixed", tr.io_spec(tmp / files["tensorrt"]), p.tc.num_layers,
+                                           p.dc.block_size))
 
 
 def _quantize_after(run: Run, job: GraphJob, spec, files: dict, tensorrt_io):

@@ -27,7 +27,7 @@ from dflash2.export.validate import validate_graph
 from dflash2.folders import OutputError
 from dflash2.progress import Progress
 from dflash2.quant_manifest import QUANT_OPS
-from dflash2.reference.streamed import StreamedTarget, truncated
+from dflash2.reference.streamed import StreamedTarget, streamed_target, truncated
 
 
 WHOLE_GRAPH_BYTES = 2 << 30  # a target checked whole when its weights fit (ONNX Runtime maps them all, beside
@@ -106,7 +106,7 @@ def plain_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context: b
     files removed once checked (a failure keeps them: keep_failed)."""
     tw, dw = Weights(sources[1]), Weights(sources[0])
     short_tc, short_dc = truncated(tc, dc, truncated_depth(tc))
-    short = StreamedTarget(short_tc, short_dc.target_layer_ids, tw, like=target)
+    short = streamed_target(short_tc, short_dc.target_layer_ids, tw, like=target)
     spec = graph_specs(short, drafter, fuse_context)[0]
     name = "target.truncated"
     with progress.step(f"{name}.onnx + {name}.trt.onnx: the templates end to end ({short_tc.num_layers} layers, "
@@ -152,9 +152,12 @@ def validated(progress: Progress, what: str, spec, path: Path, dtype: str, tmp: 
     return mf.Validation(ok=skipped is None, failures=f, skipped=skipped, steps=report)
 
 
-def graph_signature(graph: str, kind: str, io: dict, num_layers: int) -> mf.Signature:
+def graph_signature(graph: str, kind: str, io: dict, num_layers: int, window: int | None = None) -> mf.Signature:
+    """window: the pair's block size, the state rows a hybrid target's graph returns per step (its state binding)."""
     ins, outs = [d["name"] for d in io["inputs"]], [d["name"] for d in io["outputs"]]
-    return sig.signature(graph, kind, ins, outs, num_layers, selector_io=(ins, outs))
+    hybrid = graph == "target" and sig.CONV_STATE in ins
+    return sig.signature(graph, kind, ins, outs, num_layers, selector_io=(ins, outs),
+                         state_window=window if hybrid else None, io=io if hybrid else None)
 
 
 def qdq_graph(tmp: Path, spec, files: dict, q: qdq.TrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:
@@ -184,10 +187,10 @@ TRUNCATED_LAYER_BYTES = 2 << 30
 
 def truncated_depth(tc) -> int:
     """How many layers the truncated end-to-end build keeps (TRUNCATED_LAYERS, TRUNCATED_LAYER_BYTES)."""
-    from dflash2.checkpoint import target_tensor_shapes
+    from dflash2.checkpoint import family_tensor_shapes
 
-    one = tc if tc.num_layers == 1 else dataclasses.replace(tc, num_layers=1)
-    per_layer = 4 * sum(int(np.prod(v)) for k, v in target_tensor_shapes(one).items() if ".layers." in k)
+    layers = [v for k, v in family_tensor_shapes(tc).items() if ".layers." in k]
+    per_layer = 4 * sum(int(np.prod(v)) for v in layers) // tc.num_layers  # the mean layer (hybrids mix kinds)
     return max(2, min(TRUNCATED_LAYERS, TRUNCATED_LAYER_BYTES // per_layer))
 
 
@@ -331,9 +334,9 @@ def _nbits_report(model, q: qz.OrtQuant, data: Path, tc) -> mf.QuantizedGraph:
 
 def _fp32_weight_bytes(tc) -> int:
     """The fp32 bytes of the target's weights (what the fp32 gqa graph stores, the tied head once)."""
-    from dflash2.checkpoint import target_tensor_shapes
+    from dflash2.checkpoint import family_tensor_shapes
 
-    return 4 * sum(int(np.prod(s)) for s in target_tensor_shapes(tc).values())
+    return 4 * sum(int(np.prod(s)) for s in family_tensor_shapes(tc).values())
 
 
 def _weight_matmuls(model) -> int:

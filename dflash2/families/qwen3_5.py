@@ -3,8 +3,8 @@
 layers (`layer_types`; default every `full_attention_interval`-th layer full). Torch-free: the config reader, the
 state kinds per layer, the tensor names and shapes, a tiny checkpoint's config.json.
 
-The PyTorch reference is dflash2.reference.qwen3_5 (+ gated_deltanet.py); no export templates yet, so
-dflash2-export and dflash2-train refuse it in one line (dflash2.config.load_target_config). docs/families/qwen3_5.md.
+The PyTorch reference is dflash2.reference.qwen3_5 (+ gated_deltanet.py); its layer templates (standard ONNX ops,
+both flavours) dflash2.export.qwen3_5, bound by the runtime as KV rows + state rows. docs/families/qwen3_5.md.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class Qwen35Config:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+
+    family = "qwen3_5"  # TargetConfig.family's counterpart (a class attribute: not a config field)
 
     @property
     def num_layers(self) -> int:
@@ -215,4 +217,4 @@ QWEN3_5 = TargetFamily(
     name="qwen3_5", archs=tuple(ARCHS), description="hybrid Gated DeltaNet",
     read_config=lambda path, raw, arch: read_qwen3_5_config(raw, path), layer_states=_layer_states,
     tensor_shapes=tensor_shapes, tiny_config=tiny_config, hf_class="Qwen3_5ForCausalLM",
-    reference="dflash2.reference.qwen3_5:load_target", templates={})
+    reference="dflash2.reference.qwen3_5:load_target", templates={"plain": "dflash2.export.qwen3_5:build"})

@@ -7,17 +7,21 @@ from pathlib import Path
 import torch
 
 from dflash2 import checkpoint as ckpt
-from dflash2 import draft_vocab
+from dflash2 import draft_vocab, families
 from dflash2.config import (DrafterConfig, TargetConfig, check_pair, load_drafter_config,
                             load_target_config)
 from dflash2.reference.drafter import Drafter
-from dflash2.reference.streamed import StreamedDrafter, StreamedTarget
+from dflash2.reference.streamed import StreamedDrafter, StreamedTarget, streamed_target
 from dflash2.reference.target import Target
+
+DENSE = ("llama", "qwen3")  # the families this module's Target / StreamedTarget implement
 
 
 def load_target(folder: str | Path, tap_ids: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
                 config: TargetConfig | None = None) -> Target:
     c = config or load_target_config(folder)
+    if c.family not in DENSE:  # another family's own reference (dflash2.families: its `reference` entry point)
+        return families.resolve(families.by_name(c.family).reference)(folder, tuple(tap_ids), dtype, c)
     expected = ckpt.target_tensor_shapes(c)
     ckpt.check_tensors(folder, expected)
     tensors = ckpt.load_tensors(folder, set(expected))
@@ -53,7 +57,7 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
     """Validate both configs and their agreement before any weight loads (block_size: load_drafter_config's)."""
     dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
-    ckpt.check_tensors(target_dir, ckpt.target_tensor_shapes(tc))
+    ckpt.check_tensors(target_dir, ckpt.family_tensor_shapes(tc))
     ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
     target = load_target(target_dir, dc.target_layer_ids, dtype, tc)
     return target, load_drafter(drafter_dir, target, dtype, dc, use_draft_vocab)
@@ -64,10 +68,10 @@ def load_streamed_pair(drafter_dir: str | Path, target_dir: str | Path, use_draf
                        ) -> tuple[StreamedTarget, Drafter]:
     """load_pair at bounded memory (every weight in `dtype` as it runs): the target as a StreamedTarget and the drafter as a StreamedDrafter
     (one layer resident, each read from the checkpoint when it runs, checked finite as it is read; the
-    embedding and LM head read a slice at a time, dflash2.reference.vocab)."""
+    embedding and LM head read a slice at a time, dflash2.reference.vocab); any family (streamed_target)."""
     dc, tc, expected = _checked_streamed(drafter_dir, target_dir, block_size)
     ids = draft_vocab.read(drafter_dir, dc.vocab_size, draft_vocab.min_size(dc)) if use_draft_vocab else None
-    target = StreamedTarget(tc, dc.target_layer_ids, ckpt.Weights(target_dir), dtype=dtype)
+    target = streamed_target(tc, dc.target_layer_ids, ckpt.Weights(target_dir), dtype=dtype)
     drafter = StreamedDrafter(dc, target, ckpt.Weights(drafter_dir), list(expected))
     drafter.set_draft_vocab(ids)
     return target, drafter
@@ -81,7 +85,7 @@ def _checked_streamed(drafter_dir, target_dir, block_size: int | None = None
     Returns (drafter config, target config, the drafter's tensor shapes)."""
     dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
-    target_shapes, expected = ckpt.target_tensor_shapes(tc), ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
+    target_shapes, expected = ckpt.family_tensor_shapes(tc), ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
     ckpt.check_tensors(target_dir, target_shapes)
     ckpt.check_tensors(drafter_dir, expected)
     ckpt.check_finite(target_dir, target_shapes)

@@ -184,9 +184,28 @@ class Qwen35Target(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    # the three places a streamed reference (dflash2.reference.streamed.StreamedQwen35Target) reads its checkpoint
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, H]
+        return self.embed_tokens(ids)
+
+    def iter_layers(self):
+        return iter(self.layers)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
+        return h @ self.head_weight.T
+
+    def kv_row_shape(self) -> tuple[int, int, int, int]:
+        """One sequence row of the full-attention layers' K/V (the runtime's KV rows; the GDN state is apart)."""
+        c = self.config
+        return len(c.full_layers), 2, c.num_kv_heads, c.head_dim
+
     def empty_state(self, dtype: torch.dtype | None = None) -> State:
         c = self.config
-        dtype = dtype or self.embed_tokens.weight.dtype
+        dtype = dtype or self.dtype
         La, Lg = len(c.full_layers), len(c.linear_layers)
         return State(torch.zeros(0, La, 2, c.num_kv_heads, c.head_dim, dtype=dtype),
                      torch.zeros(Lg, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype),
@@ -202,10 +221,10 @@ class Qwen35Target(nn.Module):
         cos, sin = mrope_cos_sin(pos3 if pos3 is not None else pos.expand(3, n), self.inv_freq,
                                  self.config.mrope_section)
         visible = torch.arange(P + n)[None, :] <= pos[:, None]
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         taps, new_kv, convs, recs = {}, [], [], []
         ia = ig = 0
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.iter_layers()):
             u = layer.input_layernorm(h)
             if layer.kind == "full_attention":
                 y, kv = layer.self_attn(u, state.kv[:, ia], cos, sin, visible)
@@ -220,7 +239,7 @@ class Qwen35Target(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.tap_ids:
                 taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
-        logits = self.norm(h) @ self.head_weight.T
+        logits = self.project(self.norm(h))
         tap_out = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else h[:, :0]
         c = self.config
         rows = 1 if chunk is not None else n

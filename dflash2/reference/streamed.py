@@ -26,6 +26,7 @@ from dflash2.config import DrafterConfig, TargetConfig
 from dflash2.reference.layers import Fp32Rope, RMSNorm, rope_inv_freq
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target, TargetLayer
+from dflash2.reference.qwen3_5 import Qwen35Layer, Qwen35Target, ZeroCentredRMSNorm, mrope_inv_freq
 from dflash2.reference.vocab import StreamedRows
 
 
@@ -91,6 +92,54 @@ class StreamedDrafter(Drafter):
         return _stream(self.layers, self.src, self.dtype)  # the meta layers: the templates, never given tensors
 
 
+class StreamedQwen35Target(Qwen35Target):
+    """Qwen35Target's interface (forward, empty_state, kv_row_shape, head_weight, ...) with StreamedTarget's memory:
+    the embedding and LM head StreamedRows, one layer resident (a meta template per layer kind), the final norm
+    loaded. The same forward: it reads its weights through embed / iter_layers / project."""
+
+    def __init__(self, c, tap_ids: tuple[int, ...], weights, like: "StreamedQwen35Target | None" = None,
+                 dtype: torch.dtype = torch.float32):
+        nn.Module.__init__(self)
+        self.config, self.tap_ids, self.src = c, tuple(tap_ids), weights
+        self._dtype = like.dtype if like is not None else dtype
+        if like is not None:
+            self.embed_rows, self.head_rows, self.norm = like.embed_rows, like.head_rows, like.norm
+        else:
+            self.embed_rows = StreamedRows(weights, "embed_tokens.weight", self._dtype)
+            self.head_rows = self.embed_rows if c.tie_word_embeddings else StreamedRows(weights, "lm_head.weight",
+                                                                                         self._dtype)
+            self.norm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.norm.weight = nn.Parameter(_tensor(weights, "norm.weight").to(self._dtype), requires_grad=False)
+        self.lm_head = None
+        self.register_buffer("inv_freq", mrope_inv_freq(c), persistent=False)
+        with torch.device("meta"):  # one template per layer kind: shapes only
+            kinds = {k: Qwen35Layer(c, k).requires_grad_(False) for k in set(c.layer_types)}
+        self._templates = [kinds[k] for k in c.layer_types]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def head_weight(self) -> StreamedRows:
+        return self.head_rows
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_rows.rows(ids)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head_rows.project(h)
+
+    def iter_layers(self):
+        return _stream(self._templates, self.src, self._dtype)
+
+
+def streamed_target(tc, tap_ids, weights, like=None, dtype: torch.dtype = torch.float32):
+    """The layer-streamed reference of any family's target config (dense: StreamedTarget)."""
+    cls = StreamedQwen35Target if getattr(tc, "family", None) == "qwen3_5" else StreamedTarget
+    return cls(tc, tuple(tap_ids), weights, like=like, dtype=dtype)
+
+
 def _stream(templates, weights, dtype: torch.dtype = torch.float32):
     """Layer i = a copy of meta template i holding the checkpoint's `layers.{i}.*` tensors (the fresh arrays
     themselves, no second copy), moved back to meta when the caller asks for the next (its loop variable
@@ -110,9 +159,14 @@ def _tensor(weights, name: str) -> torch.Tensor:
 def truncated(tc: TargetConfig, dc: DrafterConfig, k: int) -> tuple[TargetConfig, DrafterConfig]:
     """The first k layers of the target; the drafter's taps moved into them, spread in order over layers
     0..k-1 (the first tap taken inside the layer loop, the last after it, the rest as distinct as k allows:
-    so a tap order or concatenation bug shows; the context width stays)."""
+    so a tap order or concatenation bug shows; the context width stays). A hybrid keeps at least one layer of
+    each kind (up to its first full-attention layer)."""
+    if hasattr(tc, "layer_types"):
+        k = max(k, 1 + max(tc.layer_types.index(t) for t in set(tc.layer_types)))
     k = min(k, tc.num_layers)
     unique = sorted(set(dc.target_layer_ids))
     spread = {t: (k - 1 if len(unique) == 1 else round(j * (k - 1) / (len(unique) - 1))) for j, t in enumerate(unique)}
     taps = tuple(spread[t] for t in dc.target_layer_ids)
-    return dataclasses.replace(tc, num_layers=k), dataclasses.replace(dc, target_layer_ids=taps)
+    short = dataclasses.replace(tc, layer_types=tc.layer_types[:k]) if hasattr(tc, "layer_types") else \
+        dataclasses.replace(tc, num_layers=k)
+    return short, dataclasses.replace(dc, target_layer_ids=taps)

@@ -1,0 +1,295 @@
+"""The Qwen3.5 hybrid target (dflash2.families.qwen3_5) in standard ONNX ops: its layer templates, both flavours.
+
+What dflash2.reference.qwen3_5.Qwen35Target computes, written from the checkpoint's weights tensor by tensor (as
+plain.py writes the dense target), opset-17 ops only: Gated DeltaNet layers and gated full-attention layers.
+The full-attention layers keep the dense target's KV binding (portable: `past_kv` the valid prefix; TensorRT
+flavour: `kv_cache` + `past_len`, plain.py's prologues), over the La full layers only. The Gated DeltaNet layers
+carry a state instead of K/V rows, bound as state rows (dflash2.runtime.state.RowStates):
+
+    conv_state  [1, Lg, C, K-1]        graph dtype   the last K-1 conv inputs before the step
+    rec_state   [1, Lg, Hv, dk, dv]    float32       the delta-rule state before the step
+    conv_states [W', Lg, C, K-1]       out           the conv state after each of the LAST W' = min(n, W) rows
+    rec_states  [W', Lg, Hv, dk, dv]   out, float32  the delta-rule state after each of those rows
+
+W = the block size: a verify of k <= B rows returns the state after every row, and the runtime commits the one
+after the last accepted row by pointing the next step at it (no copy, no re-decode; docs/families/qwen3_5.md).
+A prefill of n > W rows returns only the last W: its rows before them run in a Scan that keeps no per-row state,
+so a long prompt holds one state per layer, not n.
+
+The recurrence is a Scan over rows of exactly the reference's per-row operations (gated_delta_rows), in fp32;
+the causal conv is the reference's explicit sum over the K taps in tap order, so a k-row verify row equals the
+1-row decode of the same token. fp32 graphs only for now (the plan refuses others).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from dflash2.config import RopeConfig
+from dflash2.export import signature as N
+from dflash2.export.plain import _fixed, _prefix
+from dflash2.export.templates import Builder, StandardOps
+
+F32 = TensorProto.FLOAT
+DTYPES = ("float32",)
+
+
+def _zc(w: np.ndarray) -> np.ndarray:
+    """A zero-centred RMSNorm weight as the norm multiplies it: 1 + w, in fp32 (the reference's product)."""
+    return 1.0 + np.asarray(w, np.float32)
+
+
+def _delta_body(Hv: int, dk: int, dv: int, keep_state: bool) -> onnx.GraphProto:
+    """One row of the gated delta rule (reference gated_delta_rows), a Scan body:
+    (state [Hv, dk, dv]; q, k [Hv, dk], v [Hv, dv], decay, beta [Hv]) -> (state', o [Hv, dv][, state'])."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["decay", "ax12"], ["decay3"]),  # exp(g) [Hv, 1, 1]
+        helper.make_node("Mul", ["S", "decay3"], ["S1"]),
+        helper.make_node("Unsqueeze", ["k", "ax2"], ["k3"]),  # [Hv, dk, 1]
+        helper.make_node("Mul", ["S1", "k3"], ["Sk"]),
+        helper.make_node("ReduceSum", ["Sk", "axm2"], ["kv_mem"], keepdims=0),  # S^T k [Hv, dv]
+        helper.make_node("Sub", ["v", "kv_mem"], ["err"]),
+        helper.make_node("Unsqueeze", ["beta", "ax1"], ["beta2"]),
+        helper.make_node("Mul", ["err", "beta2"], ["delta"]),  # [Hv, dv]
+        helper.make_node("Unsqueeze", ["delta", "ax1"], ["delta3"]),  # [Hv, 1, dv]
+        helper.make_node("Mul", ["k3", "delta3"], ["outer"]),
+        helper.make_node("Add", ["S1", "outer"], ["S2"]),
+        helper.make_node("Unsqueeze", ["q", "ax2"], ["q3"]),
+        helper.make_node("Mul", ["S2", "q3"], ["Sq"]),
+        helper.make_node("ReduceSum", ["Sq", "axm2"], ["o"], keepdims=0),  # [Hv, dv]
+    ]
+    outs = [helper.make_tensor_value_info("S2", F32, [Hv, dk, dv]), helper.make_tensor_value_info("o", F32, [Hv, dv])]
+    if keep_state:
+        nodes.append(helper.make_node("Identity", ["S2"], ["S_row"]))
+        outs.append(helper.make_tensor_value_info("S_row", F32, [Hv, dk, dv]))
+    consts = [helper.make_tensor(n, TensorProto.INT64, [len(v)], v)
+              for n, v in (("ax1", [1]), ("ax2", [2]), ("ax12", [1, 2]), ("axm2", [-2]))]
+    ins = [helper.make_tensor_value_info("S", F32, [Hv, dk, dv]), helper.make_tensor_value_info("q", F32, [Hv, dk]),
+           helper.make_tensor_value_info("k", F32, [Hv, dk]), helper.make_tensor_value_info("v", F32, [Hv, dv]),
+           helper.make_tensor_value_info("decay", F32, [Hv]), helper.make_tensor_value_info("beta", F32, [Hv])]
+    return helper.make_graph(nodes, "delta_row_state" if keep_state else "delta_row", ins, outs, consts)
+
+
+def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
+          progress=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(portable, TensorRT flavour) of the Qwen3.5 target (module docstring). c: Qwen35Config; dc: the drafter's;
+    src / dsrc: their weights (dflash2.export.weights); data: a DataFile both graphs point into; progress(i, L)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"qwen3_5 templates: expected a dtype in {DTYPES}, found {dtype!r}")
+    nh, kvh, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
+    La, Lg, rd = len(c.full_layers), len(c.linear_layers), c.rotary_dim
+    Hk, Hv, dk, dv, K = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                         c.linear_value_head_dim, c.linear_conv_kernel_dim)
+    C, kd, vd, rep = c.conv_dim, Hk * dk, Hv * dv, Hv // Hk
+    g, B, eps = nh // kvh, dc.block_size, float(c.rms_norm_eps)
+    tap_ids = tuple(dc.target_layer_ids)
+    b = Builder(data, dtype=np.float32)
+    ops = StandardOps(b, RopeConfig(c.rope_theta), rd, eps)  # the rotary over the first rd channels (text M-RoPE)
+    ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])
+
+    def matrix(name: str) -> str:  # a vocabulary matrix, written a row slice at a time
+        return b.chunked(name, src.row_chunks(name), src.shape(name))
+
+    # --- shared: positions, rotary rows, causal visibility, the state window
+    n = b.op("Shape", [N.INPUT_IDS], "n")[0]  # [1] int64
+    n0 = b.op("Squeeze", [n, ax0], "n.scalar", outputs=["n.scalar"])[0]
+    b.op("Range", [b.const("zero", 0), n0, b.const("one", 1)], "steps", outputs=["steps"])  # [n]
+    prologue_at = len(b.nodes)  # each flavour's prologue (plain.py): start, pos [n], k_pos [T]
+    rot = ops.at("pos", "rope")  # [n, 1, rd] each
+    visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0],
+                                   b.op("Unsqueeze", ["pos", ax1], "pos.col")[0]], "visible")[0]  # [n, T]
+    four = b.op("Concat", [b.const("kv_g", [kvh, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
+    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
+    scale = b.const("attn.scale", [hd ** -0.5], np.float32)
+    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
+    w_rows = b.op("Min", [n, b.const("window", [B])], "window.rows")[0]  # [1] W' = min(n, W)
+    split_at = b.op("Sub", [n, w_rows], "window.start")[0]  # [1] n - W': rows before it keep no state
+    end = b.const("to_end", [2**62])
+    lead_rows = [b.const(f"lead.{nm}", np.full(shape, fill, np.float32), np.float32) for nm, shape, fill in (
+        ("q", [1, Hv, dk], 0.0), ("k", [1, Hv, dk], 0.0), ("v", [1, Hv, dv], 0.0), ("decay", [1, Hv], 1.0),
+        ("beta", [1, Hv], 0.0))]  # the row that leads the no-state Scan (gdn below)
+    rec_in = b.op("Squeeze", [N.REC_STATE, ax0], "rec_state.rows")[0]  # [Lg, Hv, dk, dv]
+    conv_in = b.op("Squeeze", [N.CONV_STATE, ax0], "conv_state.rows")[0]  # [Lg, C, K-1]
+    body, body_state = _delta_body(Hv, dk, dv, False), _delta_body(Hv, dk, dv, True)
+    sizes_qkv = b.const("gdn.qkv_sizes", [kd, kd, vd])
+
+    def heads(x: str, count: int, dim: int, name: str) -> str:  # [n, count*dim] -> [n, count, dim]
+        return b.op("Reshape", [x, b.const(f"{name}.shape", [-1, count, dim])], name)[0]
+
+    def l2norm(x: str, name: str) -> str:  # reference l2norm: x * rsqrt(sum(x^2) + 1e-6)
+        s = b.op("ReduceSum", [b.op("Mul", [x, x], f"{name}.sq")[0], b.const(f"{name}.last", [-1])],
+                 f"{name}.sum", keepdims=1)[0]
+        r = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [s, b.const(f"{name}.eps", 1e-6, np.float32)],
+                                                   f"{name}.add_eps")[0]], f"{name}.sqrt")[0]], f"{name}.rsqrt")[0]
+        return b.op("Mul", [x, r], name)[0]
+
+    def silu(x: str, name: str) -> str:
+        return b.op("Mul", [x, b.op("Sigmoid", [x], f"{name}.sigmoid")[0]], name)[0]
+
+    def repeat_heads(x: str, name: str) -> str:  # [n, Hk, dk] -> [n, Hv, dk], head h reads key head h // rep
+        if rep == 1:
+            return x
+        x4 = b.op("Unsqueeze", [x, b.const(f"{name}.ax2", [2])], f"{name}.unsq")[0]  # [n, Hk, 1, dk]
+        shape = b.op("Concat", [n, b.const(f"{name}.rep", [Hk, rep, dk])], f"{name}.rep_shape", axis=0)[0]
+        x4 = b.op("Expand", [x4, shape], f"{name}.expand")[0]
+        return b.op("Reshape", [x4, b.const(f"{name}.flat", [-1, Hv, dk])], name)[0]
+
+    def gdn(u: str, p: str, ig: int) -> tuple[str, str, str]:
+        """One Gated DeltaNet mixer: (y [n, H], conv states [W', C, K-1], rec states [W', Hv, dk, dv])."""
+        a = f"{p}.linear_attn"
+        proj = b.linear(u, f"{p}.gdn_in_proj", src, [f"{a}.in_proj_qkv", f"{a}.in_proj_z", f"{a}.in_proj_b",
+                                                      f"{a}.in_proj_a"])  # [n, C + vd + 2 Hv]
+        qkv, z, bb, aa = b.op("Split", [proj, b.const(f"{p}.gdn_sizes", [C, vd, Hv, Hv])], f"{p}.gdn_in", outputs=4,
+                              axis=-1)
+        # the causal conv over [conv_state ; the step's rows], row-major: window [K-1+n, C]
+        past = b.op("Transpose", [b.op("Gather", [conv_in, b.const(f"{p}.ig", ig)], f"{p}.conv_past", axis=0)[0]],
+                    f"{p}.conv_past_rows", perm=[1, 0])[0]  # [K-1, C]
+        window = b.op("Concat", [past, qkv], f"{p}.window", axis=0)[0]
+        wconv = np.asarray(src.get(f"{a}.conv1d.weight"), np.float32)[:, 0, :]  # [C, K]
+        x = None
+        for j in range(K):  # reference causal_conv: the taps summed in order
+            rows = b.op("Slice", [window, b.const(f"{p}.tap{j}.from", [j]),
+                                  b.op("Add", [n, b.const(f"{p}.tap{j}.to", [j])], f"{p}.tap{j}.end")[0], ax0],
+                        f"{p}.tap{j}.rows")[0]  # [n, C]
+            t = b.op("Mul", [rows, b.fw(f"{p}.conv.w{j}", wconv[:, j])], f"{p}.tap{j}")[0]
+            x = t if x is None else b.op("Add", [x, t], f"{p}.conv.sum{j}")[0]
+        x = silu(x, f"{p}.conv.silu")
+        # conv state after each of the last W' rows t: window rows t+1 .. t+K-1, as [C, K-1]
+        cols = []
+        for j in range(K - 1):
+            lo = b.op("Add", [split_at, b.const(f"{p}.cs{j}.lo", [j + 1])], f"{p}.cs{j}.from")[0]
+            hi = b.op("Add", [n, b.const(f"{p}.cs{j}.hi", [j + 1])], f"{p}.cs{j}.to")[0]
+            col = b.op("Slice", [window, lo, hi, ax0], f"{p}.cs{j}")[0]  # [W', C]
+            cols.append(b.op("Unsqueeze", [col, b.const(f"{p}.cs{j}.ax", [2])], f"{p}.cs{j}.col")[0])
+        conv_rows = cols[0] if len(cols) == 1 else b.op("Concat", cols, f"{p}.conv_rows", axis=2)[0]  # [W', C, K-1]
+        q, k, v = b.op("Split", [x, sizes_qkv], f"{p}.qkv", outputs=3, axis=-1)
+        q = b.op("Mul", [l2norm(repeat_heads(heads(q, Hk, dk, f"{p}.q_heads"), f"{p}.q_rep"), f"{p}.q_l2"),
+                         b.const(f"{p}.q_scale", [dk ** -0.5], np.float32)], f"{p}.q")[0]  # [n, Hv, dk]
+        k = l2norm(repeat_heads(heads(k, Hk, dk, f"{p}.k_heads"), f"{p}.k_rep"), f"{p}.k")
+        v = heads(v, Hv, dv, f"{p}.v")
+        beta = b.op("Sigmoid", [bb], f"{p}.beta")[0]  # [n, Hv]
+        neg_a = -np.exp(np.asarray(src.get(f"{a}.A_log"), np.float32))
+        sp = b.op("Softplus", [b.op("Add", [aa, b.fw(f"{p}.dt_bias", src.get(f"{a}.dt_bias"))], f"{p}.dt")[0]],
+                  f"{p}.softplus")[0]
+        decay = b.op("Exp", [b.op("Mul", [sp, b.fw(f"{p}.neg_A", neg_a)], f"{p}.g")[0]], f"{p}.decay")[0]
+        state = b.op("Gather", [rec_in, b.const(f"{p}.ig.rec", ig)], f"{p}.rec_past", axis=0)[0]  # [Hv, dk, dv]
+        head_rows, tail_rows = [], []
+        for t, lead in zip((q, k, v, decay, beta), lead_rows):
+            rows = b.op("Slice", [t, b.const(f"{t}.h0", [0]), split_at, ax0], f"{t}.head")[0]
+            head_rows.append(b.op("Concat", [lead, rows], f"{t}.head.led", axis=0)[0])
+            tail_rows.append(b.op("Slice", [t, split_at, end, ax0], f"{t}.tail")[0])
+        # rows 0 .. n-W'-1 (a prefill past the window) keep no per-row state. ONNX Runtime's Scan refuses zero
+        # rows, so they are led by a row that leaves the state exactly as it is (decay 1, k = v = q = beta = 0:
+        # S * 1 + k (x) 0 = S bit for bit) and whose output row is dropped. (An If around the Scan reads its state
+        # from the outer scope, which ONNX Runtime's quantizer's topological sort does not see.)
+        state, o_head = b.op("Scan", [state, *head_rows], f"{p}.delta_head", outputs=2, body=body,
+                             num_scan_inputs=5)
+        o_head = b.op("Slice", [o_head, ax1, end, ax0], f"{p}.delta_head.rows")[0]  # [n - W', Hv, dv]
+        _, o_tail, rec_rows = b.op("Scan", [state, *tail_rows], f"{p}.delta_tail", outputs=3, body=body_state,
+                                   num_scan_inputs=5)  # the last W' rows: [W', Hv, dk, dv]
+        o = b.op("Concat", [o_head, o_tail], f"{p}.o", axis=0)[0]  # [n, Hv, dv]
+        # gated RMSNorm per head: rmsnorm(o) * w (plain weight) * silu(z)
+        y = ops.norm(o, None, f"{p}.o_norm")
+        y = b.op("Mul", [y, b.fw(f"{p}.o_norm.weight", src.get(f"{a}.norm.weight"))], f"{p}.o_norm.w")[0]
+        y = b.op("Mul", [y, silu(heads(z, Hv, dv, f"{p}.z"), f"{p}.z.silu")], f"{p}.gated")[0]
+        y = b.op("Reshape", [y, b.const(f"{p}.o_flat", [-1, vd])], f"{p}.o_flat")[0]
+        return b.linear(y, f"{p}.out_proj", src, [f"{a}.out_proj"]), conv_rows, rec_rows
+
+    def attention(u: str, p: str, ia: int) -> tuple[str, str]:
+        """Gated full attention: (y [n, H], new K/V rows [n, 1, 2, kv, hd])."""
+        a = f"{p}.self_attn"
+        qkv = b.linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])
+        qg, k, v = b.op("Split", [qkv, b.const(f"{p}.qkv_sizes", [2 * nh * hd, kvh * hd, kvh * hd])], f"{p}.qkv",
+                        outputs=3, axis=-1)
+        q, gate = b.op("Split", [heads(qg, nh, 2 * hd, f"{p}.qg_heads"), b.const(f"{p}.qg_sizes", [hd, hd])],
+                       f"{p}.q_gate", outputs=2, axis=-1)  # [n, nh, hd] each
+        gate = b.op("Reshape", [gate, b.const(f"{p}.gate_flat", [-1, nh * hd])], f"{p}.gate_flat")[0]
+        k, v = heads(k, kvh, hd, f"{p}.k_heads"), heads(v, kvh, hd, f"{p}.v_heads")
+        q = ops.norm(q, _zc(src.get(f"{a}.q_norm.weight")), f"{p}.q_norm")
+        k = ops.norm(k, _zc(src.get(f"{a}.k_norm.weight")), f"{p}.k_norm")
+        q, k = (partial_rope(t, f"{p}.{nm}_rope") for t, nm in ((q, "q"), (k, "k")))
+        layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", ia)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
+        pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0] for j, nm in ((0, "k"), (1, "v")))
+        keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
+        vals = b.op("Concat", [pv, v], f"{p}.values", axis=0)[0]
+        qh = b.op("Reshape", [b.op("Transpose", [q], f"{p}.q_t", perm=[1, 0, 2])[0],
+                              b.const(f"{p}.q_groups", [kvh, -1, hd])], f"{p}.q_groups")[0]  # [kv, g n, hd]
+        s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]
+        s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
+        s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
+        s = b.op("Where", [visible, s, neg], f"{p}.masked")[0]
+        probs = b.op("Reshape", [b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], s3], f"{p}.probs3")[0]
+        o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
+        o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
+                 f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
+        o = b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]
+        o = b.op("Mul", [o, b.op("Sigmoid", [gate], f"{p}.gate")[0]], f"{p}.gated")[0]
+        kv_i = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
+                    f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
+        return b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"]), b.op("Unsqueeze", [kv_i, ax1], f"{p}.kv_row")[0]
+
+    rope_split = b.const("rope.split", [rd, hd - rd]) if rd < hd else None
+
+    def partial_rope(x: str, name: str) -> str:  # [n, heads, hd]: rotate-half on the first rd channels only
+        if rope_split is None:
+            return ops.rotate(x, rot, name)
+        xr, xp = b.op("Split", [x, rope_split], f"{name}.parts", outputs=2, axis=-1)
+        return b.op("Concat", [ops.rotate(xr, rot, name), xp], f"{name}.joined", axis=-1)[0]
+
+    h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
+    taps, new_kv, conv_out, rec_out = {}, [], [], []
+    for i, kind in enumerate(c.layer_types):
+        p = f"layers.{i}"
+        if progress is not None:
+            progress(i, L)
+        u = ops.norm(h, _zc(src.get(f"{p}.input_layernorm.weight")), f"{p}.input_layernorm")
+        if kind == "full_attention":
+            y, kv_row = attention(u, p, len(new_kv))
+            new_kv.append(kv_row)
+        else:
+            y, cr, rr = gdn(u, p, len(conv_out))
+            conv_out.append(b.op("Unsqueeze", [cr, ax1], f"{p}.conv_rows.layer")[0])  # [W', 1, C, K-1]
+            rec_out.append(b.op("Unsqueeze", [rr, ax1], f"{p}.rec_rows.layer")[0])
+        h = b.op("Add", [h, y], f"{p}.mix_residual")[0]
+        u = ops.norm(h, _zc(src.get(f"{p}.post_attention_layernorm.weight")), f"{p}.post_attention_layernorm")
+        m = f"{p}.mlp"
+        gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
+                                  b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
+                        outputs=2, axis=-1)
+        h = b.op("Add", [h, b.linear(b.op("Mul", [silu(gate, f"{p}.silu"), up], f"{p}.act")[0], f"{p}.down_proj",
+                                     src, [f"{m}.down_proj"])], f"{p}.mlp_residual")[0]
+        if i in tap_ids:
+            taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
+    for outs, name in ((new_kv, N.NEW_KV), (conv_out, N.CONV_STATES), (rec_out, N.REC_STATES)):
+        b.op("Concat", outs, name, outputs=[name], axis=1)
+    y = ops.norm(h, _zc(src.get("norm.weight")), "norm")
+    head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
+    logits = b.head(y, head, "lm_head")  # [n, V] fp32
+    ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
+    b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
+    b.op("Slice", [logits, b.const("last_b", [-B]), end, ax0], N.LOGITS, outputs=[N.LOGITS])
+    tap_rows = [taps[t] for t in tap_ids]
+    t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]  # [n, n_taps H]
+    if fuse_context:  # drafter.context: hidden_norm(fc(taps))
+        t = ops.norm(b.linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
+                     eps=float(dc.rms_norm_eps))
+    b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
+
+    ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
+    row, conv_row, rec_row = [La, 2, kvh, hd], [Lg, C, K - 1], [Lg, Hv, dk, dv]
+    outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
+               helper.make_tensor_value_info(N.CONTEXT, F32, ["n", ctx_width]),
+               helper.make_tensor_value_info(N.NEW_KV, F32, ["n", *row]),
+               helper.make_tensor_value_info(N.LOGITS, F32, [f"Min(n, {B})", c.vocab_size]),
+               helper.make_tensor_value_info(N.CONV_STATES, F32, [f"Min(n, {B})", *conv_row]),
+               helper.make_tensor_value_info(N.REC_STATES, F32, [f"Min(n, {B})", *rec_row])]
+    ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
+    states = [helper.make_tensor_value_info(N.CONV_STATE, F32, [1, *conv_row]),
+              helper.make_tensor_value_info(N.REC_STATE, F32, [1, *rec_row])]
+    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, F32, ["past", *row]), *states]
+    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, F32, ["cap", *row]),
+             helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1]), *states]
+    return (b.model("dflash2_target_qwen3_5", past, outputs, prologue_at=prologue_at, prologue=_prefix()),
+            b.model("dflash2_target_qwen3_5_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed()))

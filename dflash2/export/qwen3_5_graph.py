@@ -1,0 +1,70 @@
+"""What the Qwen3.5 target graph computes (dflash2.export.qwen3_5), as a torch module around the reference
+(dflash2.reference.qwen3_5.Qwen35Target), and its GraphSpec: the validation feeds the export checks the graph on.
+
+(input_ids [n], past_kv [P, La, 2, kv, hd], conv_state [1, Lg, C, K-1], rec_state [1, Lg, Hv, dk, dv])
+  -> next_ids [n], context [n, C'], new_kv [n, La, 2, kv, hd], logits [min(n, B), V],
+     conv_states / rec_states: the GDN states after each of the last min(n, B) rows.
+The feeds cover a prefill longer than the window (the graph's no-state Scan branch), a verify of B rows after it
+(every row's state kept), and a 1-row decode from a state committed mid-verify (what rollback hands the next step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash2.export import signature as N
+from dflash2.reference.qwen3_5 import Qwen35Target, State, commit
+
+
+class HybridTargetGraph(nn.Module):
+    def __init__(self, target: Qwen35Target, drafter, fuse_context: bool = True):
+        super().__init__()
+        self.target, self.drafter, self.fuse = target, drafter, fuse_context
+        self.block_size = drafter.config.block_size
+
+    def forward(self, input_ids, past_kv, conv_state, rec_state, past_len=None):
+        if past_len is not None:  # the TensorRT flavour: the whole buffer, rows >= past_len stale
+            past_kv = past_kv[: int(past_len.reshape(-1)[0])]
+        logits, taps, step = self.target(input_ids.long(), State(past_kv, conv_state[0], rec_state[0]))
+        logits = logits.float()
+        context = self.drafter.context(taps) if self.fuse else taps
+        W = min(input_ids.shape[0], self.block_size)
+        return (logits.argmax(-1).to(torch.int32), context, step.kv, logits[-self.block_size:],
+                step.conv[-W:], step.rec[-W:])
+
+    def target_logits(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[n, V] fp32 logits of every row of a validation feed (the deviation measurement reads them)."""
+        state = State(feed[N.PAST_KV], feed[N.CONV_STATE][0], feed[N.REC_STATE][0])
+        return self.target(feed[N.INPUT_IDS].long(), state)[0].float()
+
+
+def target_spec(target: Qwen35Target, drafter, fuse_context: bool, gen):
+    """The hybrid target's GraphSpec (dflash2.export.graphs.GraphSpec), portable flavour."""
+    from dflash2.export.graphs import GraphSpec
+
+    module = HybridTargetGraph(target, drafter, fuse_context)
+    B, V = drafter.config.block_size, target.config.vocab_size
+
+    def feeds():
+        g = gen(0)
+        prompt = torch.randint(0, V, (B + 3,), generator=g, dtype=torch.int32)  # longer than the window
+        verify = torch.randint(0, V, (B,), generator=g, dtype=torch.int32)
+        empty = target.empty_state()
+        with torch.no_grad():
+            _, _, step = target(prompt.long(), empty)
+            s1 = commit(empty, step, len(prompt))
+            _, _, vstep = target(verify.long(), s1)
+            s2 = commit(s1, vstep, B // 2)  # a rollback: half the verify accepted
+        return [_feed(prompt, empty), _feed(verify, s1), _feed(verify[B // 2:B // 2 + 1], s2)]
+
+    example = tuple(_feed(torch.arange(5), target.empty_state()).values())
+    inputs = [N.INPUT_IDS, N.PAST_KV, N.CONV_STATE, N.REC_STATE]
+    outputs = [N.NEXT_IDS, N.CONTEXT, N.NEW_KV, N.LOGITS, N.CONV_STATES, N.REC_STATES]
+    return GraphSpec("target", module, inputs, outputs,
+                     {N.INPUT_IDS: {0: "n"}, N.PAST_KV: {0: "past"}, N.CONV_STATE: {}, N.REC_STATE: {}},
+                     example, feeds)
+
+
+def _feed(ids: torch.Tensor, s: State) -> dict[str, torch.Tensor]:
+    return {N.INPUT_IDS: ids.to(torch.int32), N.PAST_KV: s.kv, N.CONV_STATE: s.conv[None], N.REC_STATE: s.rec[None]}

@@ -1,0 +1,175 @@
+"""The Qwen3.5 hybrid target through the whole pipeline: its layer templates (dflash2.export.qwen3_5) against the
+reference, dflash2-export of a tiny pair, and speculative decoding through the exported graphs with the recurrent
+state rolled back by the runtime's state rows: greedy ids equal transformers' own Qwen3_5ForCausalLM greedy generate,
+for every accepted count 0..S (planned drafts) and for the pair's own drafter."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from transformers import Qwen3_5ForCausalLM
+
+from dflash2 import tiny
+from dflash2.checkpoint import Weights
+from dflash2.config import load_drafter_config
+from dflash2.errors import Dflash2Error
+from dflash2.export import qwen3_5 as Q
+from dflash2.export import weights as W
+from dflash2.export.api import export
+from dflash2.reference.qwen3_5 import State, commit, load_target
+from dflash2.runtime.api import Runtime
+from dflash2.runtime.session import SpecSession
+from dflash2.speculative import Drafted, generate
+
+PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7]  # longer than the block: the no-state prefill branch runs
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_5")
+    target = tiny.make_target(root / "target", family="qwen3_5", num_layers=4)
+    drafter = tiny.make_drafter(root / "drafter", target, version=2, block_size=BLOCK)
+    return drafter, target
+
+
+@pytest.fixture(scope="module")
+def exported(pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3_5-export") / "out"
+    manifest = export(*pair, out, max_seq_len=160, quiet=True)
+    return out, manifest
+
+
+def _feed(ids, s: State) -> dict:
+    return {"input_ids": np.asarray(ids, np.int32), "past_kv": s.kv.numpy(), "conv_state": s.conv[None].numpy(),
+            "rec_state": s.rec[None].numpy()}
+
+
+def test_templates_match_the_reference_and_keep_every_row_state(pair):
+    """The graph against Qwen35Target: a prefill past the window, then a verify of B rows whose per-row states,
+    committed at every a, make the next 1-row step bitwise the verify's row a (what a rollback hands on)."""
+    drafter, target = pair
+    dc = load_drafter_config(drafter)
+    ref = load_target(target, tuple(dc.target_layer_ids))
+    model, _ = Q.build(ref.config, dc, W.ModuleWeights(ref), Weights(drafter), fuse_context=False)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    run = lambda ids, s: dict(zip(names, sess.run(None, _feed(ids, s)))) # noqa: E731
+    s0 = ref.empty_state()
+    with torch.no_grad():
+        logits, taps, step = ref(torch.tensor(PROMPT), s0)
+    out = run(PROMPT, s0)
+    assert out["rec_states"].shape[0] == out["conv_states"].shape[0] == BLOCK  # the last B rows only
+    for name, want in (("logits", logits[-BLOCK:]), ("context", taps), ("new_kv", step.kv),
+                       ("conv_states", step.conv[-BLOCK:]), ("rec_states", step.rec[-BLOCK:])):
+        assert np.abs(out[name] - want.numpy()).max() < 1e-4, name
+    s1 = commit(s0, step, len(PROMPT))
+    verify = [3, 1, 4, 1, 5, 9, 2, 6]
+    v = run(verify, s1)
+    with torch.no_grad():
+        vl, _, vstep = ref(torch.tensor(verify), s1)
+    assert np.abs(v["logits"] - vl.numpy()).max() < 1e-4
+    assert np.abs(v["rec_states"] - vstep.rec.numpy()).max() < 1e-4
+    for a in range(1, BLOCK):  # the state the runtime commits: the graph's own row a-1
+        kv = torch.cat([s1.kv, torch.from_numpy(v["new_kv"][:a])])
+        s = State(kv, torch.from_numpy(v["conv_states"][a - 1]), torch.from_numpy(v["rec_states"][a - 1]))
+        d = run([verify[a]], s)
+        assert np.array_equal(d["logits"][0], v["logits"][a]), f"row {a}: decode != verify row"
+
+
+def test_export_validates_every_graph(exported):
+    out, m = exported
+    assert all(v.ok and not v.skipped for v in m.validation.values()), m.validation
+    sig = m.graphs["target"].signature
+    assert sig.state is not None and sig.state.window == BLOCK
+    assert m.graphs["target"].tensorrt_signature.state is not None  # the TensorRT flavour binds the same state
+
+
+def _hf_greedy(target, n: int) -> list[int]:
+    hf = Qwen3_5ForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+def test_greedy_equals_transformers_generate(pair, exported):
+    rt = Runtime(exported[0])
+    truth = _hf_greedy(pair[1], 48)
+    rt.manifest.eos_token_ids = []
+    assert rt.generate(PROMPT, 48, speculative=False).ids == truth
+    assert rt.generate(PROMPT, 48, draft_len=BLOCK - 1).ids == truth
+
+
+class PlannedDrafts(SpecSession):
+    """The real drafter runs (its context rows are consumed); its drafts are replaced by the known greedy continuation
+    with a planned number right, so every accepted count 0..S occurs and the recurrent state rolls back each time."""
+
+    def __init__(self, manifest, backend, truth, plan):
+        super().__init__(manifest, backend)
+        self.truth, self.plan, self.r = truth, plan, 0
+
+    def draft(self, anchor, uniforms=None, temperature=0.0):
+        d = super().draft(anchor)
+        S, start = self.block_size - 1, self.pos - len(PROMPT) + 1
+        good = self.plan[self.r % len(self.plan)]
+        self.r += 1
+        nxt = (self.truth[start: start + S] + [0] * S)[:S]
+        return Drafted([t if k < good else (t + 1) % self.vocab_size for k, t in enumerate(nxt)], d.confidence)
+
+
+def test_every_accepted_count_rolls_the_state_back(pair, exported):
+    rt = Runtime(exported[0])
+    truth = _hf_greedy(pair[1], 90)
+    s = PlannedDrafts(rt.manifest, rt.session.backend, truth, plan=list(range(BLOCK)) + [3, 0, 7, 1])
+    g = generate(s, PROMPT, 90)
+    assert g.ids == truth
+    assert set(g.stats.accepted) >= set(range(BLOCK))  # 0..S, each at least once
+
+
+def test_the_plan_refuses_what_the_hybrid_templates_do_not_do(pair, tmp_path):
+    drafter, target = pair
+    with pytest.raises(Dflash2Error, match="float32 only"):
+        export(drafter, target, tmp_path / "a", dtype="float16", quiet=True)
+    with pytest.raises(Dflash2Error, match="fused-op templates"):
+        export(drafter, target, tmp_path / "b", target_attention="gqa", quiet=True)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_int4_is_lossless_against_its_own_target(pair, tmp_path):
+    """int4 weights (quantized after validation): speculative ids equal the int4 target's own greedy ids, and the
+    export's row check (k-row verify vs 1-row decode, bitwise) passed on the quantized graph."""
+    from dflash2.export.plan import QuantFlags
+
+    m = export(*pair, tmp_path / "int4", max_seq_len=160, quiet=True, quantize=QuantFlags(method="int4"))
+    assert m.validation["target.rows"].ok and not m.validation["target.rows"].skipped
+    rt = Runtime(tmp_path / "int4")
+    rt.manifest.eos_token_ids = []
+    truth = rt.generate(PROMPT, 40, speculative=False).ids
+    s = PlannedDrafts(rt.manifest, rt.session.backend, truth, plan=[0, 7, 3, 1, 5])
+    assert generate(s, PROMPT, 40).ids == truth
+
+
+def test_past_the_budget_a_truncated_build_is_validated_against_the_streamed_reference(pair, tmp_path, monkeypatch):
+    from dflash2.export import stages
+
+    monkeypatch.setattr(stages, "WHOLE_GRAPH_BYTES", 0)
+    m = export(*pair, tmp_path / "t", max_seq_len=160, quiet=True)
+    for name in ("target.truncated", "target.truncated.trt"):
+        assert m.validation[name].ok and not m.validation[name].skipped, name
+    assert m.validation["target"].skipped  # said, not passed: the whole graph was not run
+
+
+def test_streamed_reference_equals_the_loaded_one(pair):
+    from dflash2.reference.streamed import StreamedQwen35Target
+
+    drafter, target = pair
+    taps = tuple(load_drafter_config(drafter).target_layer_ids)
+    whole = load_target(target, taps)
+    streamed = StreamedQwen35Target(whole.config, taps, Weights(target))
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        a, b = whole(ids, whole.empty_state()), streamed(ids, streamed.empty_state())
+    for x, y in zip((a[0], a[1], *a[2]), (b[0], b[1], *b[2])):
+        assert torch.equal(x, y)
