@@ -3,6 +3,8 @@
 make_target(): a folder of any registered target family (dflash2.families: Llama, Qwen3, Qwen3.5): config.json,
 safetensors, optionally sharded, a byte-level BPE tokenizer with a ChatML template. make_drafter(): a DFlash v1
 or DFlash2 drafter for it.
+A full disk (or quota) while a file is written is a DiskFullError naming that file (dflash2.train.disk), and the
+half-written file is removed: dflash2-make-tiny fills temporary folders and renames them only when complete.
 Weights are scaled so logits are well separated (random models with near-ties would make
 token-for-token comparisons depend on float summation order).
 """
@@ -17,6 +19,7 @@ from safetensors.torch import save_file
 
 from dflash2 import families
 from dflash2.checkpoint import INDEX, drafter_tensor_shapes
+from dflash2.train.disk import safetensors_bytes, write_text, writing
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -44,11 +47,22 @@ def make_tokenizer(folder: Path, vocab_size: int) -> int:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
+    write_text(folder / "tokenizer.json", tok.to_str(pretty=True), "the tokenizer")  # tok.save's bytes
+    write_text(folder / "tokenizer_config.json", json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": None,
-        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2))
+        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2), "the tokenizer's config")
     return tok.get_vocab_size()
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, what: str) -> None:
+    """One safetensors file; a full disk -> DiskFullError naming it, and no half file left under its name."""
+    meta = {"format": "pt"}
+    with writing(path, what, safetensors_bytes(tensors, meta)):
+        try:
+            save_file(tensors, str(path), metadata=meta)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
 
 
 def _init(shapes: dict[str, tuple[int, ...]], seed: int, embed_std: float = 1.0,
@@ -77,17 +91,18 @@ def _init(shapes: dict[str, tuple[int, ...]], seed: int, embed_std: float = 1.0,
 
 def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
     if shards <= 1:
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        _save(tensors, folder / "model.safetensors", "the weights")
         return
     names = sorted(tensors)
     weight_map = {}
     for i in range(shards):
         part = names[i::shards]
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: tensors[k] for k in part}, str(folder / fname), metadata={"format": "pt"})
+        _save({k: tensors[k] for k in part}, folder / fname, f"weight shard {i + 1} of {shards}")
         weight_map.update({k: fname for k in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    write_text(folder / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),
+                "the weights' index")
 
 
 def target_config(family: str, vocab: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -110,8 +125,9 @@ def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384
     eos = vocab and SPECIALS.index("<|im_end|>")
     config = target_config(family, vocab, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
                            tie_word_embeddings, eos, str(dtype).replace("torch.", ""), attention_bias)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
+    write_text(folder / "config.json", json.dumps(config, indent=2), "the config")
+    write_text(folder / "generation_config.json", json.dumps({"eos_token_id": eos, "do_sample": False}),
+                "the generation config")
     fam, c = families.load(folder)
     tensors = {k: v.to(dtype) for k, v in _init(fam.tensor_shapes(c), seed).items()}
     write_safetensors(folder, tensors, shards)
@@ -149,7 +165,7 @@ def make_drafter(folder: str | Path, target_dir: str | Path, version: int = 2, n
     config = drafter_config(t, version, num_layers, block_size, taps, SPECIALS.index("<|mask|>"), top_k, rank,
                             conv_group_size, conv_kernel_size, output_multiplier, softcap, 2 * t.hidden_size,
                             **(extra or {}))
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_text(folder / "config.json", json.dumps(config, indent=2), "the config")
     from dflash2.config import load_drafter_config
 
     shapes = drafter_tensor_shapes(load_drafter_config(folder), t.hidden_size)

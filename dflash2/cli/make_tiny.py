@@ -1,4 +1,7 @@
-"""dflash2-make-tiny: write a deterministic tiny target + drafter pair (tests, demos)."""
+"""dflash2-make-tiny: write a deterministic tiny target + drafter pair (tests, demos).
+
+Both folders are filled in temporary siblings and renamed at the end; a failure (a full disk: one line naming the
+file, dflash2.train.disk) or Ctrl-C leaves --out as it was: no half pair, and no --out folder this run created."""
 
 from __future__ import annotations
 
@@ -13,12 +16,14 @@ from dflash2.interrupts import PLACED
 
 
 MAX_SEED = 2**63 - 2
+AFTER = "nothing was written (the pair is put in place only when complete)"
 
 
-@cli_main("dflash2-make-tiny", "nothing was written (the pair is put in place only when complete)")
+@cli_main("dflash2-make-tiny", AFTER)
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-make-tiny", "export", 'torch', 'safetensors')
     from dflash2 import families, tiny
+    from dflash2.train.disk import FULL, DiskFullError, full_code
 
     p = argparse.ArgumentParser(prog="dflash2-make-tiny", description=__doc__)
     p.add_argument("--out", required=True, type=Path, help="folder; writes OUT/target and OUT/drafter")
@@ -44,23 +49,63 @@ def main(argv: list[str] | None = None) -> int:
             if sub.exists() or sub.is_symlink():
                 raise OutputError(f"{sub}: exists; dflash2-make-tiny writes only new folders (choose another --out)")
             check_output(sub, force=False)
-        # both filled in temporary siblings and renamed at the end: a failure or Ctrl-C leaves no half pair
-        with temp_folder(target) as tt, temp_folder(drafter) as td:
-            tiny.make_target(tt, family=a.family, seed=a.seed)
-            tiny.make_drafter(td, tt, version=int(a.drafter[1]), num_layers=a.layers, block_size=a.block_size,
-                              seed=a.seed + 1)
-            with signals_held():  # both or neither: a Ctrl-C between the renames counts after the second
-                replace_folder(tt, target, what="the tiny target")
+        made = _first_missing(a.out)  # --out (or a parent) this run creates: removed again if the run fails
+        try:  # both filled in temporary siblings and renamed at the end: a failure or Ctrl-C leaves no half pair
+            with temp_folder(target) as tt, temp_folder(drafter) as td:
                 try:
-                    replace_folder(td, drafter, what="the tiny drafter")
-                except BaseException:
-                    shutil.rmtree(target, ignore_errors=True)  # ours, renamed a moment ago: no half pair
-                    PLACED.remove(target)
+                    tiny.make_target(tt, family=a.family, seed=a.seed)
+                    tiny.make_drafter(td, tt, version=int(a.drafter[1]), num_layers=a.layers,
+                                      block_size=a.block_size, seed=a.seed + 1)
+                except DiskFullError as e:  # named by the file it would have been, not the temporary one
+                    for tmp, final in ((tt, target), (td, drafter)):
+                        if e.path.parent == tmp:
+                            e.path, e.what = final / e.path.name, f"{e.what} of the tiny {final.name}"
                     raise
+                with signals_held():  # both or neither: a Ctrl-C between the renames counts after the second
+                    replace_folder(tt, target, what="the tiny target")
+                    try:
+                        replace_folder(td, drafter, what="the tiny drafter")
+                    except BaseException:
+                        shutil.rmtree(target, ignore_errors=True)  # ours, renamed a moment ago: no half pair
+                        PLACED.remove(target)
+                        raise
+        except BaseException:
+            _remove_made(a.out, made)
+            raise
+    except DiskFullError as e:  # one line: the file, the disk, the bytes; the temporary folders are gone
+        e.after = f"{AFTER}: free some space and run it again"
+        raise
     except OSError as e:  # a full or read-only disk: one line; the temporary folders are gone
         raise CliError(f"{a.out}: could not write the pair ({e.strerror}); nothing was written", status=1) from None
+    except Exception as e:  # a full disk met elsewhere: a library's report (the OS code in its text), or the rename
+        cause = e.__context__ if isinstance(e, OutputError) else e  # into place (folders words it, keeps the OSError)
+        if cause is None or full_code(cause) is None:
+            raise
+        raise CliError(f"{a.out}: {FULL[full_code(cause)]} while writing the pair (putting it in place); {AFTER}: "
+                       "free some space and run it again", status=1) from None
     print(f"target:  {target}\ndrafter: {drafter}")
     return 0
+
+
+def _first_missing(out: Path) -> Path | None:
+    """The outermost of `out` and its parents that does not exist yet (None: `out` exists)."""
+    made = None
+    while not (out.exists() or out.is_symlink()) and out != out.parent:
+        made, out = out, out.parent
+    return made
+
+
+def _remove_made(out: Path, made: Path | None) -> None:
+    """The folders from `out` up to `made` that this run created, while they are empty (never anyone's files)."""
+    if made is None:
+        return
+    for p in (out, *out.parents):
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == made:
+            return
 
 
 if __name__ == "__main__":

@@ -40,8 +40,14 @@ def run_training(a: TrainOptions) -> dict | None:
 
     check_train_folders(a.target, a.out, a.corpus or [a.out.parent / "corpus"])  # refusals before the lock file
 
+    from dflash2.train.disk import DiskFullError
+
     with output_lock(a.out) if _rank() == 0 else nullcontext():
-        return _run_training(a)
+        try:
+            return _run_training(a)
+        except DiskFullError as e:  # the writers that know what is left said so; otherwise nothing half-written
+            e.after = e.after or "free some space and rerun the same command"
+            raise
 
 
 def _run_training(a: TrainOptions) -> dict | None:
@@ -149,9 +155,19 @@ def _run_training(a: TrainOptions) -> dict | None:
     if _rank() != 0:
         return None  # under torchrun rank 0 alone writes and reports
     if a.draft_vocab and fixed is None:
-        ids = draft_vocab.from_sequences(answers(), a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
-        print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, source, a.draft_vocab)} ({len(ids)} ids)")
+        _write_draft_vocab(a, draft_vocab.from_sequences(answers(), a.draft_vocab, tc.vocab_size, tc.eos_token_ids),
+                           tc, source, r["step"])
     return r
+
+
+def _write_draft_vocab(a: TrainOptions, ids: list[int], tc, source: str, step: int) -> None:
+    """draft_vocab.json beside the trained drafter (written atomically); a full disk says the drafter is saved."""
+    from dflash2 import draft_vocab
+    from dflash2.train.disk import writing
+
+    with writing(draft_vocab.path_in(a.out), "the draft vocabulary", after=f"the drafter of step {step} is saved "
+                 f"whole ({a.out}): free some space and rerun the same command to write it"):
+        print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, source, a.draft_vocab)} ({len(ids)} ids)")
 
 
 def _fingerprint(folder: Path) -> str:
@@ -264,6 +280,6 @@ def _train_live(a: TrainOptions, corpus: Path, cfg, tc, taps) -> dict | None:
     if _rank() != 0:
         return None
     if a.draft_vocab and fixed is None:
-        ids = draft_vocab.from_sequences(stream.answers(), a.draft_vocab, tc.vocab_size, tc.eos_token_ids)
-        print(f"wrote {draft_vocab.write(a.out, ids, tc.vocab_size, source, a.draft_vocab)} ({len(ids)} ids)")
+        _write_draft_vocab(a, draft_vocab.from_sequences(stream.answers(), a.draft_vocab, tc.vocab_size,
+                                                         tc.eos_token_ids), tc, source, r["step"])
     return r

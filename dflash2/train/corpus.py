@@ -7,7 +7,8 @@ whole: each shard is one safetensors file of flat tensors
 
 and a record's taps are read by `safe_open(...).get_slice` (an mmap) only when the trainer touches
 them. `corpus.json` is written first (taps, prompts, settings) and marked complete last, so a
-generation killed at any point resumes at the first missing shard and a partial corpus is refused.
+generation killed at any point resumes at the first missing shard and a partial corpus is refused. A full disk
+is a DiskFullError naming the shard (dflash2.train.disk): the shards before it stay, the same command resumes.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dflash2.errors import Dflash2Error
+from dflash2.train.disk import safetensors_bytes, writing
 
 META = "corpus.json"
 FORMAT = 2  # 1: one key per record (loaded whole); 2: flat memory-mapped shards
 SHARD_GLOB = "shard-*.safetensors"
+AFTER_FULL = "the corpus's files written so far are whole: free some space and rerun the same command to continue"
 
 
 def shard_path(folder: Path, index: int) -> Path:
@@ -42,9 +45,13 @@ def save_shard(path: Path, records: list[dict]) -> None:
         "taps_offsets": torch.tensor([0] + [len(t) for t in taps]).cumsum(0).to(torch.int64),
         "prompt_len": torch.tensor([r["prompt_len"] for r in records], dtype=torch.int32),
     }
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": str(FORMAT)})
-    os.replace(tmp, path)
+    tmp, metadata = path.with_name(path.name + f".tmp-{os.getpid()}"), {"format": str(FORMAT)}
+    with writing(path, "a corpus shard", safetensors_bytes(tensors, metadata), AFTER_FULL):
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+            os.replace(tmp, path)
+        finally:  # a full disk or a kill mid-write: no half shard beside the whole ones
+            tmp.unlink(missing_ok=True)
 
 
 class Record(Mapping):
@@ -246,9 +253,13 @@ def read_meta(folder: Path, need_complete: bool = False) -> dict | None:
 
 
 def write_meta(folder: Path, meta: dict) -> None:
-    tmp = folder / (META + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta | {"format": FORMAT}, indent=1))
-    os.replace(tmp, folder / META)
+    tmp, data = folder / (META + f".tmp-{os.getpid()}"), json.dumps(meta | {"format": FORMAT}, indent=1).encode()
+    with writing(folder / META, f"the corpus's {META}", len(data), AFTER_FULL):
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, folder / META)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def start_or_resume(folder: Path, meta: dict,

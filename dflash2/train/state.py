@@ -3,7 +3,8 @@
 It holds the fp32 master weights, AdamW's moments, the step, the config, the evaluation history and
 both random generators (Python's for sequences / anchors, torch's for the negative shortlist), so a
 run killed at any point resumes from its last save and continues exactly as if never stopped.
-One file replaced by `os.replace` means a kill mid-write leaves the previous state intact.
+One file replaced by `os.replace` means a kill mid-write, or a full disk (a DiskFullError naming the file and
+the bytes it needed, dflash2.train.disk), leaves the previous state intact and no half file beside it.
 
 That file (~6x the fp16 drafter: fp32 weights and two moments) stays on the machine. What travels in the
 repository is the compact state beside the drafter: its fp16 `model.safetensors` and `progress.json` (the
@@ -22,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash2.errors import Dflash2Error
+from dflash2.train.disk import safetensors_bytes, writing
 
 STATE = "train_state"  # resumable state lives in a subfolder: the checkpoint folder holds only the model
 FILE = "resume.safetensors"
@@ -49,14 +51,15 @@ def save(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step:
     tensors["rng/torch"] = torch.get_rng_state()
     meta = {"step": step, "config": config, "log": history,
             "py_rng": [py_rng_state[0], list(py_rng_state[1]), py_rng_state[2]], "extra": extra or {}}
-    out = path(folder)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out, metadata = path(folder), {"resume": json.dumps(meta)}
     tmp = out.with_name(f"{FILE}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata={"resume": json.dumps(meta)})
-        os.replace(tmp, out)
-    finally:  # a full disk or a kill mid-write: the previous state stays, no half file beside it
-        tmp.unlink(missing_ok=True)
+    with writing(out, f"the training state of step {step}", safetensors_bytes(tensors, metadata)):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+            os.replace(tmp, out)
+        finally:  # a full disk or a kill mid-write: the previous state stays, no half file beside it
+            tmp.unlink(missing_ok=True)
 
 
 # the settings that make a drafter what it is: a state saved under others is another drafter
@@ -168,11 +171,13 @@ def save_progress(folder: Path, step: int, config: dict, history: list, extra: d
             "weights": {"file": weights.name, "sha256": h}}
     out = Path(folder) / PROGRESS
     tmp = out.with_name(f"{PROGRESS}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(body, indent=1) + "\n")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    data = (json.dumps(body, indent=1) + "\n").encode()
+    with writing(out, f"the training progress of step {step}", len(data)):
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def progress_step(folder: Path) -> int | None:

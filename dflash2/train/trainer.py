@@ -6,7 +6,9 @@ give blocks [tok_a, MASK x S] that see the context rows < a and predict tok_{a+1
 loss = depth-decayed cross-entropy (weight exp(-k/gamma)) + a K-way cross-entropy for the
 selector with the TRUE previous token as predecessor, counted where the true token is in the top-K.
 The losses and the offline acceptance are dflash2/train/objective.py; this module runs the loop, saves and
-resumes. Checkpoints are safetensors (weights and optimizer moments), never pickle.
+resumes. Checkpoints are safetensors (weights and optimizer moments), never pickle, each written to a temporary
+name and renamed: a full disk (a DiskFullError naming the file, dflash2.train.disk) leaves the last whole save, and
+the error says which step that is.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dflash2.config import load_drafter_config, load_target_config
 from dflash2.errors import Dflash2Error
 from dflash2.folders import write_atomic
 from dflash2.train import distributed, state
+from dflash2.train.disk import DiskFullError, safetensors_bytes, write_text, writing
 from dflash2.train.state import STATE  # noqa: F401 (the checkpoint folder's state subfolder)
 from dflash2.train.objective import Teacher, after_misses, block_forward, losses, offline_acceptance
 from dflash2.train.pool import RecordPool
@@ -90,9 +93,11 @@ def init_drafter(target, cfg_dict: dict, init_from: str = "last") -> Drafter:
 
     if init_from not in ("first", "last"):
         raise Dflash2Error(f"init_from: expected 'first' or 'last', found {init_from!r}")
-    with tempfile.TemporaryDirectory(prefix="dflash2-drafter-") as folder:
-        write_atomic(Path(folder) / "config.json", json.dumps(cfg_dict, indent=2))
-        dc = load_drafter_config(folder)
+    with writing(tempfile.gettempdir(), "a scratch copy of the drafter's config (checked before --out is written)",
+                 after="nothing was written into --out: free some space there and run the same command again"):
+        with tempfile.TemporaryDirectory(prefix="dflash2-drafter-") as folder:
+            write_atomic(Path(folder) / "config.json", json.dumps(cfg_dict, indent=2))
+            dc = load_drafter_config(folder)
     d = Drafter(dc, target.embed_tokens.weight.detach(), target.head_weight.detach(), target.config.hidden_size)
     src = target.layers[:dc.num_layers] if init_from == "first" else target.layers[-dc.num_layers:]
     for mine, theirs in zip(d.layers, src):
@@ -112,32 +117,43 @@ def init_drafter(target, cfg_dict: dict, init_from: str = "last") -> Drafter:
     return d
 
 
-def _set_multiplier(d: Drafter, folder: Path, value: float) -> None:
-    """Write the learned unary scale into the drafter's config (object and config.json)."""
+def _set_multiplier(d: Drafter, folder: Path | None, value: float) -> None:
+    """Write the learned unary scale into the drafter's config (object and, unless `folder` is None, config.json)."""
     import dataclasses
 
     d.config = dataclasses.replace(d.config, output_multiplier=value)
+    if folder is None:
+        return
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     cfg["dflash_config"]["output_multiplier"] = value
-    write_atomic(path, json.dumps(cfg, indent=2))  # a full disk keeps the previous file whole
+    write_text(path, json.dumps(cfg, indent=2), "the drafter's config (its learned output multiplier)")
+
+
+@contextlib.contextmanager
+def _saved_at(out: Path, saved: list):
+    """A DiskFullError in the block says what is left: the last whole save (`saved[0]`, the step a rerun resumes
+    from) or nothing trained yet."""
+    try:
+        yield
+    except DiskFullError as e:
+        e.after = e.after or ("no training state was saved yet: free some space and run the same command again"
+                              if saved[0] is None else f"the training state saved at step {saved[0]} is whole ({out}): "
+                              f"free some space and rerun the same command to resume from step {saved[0]}")
+        raise
 
 
 def save_drafter(d: Drafter, folder: Path, dtype=torch.float16, max_shard_mb: float | None = None) -> None:
     """fp16 safetensors; with `max_shard_mb`, sharded (model-0000N-of-0000M.safetensors + the standard
-    index) so no file exceeds that size (files travelling back from a GPU machine are capped)."""
+    index) so no file exceeds that size (files travelling back from a GPU machine are capped).
+    Every file is written under a temporary name first and renamed once all are whole: a kill or a full disk
+    (DiskFullError) mid-save keeps the last save's files, and no half file stands under a final name."""
     state_ = {k: v.detach().to(dtype).cpu().contiguous() for k, v in d.state_dict().items()
               if not k.startswith("train_")}
     limit = None if max_shard_mb is None else int(max_shard_mb * 2**20)
     total = sum(v.numel() * v.element_size() for v in state_.values())
-    if limit is None or total <= limit:  # replaced atomically: a kill mid-write keeps the last save
-        tmp = folder / f"model.safetensors.tmp-{os.getpid()}"
-        try:
-            save_file(state_, str(tmp), metadata={"format": "pt"})
-            os.chmod(tmp, 0o644)  # safetensors writes 0600: a drafter is meant to be shared
-            os.replace(tmp, folder / "model.safetensors")
-        finally:
-            tmp.unlink(missing_ok=True)
+    if limit is None or total <= limit:
+        _save_weights(folder, {"model.safetensors": state_}, "the drafter's fp16 weights")
         return
     shards, cur, size = [], {}, 0
     for k, v in state_.items():
@@ -149,13 +165,32 @@ def save_drafter(d: Drafter, folder: Path, dtype=torch.float16, max_shard_mb: fl
             cur, size = {}, 0
         cur[k], size = v, size + n
     shards.append(cur)
-    weight_map = {}
-    for i, sh in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(sh, str(folder / name), metadata={"format": "pt"})
-        weight_map |= {k: name for k in sh}
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_atomic(folder / "model.safetensors.index.json", json.dumps(index, indent=1))
+    files = {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": sh for i, sh in enumerate(shards)}
+    _save_weights(folder, files, "the drafter's fp16 weights")
+    index = {"metadata": {"total_size": total}, "weight_map": {k: name for name, sh in files.items() for k in sh}}
+    write_text(folder / "model.safetensors.index.json", json.dumps(index, indent=1), "the drafter's weight index")
+
+
+def _save_weights(folder: Path, files: dict[str, dict[str, torch.Tensor]], what: str) -> None:
+    """Each file written to a temporary name, then all renamed: the previous files stay until every new one is
+    whole."""
+    tmps = {name: folder / f"{name}.tmp-{os.getpid()}" for name in files}
+    try:
+        for n, (name, tensors) in enumerate(files.items()):
+            meta = {"format": "pt"}
+            part = f" (file {n + 1} of {len(files)})" if len(files) > 1 else ""
+            with writing(folder / name, what + part, safetensors_bytes(tensors, meta)):
+                try:
+                    save_file(tensors, str(tmps[name]), metadata=meta)
+                except BaseException:
+                    tmps[name].unlink(missing_ok=True)  # the free space is measured with the half file gone
+                    raise
+            os.chmod(tmps[name], 0o644)  # safetensors writes 0600: a drafter is meant to be shared
+        for name, tmp in tmps.items():
+            os.replace(tmp, folder / name)
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
 
 
 class _StepLoss(torch.nn.Module):
@@ -249,14 +284,17 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
         torch.manual_seed(c.seed + step)
         log(f"resumed at step {step} from the compact state ({out / state.PROGRESS} + {compact['weights']['file']}, "
             f"fp16; AdamW's moments rebuilt during a {c.warmup}-step warm-up)")
+    saved = [step if full is not None or compact is not None else None]  # the last whole save a rerun resumes from
     if world.main:  # every check passed: the run's folder is written from here on
-        out.mkdir(parents=True, exist_ok=True)
-        for name, text in (out_files or {}).items():
-            write_atomic(out / name, text)
-        write_atomic(out / "config.json", json.dumps(cfg_dict, indent=2))
-        if step or init_weights:  # with the learned unary scale: otherwise the folder pairs the last saved weights
-            # with no scale until the next save (a commit made mid-run, or a run killed before its next save)
-            _set_multiplier(d, out, float(log_mult.detach().exp()))
+        with _saved_at(out, saved):
+            with writing(out, "the drafter folder"):
+                out.mkdir(parents=True, exist_ok=True)
+            for name, text in (out_files or {}).items():
+                write_text(out / name, text, f"{name} (fixed when the run starts)")
+            write_text(out / "config.json", json.dumps(cfg_dict, indent=2), "the drafter's config")
+            if step or init_weights:  # with the learned unary scale: otherwise the folder pairs the last saved
+                # weights with no scale until the next save (a commit made mid-run, or a run killed before its next)
+                _set_multiplier(d, out, float(log_mult.detach().exp()))
     distributed.barrier(world)
     if teacher is not None:
         for layer in teacher.layers:
@@ -273,8 +311,8 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
     budget_hit = False
 
     def evaluate() -> None:
-        d.eval()
-        _set_multiplier(d, out, float(log_mult.detach().exp()))
+        d.eval()  # config.json changes with the saves only: it pairs with the weights beside it
+        _set_multiplier(d, None, float(log_mult.detach().exp()))
         with torch.device(dev):
             acc = offline_acceptance(d, [_on(r, dev) for r in eval_records[: c.eval_seqs]])
         history.append({"step": step, **acc, "seen": dict(seen)})
@@ -336,19 +374,23 @@ def train(target_dir: str | Path, out_dir: str | Path, records, c: TrainConfig,
             evaluate()
         if world.main and (step % c.save_every == 0 or step == c.steps or budget_hit):
             extra = {"stream": pool.state(), "seen": dict(seen)}
-            state.save(out, d, opt, step, asdict(c), history, rng.getstate(), extra)
-            if max_shard_mb is None:  # a sharded drafter travels back whole (gpu_train.sh); no compact state
-                _save_compact(d, out, step, c, history, extra, float(log_mult.detach().exp()))
+            with _saved_at(out, saved):
+                state.save(out, d, opt, step, asdict(c), history, rng.getstate(), extra)
+                saved[0] = step
+                if max_shard_mb is None:  # a sharded drafter travels back whole (gpu_train.sh); no compact state
+                    _save_compact(d, out, step, c, history, extra, float(log_mult.detach().exp()))
         distributed.barrier(world)
     if world.main:
         d.eval()
-        if max_shard_mb is None:  # progress.json always names the weights beside it (also when no step ran)
-            _save_compact(d, out, step, c, history, {"stream": pool.state(), "seen": dict(seen)},
-                          float(log_mult.detach().exp()))
-        else:
-            _set_multiplier(d, out, float(log_mult.detach().exp()))
-            save_drafter(d, out, max_shard_mb=max_shard_mb)
-            write_atomic(out / "training.json", json.dumps({"config": asdict(c), "history": history}, indent=1))
+        with _saved_at(out, saved):
+            if max_shard_mb is None:  # progress.json always names the weights beside it (also when no step ran)
+                _save_compact(d, out, step, c, history, {"stream": pool.state(), "seen": dict(seen)},
+                              float(log_mult.detach().exp()))
+            else:
+                _set_multiplier(d, out, float(log_mult.detach().exp()))
+                save_drafter(d, out, max_shard_mb=max_shard_mb)
+                write_text(out / "training.json", json.dumps({"config": asdict(c), "history": history}, indent=1),
+                       "the training history")
         if budget_hit and step < c.steps:
             log(f"stopped at step {step}/{c.steps}: the {minutes:g}-minute budget is spent; the same command "
                 "continues from here (on another machine: from the committed progress.json + model.safetensors)")
@@ -375,7 +417,8 @@ def _save_compact(d: Drafter, out: Path, step: int, c: TrainConfig, history: lis
     and, last, progress.json naming the weights' sha256 (a kill between the writes is detected on resume)."""
     _set_multiplier(d, out, mult)
     save_drafter(d, out, max_shard_mb=None)  # one file: progress.json names it
-    write_atomic(out / "training.json", json.dumps({"config": asdict(c), "history": history}, indent=1))
+    write_text(out / "training.json", json.dumps({"config": asdict(c), "history": history}, indent=1),
+           "the training history")
     state.save_progress(out, step, asdict(c), history, extra | {"output_multiplier": mult},
                         out / "model.safetensors")
 
