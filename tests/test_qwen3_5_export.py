@@ -129,21 +129,30 @@ def test_every_accepted_count_rolls_the_state_back(pair, exported):
 
 
 def test_the_plan_refuses_what_the_hybrid_templates_do_not_do(pair, tmp_path):
+    from dflash2.export.plan import QuantFlags
+
     drafter, target = pair
     with pytest.raises(Dflash2Error, match="float32 only"):
         export(drafter, target, tmp_path / "a", dtype="float16", quiet=True)
-    with pytest.raises(Dflash2Error, match="fused-op templates"):
-        export(drafter, target, tmp_path / "b", target_attention="gqa", quiet=True)
+    with pytest.raises(Dflash2Error, match="not yet for"):
+        export(drafter, target, tmp_path / "b", quiet=True, quantize=QuantFlags(method="fp8"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_int4_is_lossless_against_its_own_target(pair, tmp_path):
-    """int4 weights (quantized after validation): speculative ids equal the int4 target's own greedy ids, and the
+    """int4 weights written as the graph is built (the embedding too): speculative ids equal the int4 target's own greedy ids, and the
     export's row check (k-row verify vs 1-row decode, bitwise) passed on the quantized graph."""
     from dflash2.export.plan import QuantFlags
 
+    import onnx
+
     m = export(*pair, tmp_path / "int4", max_seq_len=160, quiet=True, quantize=QuantFlags(method="int4"))
     assert m.validation["target.rows"].ok and not m.validation["target.rows"].skipped
+    assert m.kv.target_attention == "gqa" and m.validation["target.truncated"].ok  # written quantized, fp32 checked
+    g = onnx.load(str(tmp_path / "int4" / "target.onnx"), load_external_data=False).graph
+    weights = {t.name for t in g.initializer}
+    assert {"MatMulNBits", "GatherBlockQuantized", "Scan"} <= {n.op_type for n in g.node}
+    assert not [n.name for n in g.node if n.op_type in ("MatMul", "Gemm") and weights & set(n.input)]  # all int4
     rt = Runtime(tmp_path / "int4")
     rt.manifest.eos_token_ids = []
     truth = rt.generate(PROMPT, 40, speculative=False).ids

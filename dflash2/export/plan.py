@@ -210,8 +210,8 @@ def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dty
 def resolve_attention(asked: str, quantize, tc, dc, max_seq_len: int) -> str:
     """auto -> gqa for the ONNX Runtime quantizations when the target fits the kernel, else plain."""
     fam = families.by_name(tc.family)
-    why = gqa.unsupported(tc, dc, max_seq_len) if "fused" in fam.templates else \
-        f"expected a target family with fused-op templates, found {tc.arch} ({fam.name}, {fam.description})"
+    why = (gqa.unsupported(tc, dc, max_seq_len) if fam.name in DENSE_FAMILIES else None) if "fused" in fam.templates \
+        else f"expected a target family with fused-op templates, found {tc.arch} ({fam.name}, {fam.description})"
     if asked == "gqa" and why:
         raise OutputError(f"--target-attention gqa: {why}")
     if asked == "auto":

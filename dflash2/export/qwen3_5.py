@@ -72,10 +72,45 @@ def _delta_body(Hv: int, dk: int, dv: int, keep_state: bool) -> onnx.GraphProto:
     return helper.make_graph(nodes, "delta_row_state" if keep_state else "delta_row", ins, outs, consts)
 
 
+def _embed(b: Builder, src, quant, matrix) -> str:
+    """The embedding lookup [n, H]: an fp32 Gather, or with int4 weights GatherBlockQuantized over the embedding's
+    int4 blocks along H (ONNX Runtime's block quantizer, zero point 8: MatMulNBits' layout, row by row)."""
+    name = "embed_tokens.weight"
+    if quant is None or b.nbits.bits != 4 or not b.nbits.symmetric or src.shape(name)[1] % b.nbits.block_size:
+        return b.op("Gather", [matrix(name), N.INPUT_IDS], "embed", axis=0)[0]
+    q, (V, H) = b.nbits, src.shape(name)
+    scales = []
+
+    def packed():
+        for rows in src.row_chunks(name):  # [r, H]: as MatMulNBits' column block [H, r] of the transpose
+            pk, sc, _ = q.quantize(rows.T)  # [r, H/32, 16], [r * H/32]
+            scales.append(np.asarray(sc, np.float32).reshape(len(rows), -1))
+            yield pk.reshape(len(rows), -1)
+
+    b.inits.append(b.data.add_chunks(b._name("embed.weight_Q4"), packed(), np.uint8, (V, H // 2)))
+    sc = b.weight("embed.weight_scales", np.concatenate(scales))
+    return b.op("GatherBlockQuantized", ["embed.weight_Q4", N.INPUT_IDS, sc], "embed", domain="com.microsoft",
+                gather_axis=0, quantize_axis=1, block_size=q.block_size, bits=4)[0]
+
+
+def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=None, progress=None, quant=None,
+                native=None) -> onnx.ModelProto:
+    """The ONNX Runtime graph (`--target-attention gqa`, the default with --quantize int4 / int8): the same layers,
+    every weight MatMul written as MatMulNBits as it is read (quant: an OrtQuant; memory bounded by one tensor), the
+    LM head too unless --quant-keep-head, and with int4 the embedding as GatherBlockQuantized (the same int4 blocks
+    along H: a 248,320-row vocabulary is 1 GB fp32 at hidden 1024, 5 GB at 5120). Portable flavour only (contrib
+    ops); the state rows as in build(). max_seq_len and native (GGUF blocks) are the dense fused builder's
+    arguments: unused here."""
+    if quant is not None and (data is None or quant.dynamic):
+        raise ValueError("qwen3_5 fused: a quantized build writes through a DataFile, int4 / int8 (not dynamic)")
+    return build(c, dc, src, dsrc, fuse_context, "float32", data, progress, quant)[0]
+
+
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
-          progress=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+          progress=None, quant=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(portable, TensorRT flavour) of the Qwen3.5 target (module docstring). c: Qwen35Config; dc: the drafter's;
-    src / dsrc: their weights (dflash2.export.weights); data: a DataFile both graphs point into; progress(i, L)."""
+    src / dsrc: their weights (dflash2.export.weights); data: a DataFile both graphs point into; progress(i, L);
+    quant: build_fused's (then the TensorRT flavour, which would hold contrib ops, is not for use)."""
     if dtype not in DTYPES:
         raise ValueError(f"qwen3_5 templates: expected a dtype in {DTYPES}, found {dtype!r}")
     nh, kvh, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
@@ -85,7 +120,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     C, kd, vd, rep = c.conv_dim, Hk * dk, Hv * dv, Hv // Hk
     g, B, eps = nh // kvh, dc.block_size, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
-    b = Builder(data, dtype=np.float32)
+    b = Builder(data, quant, dtype=np.float32)
     ops = StandardOps(b, RopeConfig(c.rope_theta), rd, eps)  # the rotary over the first rd channels (text M-RoPE)
     ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])
 
@@ -238,7 +273,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         xr, xp = b.op("Split", [x, rope_split], f"{name}.parts", outputs=2, axis=-1)
         return b.op("Concat", [ops.rotate(xr, rot, name), xp], f"{name}.joined", axis=-1)[0]
 
-    h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
+    h = _embed(b, src, quant, matrix)  # [n, H]
     taps, new_kv, conv_out, rec_out = {}, [], [], []
     for i, kind in enumerate(c.layer_types):
         p = f"layers.{i}"
@@ -265,8 +300,13 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     for outs, name in ((new_kv, N.NEW_KV), (conv_out, N.CONV_STATES), (rec_out, N.REC_STATES)):
         b.op("Concat", outs, name, outputs=[name], axis=1)
     y = ops.norm(h, _zc(src.get("norm.weight")), "norm")
-    head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
-    logits = b.head(y, head, "lm_head")  # [n, V] fp32
+    head_name = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    if quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
+        logits = b.matmul_nbits(y, "lm_head", (H, c.vocab_size), (r.T for r in src.row_chunks(head_name)))
+    else:
+        head = "embed_tokens.weight" if c.tie_word_embeddings and "embed_tokens.weight" in b.names else \
+            matrix(head_name)
+        logits = b.head(y, head, "lm_head")  # [n, V] fp32
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
     b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
     b.op("Slice", [logits, b.const("last_b", [-B]), end, ax0], N.LOGITS, outputs=[N.LOGITS])

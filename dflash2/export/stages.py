@@ -27,7 +27,8 @@ from dflash2.export.validate import validate_graph
 from dflash2.folders import OutputError
 from dflash2.progress import Progress
 from dflash2.quant_manifest import QUANT_OPS
-from dflash2.reference.streamed import StreamedTarget, streamed_target, truncated
+from dflash2.reference.load import DENSE
+from dflash2.reference.streamed import streamed_target, truncated
 
 
 WHOLE_GRAPH_BYTES = 2 << 30  # a target checked whole when its weights fit (ONNX Runtime maps them all, beside
@@ -207,8 +208,10 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
     tw, dw = Weights(sources[1]), Weights(sources[0])
     checked = {}
     short_tc, short_dc = truncated(tc, dc, truncated_depth(tc))
-    short = StreamedTarget(short_tc, short_dc.target_layer_ids, tw, like=target)
-    short_spec = gqa.gqa_spec(graph_specs(short, drafter, fuse_context)[0])
+    short = streamed_target(short_tc, short_dc.target_layer_ids, tw, like=target)
+    # the dense fused graph binds per-layer gqa-shared buffers; a hybrid's fused graph keeps the prefix binding
+    fused_spec = gqa.gqa_spec if tc.family in DENSE else (lambda s: s)
+    short_spec = fused_spec(graph_specs(short, drafter, fuse_context)[0])
     name = "target.truncated"
     with progress.step(f"{name}.onnx: the templates end to end ({short_tc.num_layers} layers, the real embedding "
                        f"and head), ONNX Runtime's fused ops") as step:
@@ -221,9 +224,9 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
                               tmp / f"{name}.onnx", dtype, tmp, name, weights_in_place=True)
     for f in (f"{name}.onnx", f"{name}.onnx.data", f"{name}.inputs.json", f"{name}.reference.json"):
         (tmp / f).unlink()  # checked; a failure above keeps them (keep_failed)
-    spec = gqa.gqa_spec(plain_spec)
+    spec = fused_spec(plain_spec)
     what = f"{q.method} weights quantized as they are written" if q else "fp32"
-    with progress.step(f"target.onnx: ONNX Runtime's fused ops (GroupQueryAttention), streamed from safetensors, "
+    with progress.step(f"target.onnx: ONNX Runtime's fused ops ({tc.family} templates), streamed from safetensors, "
                        f"{what}") as step:
         native = None
         if q is not None and q.native:  # the checkpoint's own quantized blocks, each checked to dequantize to it
