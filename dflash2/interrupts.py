@@ -94,9 +94,9 @@ def environment_error(e: BaseException) -> str | None:
     """'PATH: no space left on the device' for an OSError of the machine (or safetensors' wrapper of one,
     which names the OS code only in its text); None for anything else (a bug: its traceback is kept)."""
     code = e.errno if isinstance(e, OSError) else None
-    if code is None and type(e).__name__ == "SafetensorError":
-        m = re.search(r"Os \{ code: (\d+)", str(e))
-        code = int(m[1]) if m else None
+    if code is None and type(e).__name__ == "SafetensorError":  # older: "Os { code: 28", 0.8: "(os error 28)"
+        m = re.search(r"Os \{ code: (\d+)|\(os error (\d+)\)", str(e))
+        code = int(m[1] or m[2]) if m else None
     if code not in ENVIRONMENT_ERRNOS:
         return None
     path = getattr(e, "filename", None)

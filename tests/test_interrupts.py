@@ -183,6 +183,8 @@ def test_safetensors_disk_errors_are_recognised_and_bugs_keep_their_traceback():
 
     assert environment_error(SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
                                              "message: \"No space left on device\" })")) == "no space left on the device"
+    assert environment_error(SafetensorError("Error while serializing: I/O error: No space left on device (os error "
+                                             "28)")) == "no space left on the device"  # safetensors 0.8's wording
     assert environment_error(SafetensorError("Error while deserializing header: HeaderTooLarge")) is None
     assert environment_error(OSError(2, "No such file or directory", "x")) is None  # the caller's to name
     assert environment_error(ValueError("a bug")) is None
