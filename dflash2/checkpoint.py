@@ -163,6 +163,13 @@ def family_tensor_shapes(c) -> dict[str, tuple[int, ...]]:
     return families.by_name(c.family).tensor_shapes(c)
 
 
+def check_target_tensors(folder: str | Path, c) -> dict[str, tuple[str, tuple]]:
+    """check_tensors of a target folder against its family's tensors, the family's ignored prefixes skipped."""
+    from dflash2 import families
+
+    return check_tensors(folder, family_tensor_shapes(c), families.by_name(c.family).ignored)
+
+
 def _block_shapes(p, H, I, q, kv, hd, qk_norm, attn_bias, mlp_bias) -> dict:
     s = {p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
          p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
@@ -204,10 +211,12 @@ def drafter_tensor_shapes(c: DrafterConfig, target_hidden: int) -> dict[str, tup
 _TOLERATED = {"lm_head.weight"}
 
 
-def check_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, tuple]]:
+def check_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]],
+                  ignored: tuple[str, ...] = ()) -> dict[str, tuple[str, tuple]]:
+    """ignored: name prefixes that are not the model (a family's, e.g. an in-checkpoint MTP head)."""
     found = read_headers(folder)
     missing = sorted(set(expected) - set(found))
-    unexpected = sorted(n for n in set(found) - set(expected) if n not in _TOLERATED)
+    unexpected = sorted(n for n in set(found) - set(expected) if n not in _TOLERATED and not n.startswith(ignored))
     misshaped = [(n, expected[n], found[n][1]) for n in sorted(set(expected) & set(found))
                  if tuple(found[n][1]) != tuple(expected[n])]
     if missing or unexpected or misshaped:

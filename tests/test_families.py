@@ -2,7 +2,8 @@
 keeps it consistent: architectures claimed once, state kinds known, taps in range, the tiny maker's checkpoint
 accepted by the family's own config reader, its tensor set exactly what its PyTorch reference loads and what
 transformers' class loads; parts named in the stage that owns them; the registry torch-free; a family without
-export templates refused by dflash2-export in one line before anything is written."""
+export templates refused by dflash2-export in one line before anything is written; make-tiny + export of
+the hybrid family from the command line."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_every_architecture_is_claimed_once_and_names_are_unique():
     archs = [a for f in families.FAMILIES for a in f.archs]
     assert len(archs) == len(set(archs))
     assert len(NAMES) == len(set(NAMES))
-    assert families.exportable_archs() == ("LlamaForCausalLM", "Qwen3ForCausalLM")  # ids unchanged
+    assert families.exportable_archs() == ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM",
+                                           "Qwen3_5ForConditionalGeneration")  # dense ids unchanged, first
     for f in families.FAMILIES:
         assert all(families.by_arch(a) is f for a in f.archs)
         assert families.by_name(f.name) is f
@@ -97,17 +99,19 @@ def test_tiny_checkpoint_reference_matches_transformers(tiny_targets, name):
 @pytest.mark.parametrize("name", [n for n in NAMES if families.by_name(n).exportable])
 def test_exportable_families_read_through_load_target_config(tiny_targets, name):
     tc = load_target_config(tiny_targets[name])
-    assert tc.family == name and tc.qk_norm == (name == "qwen3")
+    assert tc.family == name and getattr(tc, "qk_norm", None) == {"llama": False, "qwen3": True}.get(name)
 
 
 def test_unknown_architecture_names_what_is_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(CheckpointError, match=r"architectures: expected one of \['LlamaForCausalLM', "
-                                              r"'Qwen3ForCausalLM'\], found 'GPT2LMHeadModel' \(unsupported"):
+                                              r"'Qwen3ForCausalLM', 'Qwen3_5ForCausalLM', "
+                                              r"'Qwen3_5ForConditionalGeneration'\], found 'GPT2LMHeadModel' "
+                                              r"\(unsupported"):
         load_target_config(tmp_path)
 
 
-def test_export_refuses_a_family_without_templates_before_writing(tmp_path):
+def test_make_tiny_qwen3_5_then_export_from_the_command_line(tmp_path):
     pair = tmp_path / "pair"  # dflash2-make-tiny --family qwen3_5: the target and a drafter for it
     r = subprocess.run([sys.executable, "-m", "dflash2.cli.make_tiny", "--out", str(pair), "--family", "qwen3_5"],
                        capture_output=True, text=True)
@@ -115,12 +119,30 @@ def test_export_refuses_a_family_without_templates_before_writing(tmp_path):
     assert json.loads((pair / "target" / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "dflash2.cli.export", "--target", str(pair / "target"),
-                        "--model", str(pair / "drafter"), "--out", str(out)], capture_output=True, text=True)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
+                        "--model", str(pair / "drafter"), "--out", str(out), "--max-seq-len", "128"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "manifest.json").read_text())["graphs"]["target"]["signature"]["state"]["kind"] == "rows"
+
+
+def test_export_refuses_a_family_without_templates_before_writing(tmp_path, monkeypatch):
+    """A registered family without layer templates (a reference-only family) is refused in one line naming the
+    architectures that export, before anything is written."""
+    import dataclasses
+
+    from dflash2 import tiny
+
+    target = tiny.make_target(tmp_path / "target", family="qwen3_5")
+    drafter = tiny.make_drafter(tmp_path / "drafter", target)
+    bare = dataclasses.replace(families.by_name("qwen3_5"), templates={})
+    monkeypatch.setattr(families, "FAMILIES", tuple(bare if f.name == "qwen3_5" else f for f in families.FAMILIES))
+    from dflash2.export.api import export
+
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as e:
+        export(drafter, target, out, quiet=True)
     assert "'Qwen3_5ForCausalLM' (qwen3_5, hybrid Gated DeltaNet: reference and tiny checkpoints only; export" \
-           in lines[0] and "['LlamaForCausalLM', 'Qwen3ForCausalLM']" in lines[0], lines[0]
+           in str(e.value) and "['LlamaForCausalLM', 'Qwen3ForCausalLM']" in str(e.value), str(e.value)
     assert not out.exists() and not list(tmp_path.glob("out*"))
 
 

@@ -182,3 +182,45 @@ def test_streamed_reference_equals_the_loaded_one(pair):
         a, b = whole(ids, whole.empty_state()), streamed(ids, streamed.empty_state())
     for x, y in zip((a[0], a[1], *a[2]), (b[0], b[1], *b[2])):
         assert torch.equal(x, y)
+
+
+def test_the_conditional_generation_wrapper_exports_with_its_vision_tower_and_mtp_head_ignored(pair, tmp_path):
+    """What users download: Qwen3_5ForConditionalGeneration (text under text_config, `model.language_model.*`
+    names, a vision tower, an MTP head). The export skips the tower and the head by name and generates transformers'
+    own greedy ids of the wrapper."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    _, dense_like = pair
+    text = json.loads((dense_like / "config.json").read_text())
+    for k in ("architectures", "torch_dtype", "tie_word_embeddings"):
+        text.pop(k, None)
+    cfg = Qwen3_5Config(text_config=text, tie_word_embeddings=False,
+                        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                           out_hidden_size=64, patch_size=4, num_position_embeddings=16))
+    torch.manual_seed(3)
+    hf = Qwen3_5ForConditionalGeneration(cfg).eval()
+    target = tmp_path / "wrapper"
+    hf.save_pretrained(target)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.startswith("model.visual.") for k in sd) and "model.language_model.embed_tokens.weight" in sd
+    sd["mtp.fc.weight"] = torch.zeros(4, 4)  # real checkpoints carry one; transformers does not build it
+    for f in target.glob("*.safetensors"):
+        f.unlink()
+    (target / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(sd, str(target / "model.safetensors"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (dense_like / f).is_file():
+            shutil.copy(dense_like / f, target / f)
+    drafter = tiny.make_drafter(tmp_path / "drafter", target, version=1, block_size=BLOCK)
+    export(drafter, target, tmp_path / "out", max_seq_len=128, quiet=True)
+    rt = Runtime(tmp_path / "out")
+    rt.manifest.eos_token_ids = []
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert rt.generate(PROMPT, 24, speculative=False).ids == want
+    assert rt.generate(PROMPT, 24).ids == want

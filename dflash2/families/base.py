@@ -64,6 +64,8 @@ class TargetFamily:
     reference: str
     # op set -> "module:attribute" of its graph builder (dflash2.export); empty: not exportable yet
     templates: Mapping[str, str] = field(default_factory=dict)
+    # checkpoint tensor-name prefixes that are not the target (an MTP head, a vision tower): skipped, not refused
+    ignored: tuple[str, ...] = ()
 
     @property
     def exportable(self) -> bool:

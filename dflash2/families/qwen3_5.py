@@ -17,6 +17,7 @@ from dflash2.errors import CheckpointError
 from dflash2.families.base import TargetFamily, TinyShape
 
 ARCHS = {"Qwen3_5ForCausalLM": False, "Qwen3_5ForConditionalGeneration": True}  # -> keeps the text in text_config
+IGNORED = ("mtp.", "model.visual.")  # the in-checkpoint MTP head and the vision tower: not the text target
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -164,17 +165,19 @@ def _layer_states(c: Qwen35Config) -> tuple[tuple[str, ...], ...]:
 
 
 def tensor_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
-    """Qwen3_5ForCausalLM's tensors (transformers' names) for config c; the MTP head and the vision tower, which
-    real checkpoints also hold, are not part of the text target (the reference skips them by name)."""
+    """The text target's tensors (transformers' names: `model.` for Qwen3_5ForCausalLM, `model.language_model.`
+    for the ConditionalGeneration wrapper) for config c; the MTP head and the vision tower, which real checkpoints
+    also hold, are not part of it (IGNORED: skipped by name, not refused)."""
     H, I, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    model = "model.language_model." if ARCHS.get(c.arch) else "model."
     q, kv = c.num_heads * hd, c.num_kv_heads * hd
     kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
     hv = c.linear_num_value_heads
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
+    shapes = {f"{model}embed_tokens.weight": (c.vocab_size, H), f"{model}norm.weight": (H,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, H)
     for i, kind in enumerate(c.layer_types):
-        p = f"model.layers.{i}."
+        p = f"{model}layers.{i}."
         shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
                        p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
                        p + "mlp.down_proj.weight": (H, I)})
@@ -216,6 +219,6 @@ def tiny_config(s: TinyShape) -> dict:
 QWEN3_5 = TargetFamily(
     name="qwen3_5", archs=tuple(ARCHS), description="hybrid Gated DeltaNet",
     read_config=lambda path, raw, arch: read_qwen3_5_config(raw, path), layer_states=_layer_states,
-    tensor_shapes=tensor_shapes, tiny_config=tiny_config, hf_class="Qwen3_5ForCausalLM",
+    tensor_shapes=tensor_shapes, tiny_config=tiny_config, hf_class="Qwen3_5ForCausalLM", ignored=IGNORED,
     reference="dflash2.reference.qwen3_5:load_target", templates={"plain": "dflash2.export.qwen3_5:build",
                                                                "fused": "dflash2.export.qwen3_5:build_fused"})

@@ -57,7 +57,7 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
     """Validate both configs and their agreement before any weight loads (block_size: load_drafter_config's)."""
     dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
-    ckpt.check_tensors(target_dir, ckpt.family_tensor_shapes(tc))
+    ckpt.check_target_tensors(target_dir, tc)
     ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
     target = load_target(target_dir, dc.target_layer_ids, dtype, tc)
     return target, load_drafter(drafter_dir, target, dtype, dc, use_draft_vocab)
@@ -86,7 +86,7 @@ def _checked_streamed(drafter_dir, target_dir, block_size: int | None = None
     dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
     target_shapes, expected = ckpt.family_tensor_shapes(tc), ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
-    ckpt.check_tensors(target_dir, target_shapes)
+    ckpt.check_target_tensors(target_dir, tc)
     ckpt.check_tensors(drafter_dir, expected)
     ckpt.check_finite(target_dir, target_shapes)
     ckpt.check_finite(drafter_dir, expected)

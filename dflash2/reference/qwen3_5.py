@@ -288,7 +288,10 @@ def load_target(folder: str | Path, tap_ids: tuple[int, ...] = (), dtype: torch.
     The family's entry point (dflash2.families.qwen3_5.QWEN3_5.reference)."""
     from dflash2 import checkpoint as ckpt
 
+    from dflash2.families.qwen3_5 import tensor_shapes
+
     c = config or load_qwen3_5_config(folder)
     model = Qwen35Target(c, tap_ids)
-    load_hf_state_dict(model, ckpt.load_tensors(folder), where=str(folder))
+    names = set(ckpt.read_headers(folder)) & set(tensor_shapes(c))  # the text target's: no vision tower / MTP read
+    load_hf_state_dict(model, ckpt.load_tensors(folder, names), where=str(folder))
     return model.to(dtype).eval()
