@@ -5,6 +5,10 @@ the taps are the target's hidden states at every position of the same forward pa
 pass). Prompts are batched by length (left padding, little waste); logits are computed for the last
 row only (the LM head is a fifth of a 135M model's step); rows that finished leave the batch; bf16
 casts the weights once (AVX-512 BF16 units on this CPU, the native speed on a GPU; `dflash2-corpus-bench`).
+A hybrid target (Qwen3.5: Gated DeltaNet + gated attention) batches the same way: transformers zeroes the padded
+rows' inputs to its GDN layers, so their conv history and recurrent state stay zero as for an unpadded prompt (left
+padding is exact up to float summation order), and finished rows leave with their conv / recurrent states
+(`select_rows`: transformers' own Cache.batch_select_indices fails on a linear-attention layer).
 Shards are written atomically every `shard_size` prompts, so a killed run resumes where it stopped.
 """
 
@@ -18,6 +22,7 @@ import torch
 
 from dflash2 import families
 from dflash2.config import load_target_config
+from dflash2.errors import Dflash2Error
 from dflash2.train.corpus import save_shard, shard_path, start_or_resume, write_meta
 
 DTYPES = ("fp32", "bf16")
@@ -39,6 +44,26 @@ def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
         x = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
         out.append(list(x["input_ids"]) if hasattr(x, "keys") else list(x))
     return out
+
+
+def select_rows(cache, keep: torch.Tensor) -> None:
+    """Keep the batch rows `keep` of a transformers cache, every layer kind: a KV layer's rows (its own
+    batch_select_indices) and a linear-attention layer's conv and recurrent states (Qwen3.5's Gated DeltaNet layers:
+    transformers 5's LinearAttentionLayer has no batch_select_indices, and Cache.batch_select_indices fails on it;
+    the mixin's reorder_cache is the same row selection, index_select on the batch axis)."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin as Linear
+    except ImportError:  # a transformers without linear-attention caches: KV layers only
+        Linear = ()
+    for i, layer in enumerate(cache.layers):
+        linear = isinstance(layer, Linear)
+        if linear:
+            Linear.reorder_cache(layer, keep)  # conv + recurrent states (a hybrid layer: its KV part below)
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(keep)  # KV rows (DynamicLayer's, also a hybrid layer's KV part)
+        elif not linear:
+            raise Dflash2Error(f"cache layer {i} ({type(layer).__name__}): expected a KV layer or a linear-attention "
+                               "layer (conv / recurrent states) whose batch rows can be selected, found neither")
 
 
 @torch.inference_mode()  # no autograd bookkeeping at all, as transformers' generate
@@ -77,7 +102,7 @@ def generate_batch(model, batch: list[list[int]], tap_ids, max_new: int, eos: li
             break
         if 8 * (len(live) - n_live) >= len(live):  # compact: finished rows leave the batch
             keep = live.nonzero()[:, 0]
-            cache.batch_select_indices(keep)
+            select_rows(cache, keep)
             mask, pos, nxt, rows, live = mask[keep], pos[keep], nxt[keep], rows[keep], live[keep]
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=device)], 1)
         pos = pos[:, -1:] + 1

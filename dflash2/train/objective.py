@@ -9,6 +9,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+from dflash2.errors import Dflash2Error
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.layers import rope_cos_sin
 from dflash2.speculative import Stats
@@ -18,28 +19,79 @@ from dflash2.train.pool import anchor_range, sample_anchors
 class Teacher:
     """The target's layers after the last tap, run over a record's last-tap rows: its final hidden
     states, hence its next-token distribution (soft labels), for 2 of SmolLM2's 30 layers. Corpus
-    taps are fp16, so these logits are close to, not bit-equal with, the target's."""
+    taps are fp16, so these logits are close to, not bit-equal with, the target's.
+
+    A hybrid target (Qwen3.5: `Qwen35Target`, layers of kind "linear_attention" / "full_attention") runs its
+    remaining layers per kind over the record's rows from an empty state, as its own prefill does: the Gated
+    DeltaNet layers from a zero conv and recurrent state (chunk-parallel: only the outputs are needed), the gated
+    full-attention layers with no past K/V under the M-RoPE angles of text (the token index on all three axes:
+    mrope_cos_sin of plain positions). The rows are a whole sequence from position 0, so nothing is approximated
+    (the tapped layer's output is all a later layer reads). It runs in fp32 with autocast off (the GDN recurrence
+    solves triangular systems that bf16 autocast would cast down)."""
 
     def __init__(self, target, tap_ids: tuple[int, ...]):
         last = max(tap_ids)
         self.column = list(tap_ids).index(last)  # which H-wide slice of the taps is the last tap
         self.layers = target.layers[last + 1:]
         self.norm, self.head, self.inv_freq = target.norm, target.head_weight, target.inv_freq
-        self.kv_shape = (0, target.config.num_kv_heads, target.config.head_dim)
+        c = target.config
+        self.hybrid = hasattr(target, "empty_state")  # Qwen35Target: per-kind layers, M-RoPE, recurrent state
+        if self.hybrid:
+            kinds = sorted({layer.kind for layer in self.layers} - {"linear_attention", "full_attention"})
+            if kinds:
+                raise Dflash2Error(f"--kd-weight: expected layers of kind 'linear_attention' / 'full_attention' after "
+                                   f"tap {last}, found {kinds}")
+            self.section = tuple(c.mrope_section)
+            self.kv_shape = (0, 2, c.num_kv_heads, c.head_dim)  # GatedAttention's past_kv [P, 2, kv, hd]
+            self.conv_shape = (c.conv_dim, c.linear_conv_kernel_dim - 1)
+            self.rec_shape = (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        else:
+            self.kv_shape = (0, c.num_kv_heads, c.head_dim)
+
+    def to(self, device, head: torch.Tensor | None = None) -> "Teacher":
+        """Its layers, final norm, LM head and RoPE frequencies on `device` (the rows come there with the record);
+        `head`: the same LM head already there (the drafter's buffer), shared instead of copied."""
+        for layer in self.layers:
+            layer.to(device)
+        self.norm.to(device)
+        self.head = self.head.to(device) if head is None else head
+        self.inv_freq = self.inv_freq.to(device)
+        return self
 
     @torch.no_grad()
     def logits(self, rec: dict, positions: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
         """positions [nb, S] (rows whose next token is a label) -> logits [nb, S, U or V] (fp32)."""
         H = self.norm.weight.shape[0]
         h = rec["taps"][:, self.column * H:(self.column + 1) * H].float()  # [T, H]
-        pos = torch.arange(h.shape[0])
-        cos, sin = rope_cos_sin(pos, self.inv_freq)
+        pos = torch.arange(h.shape[0], device=h.device)
         visible = pos[None, :] <= pos[:, None]  # [T, T] causal
-        empty = h.new_zeros(self.kv_shape)
-        for layer in self.layers:
-            h, _ = layer(h, empty, empty, cos, sin, visible)
+        if self.hybrid:
+            with torch.autocast(h.device.type, enabled=False):
+                h = self._hybrid_layers(h, pos, visible)
+        else:
+            cos, sin = rope_cos_sin(pos, self.inv_freq)
+            empty = h.new_zeros(self.kv_shape)
+            for layer in self.layers:
+                h, _ = layer(h, empty, empty, cos, sin, visible)
         head = self.head if vocab is None else self.head[vocab]
         return self.norm(h)[positions.clamp(max=h.shape[0] - 1)] @ head.T
+
+    def _hybrid_layers(self, h: torch.Tensor, pos: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Qwen35Target.forward's layer loop over rows 0..T-1 from an empty state (no taps, no state kept)."""
+        from dflash2.reference.qwen3_5 import mrope_cos_sin
+
+        cos, sin = mrope_cos_sin(pos.expand(3, -1), self.inv_freq, self.section)  # text: T = H = W = the index
+        empty_kv = h.new_zeros(self.kv_shape)
+        conv0, rec0 = h.new_zeros(self.conv_shape), h.new_zeros(self.rec_shape)
+        for layer in self.layers:
+            u = layer.input_layernorm(h)
+            if layer.kind == "full_attention":
+                y, _ = layer.self_attn(u, empty_kv, cos, sin, visible)
+            else:
+                y, _, _ = layer.linear_attn(u, conv0, rec0, 64)  # chunk-parallel: the final state only
+            h = h + y
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
 
 
 def block_forward(d: Drafter, rec: dict, anchors: list[int]):
