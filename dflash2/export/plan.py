@@ -251,6 +251,10 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
     _family_rules(tc, dtype, quantize)
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     attention = resolve_attention(target_attention, quantize, tc, dc, max_seq_len)
+    if isinstance(quantize, qz.OrtQuant) and attention == "plain" and tc.family not in DENSE_FAMILIES:
+        raise OutputError(f"--quantize {quantize.method} --target-attention plain: not for {tc.arch} (ONNX Runtime's "
+                          f"quantizer rewrites the graph whole and loses the recurrence's If inputs); the default "
+                          f"(--target-attention gqa) writes {quantize.method} as the graph is built")
     why_not_gqa = gqa.unsupported(tc, dc, max_seq_len)
     if isinstance(quantize, qz.OrtQuant) and quantize.native and attention != "gqa":
         raise OutputError("--quant-from-gguf: expected the fused-op target graph (--target-attention gqa, the default "

@@ -19,6 +19,11 @@ so a long prompt holds one state per layer, not n.
 The recurrence is a Scan over rows of exactly the reference's per-row operations (gated_delta_rows), in fp32;
 the causal conv is the reference's explicit sum over the K taps in tap order, so a k-row verify row equals the
 1-row decode of the same token. fp32 graphs only for now (the plan refuses others).
+
+Attention scores are q.k summed over head_dim in chunks of at most 128: at head_dim 256 MLAS's SGEMM computes a
+256-long dot product one way for at most 64 columns (keys) and another past 64 (a k-row verify and the 1-row decode
+of the same position then differ in the last bits once one of them is past 64 keys: speculative output differed
+from autoregressive output at Qwen3.5-0.8B's shape); at K <= 128 both ways agree bit for bit (measured, K 16..128).
 """
 
 from __future__ import annotations
@@ -41,35 +46,49 @@ def _zc(w: np.ndarray) -> np.ndarray:
     return 1.0 + np.asarray(w, np.float32)
 
 
-def _delta_body(Hv: int, dk: int, dv: int, keep_state: bool) -> onnx.GraphProto:
-    """One row of the gated delta rule (reference gated_delta_rows), a Scan body:
-    (state [Hv, dk, dv]; q, k [Hv, dk], v [Hv, dv], decay, beta [Hv]) -> (state', o [Hv, dv][, state'])."""
-    nodes = [
-        helper.make_node("Unsqueeze", ["decay", "ax12"], ["decay3"]),  # exp(g) [Hv, 1, 1]
-        helper.make_node("Mul", ["S", "decay3"], ["S1"]),
-        helper.make_node("Unsqueeze", ["k", "ax2"], ["k3"]),  # [Hv, dk, 1]
-        helper.make_node("Mul", ["S1", "k3"], ["Sk"]),
-        helper.make_node("ReduceSum", ["Sk", "axm2"], ["kv_mem"], keepdims=0),  # S^T k [Hv, dv]
-        helper.make_node("Sub", ["v", "kv_mem"], ["err"]),
-        helper.make_node("Unsqueeze", ["beta", "ax1"], ["beta2"]),
-        helper.make_node("Mul", ["err", "beta2"], ["delta"]),  # [Hv, dv]
-        helper.make_node("Unsqueeze", ["delta", "ax1"], ["delta3"]),  # [Hv, 1, dv]
-        helper.make_node("Mul", ["k3", "delta3"], ["outer"]),
-        helper.make_node("Add", ["S1", "outer"], ["S2"]),
-        helper.make_node("Unsqueeze", ["q", "ax2"], ["q3"]),
-        helper.make_node("Mul", ["S2", "q3"], ["Sq"]),
-        helper.make_node("ReduceSum", ["Sq", "axm2"], ["o"], keepdims=0),  # [Hv, dv]
-    ]
+def _delta_body(Hv: int, dk: int, dv: int, keep_state: bool, fused: bool) -> onnx.GraphProto:
+    """One row of the gated delta rule, a Scan body: (state [Hv, dk, dv]; q, k [Hv, dk], v [Hv, dv], g, beta [Hv])
+    -> (state', o [Hv, dv][, state']). Standard ops: exactly the reference's per-row operations (gated_delta_rows);
+    fused: ONNX Runtime's LinearAttention over the one row (within 1.2e-7 of them, docs/families/qwen3_5.md; 2.1x
+    faster at Hv 16, 128 x 128). Either way every row goes through the same one-row body, so a k-row verify row is
+    bitwise the 1-row decode of it."""
+    if fused:
+        nodes = [helper.make_node("Reshape", [x, "row"], [f"{x}1"]) for x in ("q", "k", "v", "g", "beta")]
+        nodes += [helper.make_node("Unsqueeze", ["S", "ax0"], ["S4"]),
+                  helper.make_node("LinearAttention", ["q1", "k1", "v1", "S4", "g1", "beta1"], ["o1", "S4o"],
+                                   domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv, scale=1.0,
+                                   update_rule="gated_delta"),  # q arrives scaled by dk^-0.5
+                  helper.make_node("Squeeze", ["S4o", "ax0"], ["S2"]),
+                  helper.make_node("Reshape", ["o1", "heads"], ["o"])]
+        consts = [("ax0", [0]), ("row", [1, 1, -1]), ("heads", [Hv, dv])]
+    else:
+        nodes = [
+            helper.make_node("Exp", ["g"], ["decay"]),
+            helper.make_node("Unsqueeze", ["decay", "ax12"], ["decay3"]),  # exp(g) [Hv, 1, 1]
+            helper.make_node("Mul", ["S", "decay3"], ["S1"]),
+            helper.make_node("Unsqueeze", ["k", "ax2"], ["k3"]),  # [Hv, dk, 1]
+            helper.make_node("Mul", ["S1", "k3"], ["Sk"]),
+            helper.make_node("ReduceSum", ["Sk", "axm2"], ["kv_mem"], keepdims=0),  # S^T k [Hv, dv]
+            helper.make_node("Sub", ["v", "kv_mem"], ["err"]),
+            helper.make_node("Unsqueeze", ["beta", "ax1"], ["beta2"]),
+            helper.make_node("Mul", ["err", "beta2"], ["delta"]),  # [Hv, dv]
+            helper.make_node("Unsqueeze", ["delta", "ax1"], ["delta3"]),  # [Hv, 1, dv]
+            helper.make_node("Mul", ["k3", "delta3"], ["outer"]),
+            helper.make_node("Add", ["S1", "outer"], ["S2"]),
+            helper.make_node("Unsqueeze", ["q", "ax2"], ["q3"]),
+            helper.make_node("Mul", ["S2", "q3"], ["Sq"]),
+            helper.make_node("ReduceSum", ["Sq", "axm2"], ["o"], keepdims=0),  # [Hv, dv]
+        ]
+        consts = [("ax1", [1]), ("ax2", [2]), ("ax12", [1, 2]), ("axm2", [-2])]
     outs = [helper.make_tensor_value_info("S2", F32, [Hv, dk, dv]), helper.make_tensor_value_info("o", F32, [Hv, dv])]
     if keep_state:
         nodes.append(helper.make_node("Identity", ["S2"], ["S_row"]))
         outs.append(helper.make_tensor_value_info("S_row", F32, [Hv, dk, dv]))
-    consts = [helper.make_tensor(n, TensorProto.INT64, [len(v)], v)
-              for n, v in (("ax1", [1]), ("ax2", [2]), ("ax12", [1, 2]), ("axm2", [-2]))]
     ins = [helper.make_tensor_value_info("S", F32, [Hv, dk, dv]), helper.make_tensor_value_info("q", F32, [Hv, dk]),
            helper.make_tensor_value_info("k", F32, [Hv, dk]), helper.make_tensor_value_info("v", F32, [Hv, dv]),
-           helper.make_tensor_value_info("decay", F32, [Hv]), helper.make_tensor_value_info("beta", F32, [Hv])]
-    return helper.make_graph(nodes, "delta_row_state" if keep_state else "delta_row", ins, outs, consts)
+           helper.make_tensor_value_info("g", F32, [Hv]), helper.make_tensor_value_info("beta", F32, [Hv])]
+    return helper.make_graph(nodes, "delta_row_state" if keep_state else "delta_row", ins, outs,
+                             [helper.make_tensor(n, TensorProto.INT64, [len(v)], v) for n, v in consts])
 
 
 def _embed(b: Builder, src, quant, matrix) -> str:
@@ -103,14 +122,14 @@ def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=Non
     arguments: unused here."""
     if quant is not None and (data is None or quant.dynamic):
         raise ValueError("qwen3_5 fused: a quantized build writes through a DataFile, int4 / int8 (not dynamic)")
-    return build(c, dc, src, dsrc, fuse_context, "float32", data, progress, quant)[0]
+    return build(c, dc, src, dsrc, fuse_context, "float32", data, progress, quant, fused=True)[0]
 
 
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
-          progress=None, quant=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+          progress=None, quant=None, fused: bool = False) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(portable, TensorRT flavour) of the Qwen3.5 target (module docstring). c: Qwen35Config; dc: the drafter's;
     src / dsrc: their weights (dflash2.export.weights); data: a DataFile both graphs point into; progress(i, L);
-    quant: build_fused's (then the TensorRT flavour, which would hold contrib ops, is not for use)."""
+    quant, fused: build_fused's (contrib ops: then the TensorRT flavour is not for use)."""
     if dtype not in DTYPES:
         raise ValueError(f"qwen3_5 templates: expected a dtype in {DTYPES}, found {dtype!r}")
     nh, kvh, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
@@ -142,12 +161,12 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     w_rows = b.op("Min", [n, b.const("window", [B])], "window.rows")[0]  # [1] W' = min(n, W)
     split_at = b.op("Sub", [n, w_rows], "window.start")[0]  # [1] n - W': rows before it keep no state
     end = b.const("to_end", [2**62])
-    lead_rows = [b.const(f"lead.{nm}", np.full(shape, fill, np.float32), np.float32) for nm, shape, fill in (
-        ("q", [1, Hv, dk], 0.0), ("k", [1, Hv, dk], 0.0), ("v", [1, Hv, dv], 0.0), ("decay", [1, Hv], 1.0),
-        ("beta", [1, Hv], 0.0))]  # the row that leads the no-state Scan (gdn below)
+    has_head = b.op("Squeeze", [b.op("Greater", [split_at, b.const("zero1", [0])], "window.has_head")[0], ax0],
+                    "window.has_head.scalar")[0]  # [] bool: a prefill longer than the window
     rec_in = b.op("Squeeze", [N.REC_STATE, ax0], "rec_state.rows")[0]  # [Lg, Hv, dk, dv]
     conv_in = b.op("Squeeze", [N.CONV_STATE, ax0], "conv_state.rows")[0]  # [Lg, C, K-1]
-    body, body_state = _delta_body(Hv, dk, dv, False), _delta_body(Hv, dk, dv, True)
+    fused = quant is not None or fused
+    body, body_state = _delta_body(Hv, dk, dv, False, fused), _delta_body(Hv, dk, dv, True, fused)
     sizes_qkv = b.const("gdn.qkv_sizes", [kd, kd, vd])
 
     def heads(x: str, count: int, dim: int, name: str) -> str:  # [n, count*dim] -> [n, count, dim]
@@ -208,20 +227,29 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         neg_a = -np.exp(np.asarray(src.get(f"{a}.A_log"), np.float32))
         sp = b.op("Softplus", [b.op("Add", [aa, b.fw(f"{p}.dt_bias", src.get(f"{a}.dt_bias"))], f"{p}.dt")[0]],
                   f"{p}.softplus")[0]
-        decay = b.op("Exp", [b.op("Mul", [sp, b.fw(f"{p}.neg_A", neg_a)], f"{p}.g")[0]], f"{p}.decay")[0]
+        g = b.op("Mul", [sp, b.fw(f"{p}.neg_A", neg_a)], f"{p}.g")[0]  # [n, Hv] log decay
         state = b.op("Gather", [rec_in, b.const(f"{p}.ig.rec", ig)], f"{p}.rec_past", axis=0)[0]  # [Hv, dk, dv]
         head_rows, tail_rows = [], []
-        for t, lead in zip((q, k, v, decay, beta), lead_rows):
-            rows = b.op("Slice", [t, b.const(f"{t}.h0", [0]), split_at, ax0], f"{t}.head")[0]
-            head_rows.append(b.op("Concat", [lead, rows], f"{t}.head.led", axis=0)[0])
+        for t in (q, k, v, g, beta):
+            head_rows.append(b.op("Slice", [t, b.const(f"{t}.h0", [0]), split_at, ax0], f"{t}.head")[0])
             tail_rows.append(b.op("Slice", [t, split_at, end, ax0], f"{t}.tail")[0])
-        # rows 0 .. n-W'-1 (a prefill past the window) keep no per-row state. ONNX Runtime's Scan refuses zero
-        # rows, so they are led by a row that leaves the state exactly as it is (decay 1, k = v = q = beta = 0:
-        # S * 1 + k (x) 0 = S bit for bit) and whose output row is dropped. (An If around the Scan reads its state
-        # from the outer scope, which ONNX Runtime's quantizer's topological sort does not see.)
-        state, o_head = b.op("Scan", [state, *head_rows], f"{p}.delta_head", outputs=2, body=body,
-                             num_scan_inputs=5)
-        o_head = b.op("Slice", [o_head, ax1, end, ax0], f"{p}.delta_head.rows")[0]  # [n - W', Hv, dv]
+        # rows 0 .. n-W'-1 (a prefill past the window) keep no per-row state. ONNX Runtime's Scan refuses zero rows,
+        # so a step of n <= W rows (every decode and verify) takes the If's other branch: the state as it was, no
+        # rows out, no pass over the state. (A row leading the Scan that leaves the state as it is costs a whole
+        # state pass per layer per decode: 18 x 1.7 ms at Qwen3.5-0.8B's shape.) The If reads its inputs from the
+        # outer scope, which ONNX Runtime's quantizer's topological sort does not see: the plan refuses quantizing
+        # this graph after validation (the fused route writes int4 / int8 as it builds).
+        scan = helper.make_node("Scan", [state, *head_rows], [f"{p}.head.state", f"{p}.head.o"], body=body,
+                                num_scan_inputs=5, name=f"{p}.delta_head")
+        skip = [helper.make_node("Identity", [state], [f"{p}.skip.state"], name=f"{p}.skip.state"),
+                helper.make_node("Identity", [head_rows[2]], [f"{p}.skip.o"], name=f"{p}.skip.o")]  # v[0:0]
+
+        def branch(nodes, outs, name):
+            return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outs[0], F32, [Hv, dk, dv]),
+                                                       helper.make_tensor_value_info(outs[1], F32, [None, Hv, dv])])
+        state, o_head = b.op("If", [has_head], f"{p}.delta_head.if", outputs=2,
+                             then_branch=branch([scan], [f"{p}.head.state", f"{p}.head.o"], f"{p}.head"),
+                             else_branch=branch(skip, [f"{p}.skip.state", f"{p}.skip.o"], f"{p}.skip"))
         _, o_tail, rec_rows = b.op("Scan", [state, *tail_rows], f"{p}.delta_tail", outputs=3, body=body_state,
                                    num_scan_inputs=5)  # the last W' rows: [W', Hv, dk, dv]
         o = b.op("Concat", [o_head, o_tail], f"{p}.o", axis=0)[0]  # [n, Hv, dv]
@@ -251,7 +279,16 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         vals = b.op("Concat", [pv, v], f"{p}.values", axis=0)[0]
         qh = b.op("Reshape", [b.op("Transpose", [q], f"{p}.q_t", perm=[1, 0, 2])[0],
                               b.const(f"{p}.q_groups", [kvh, -1, hd])], f"{p}.q_groups")[0]  # [kv, g n, hd]
-        s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]
+        kt = b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]  # [kv, hd, T]
+        if score_split is None:
+            s = b.op("MatMul", [qh, kt], f"{p}.scores")[0]  # [kv, g n, T]
+        else:  # q.k over head_dim in chunks of <= 128 (module docstring: row invariance past 64 keys)
+            qs = b.op("Split", [qh, score_split], f"{p}.q_chunks", outputs=len(chunks), axis=-1)
+            ks = b.op("Split", [kt, score_split], f"{p}.k_chunks", outputs=len(chunks), axis=1)
+            s = None
+            for j, (qj, kj) in enumerate(zip(qs, ks)):
+                part = b.op("MatMul", [qj, kj], f"{p}.scores{j}")[0]
+                s = part if s is None else b.op("Add", [s, part], f"{p}.scores.sum{j}")[0]
         s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
         s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
         s = b.op("Where", [visible, s, neg], f"{p}.masked")[0]
@@ -266,6 +303,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         return b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"]), b.op("Unsqueeze", [kv_i, ax1], f"{p}.kv_row")[0]
 
     rope_split = b.const("rope.split", [rd, hd - rd]) if rd < hd else None
+    chunks = [min(128, hd - i) for i in range(0, hd, 128)]
+    score_split = b.const("scores.split", chunks) if len(chunks) > 1 else None
 
     def partial_rope(x: str, name: str) -> str:  # [n, heads, hd]: rotate-half on the first rd channels only
         if rope_split is None:

@@ -26,7 +26,10 @@ import numpy as np
 from dflash2 import manifest as mf
 from dflash2.runtime.binding import GqaSharedKv
 
-PROMPT_TOKENS, CONTINUATION = 24, 40
+# 48 + 40: the verifies straddle 64 keys, where MLAS's SGEMM changes path for a 256-long dot product (an attention
+# over head_dim 256, Qwen3.5's: a k-row verify and a 1-row decode then differ once one is past 64 keys and the other
+# not; measured on this CPU, docs/families/qwen3_5.md)
+PROMPT_TOKENS, CONTINUATION = 48, 40
 FIELD = 'validation["target.rows"]'  # where the export's manifest records it
 
 
