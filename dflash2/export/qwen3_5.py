@@ -167,7 +167,19 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     conv_in = b.op("Squeeze", [N.CONV_STATE, ax0], "conv_state.rows")[0]  # [Lg, C, K-1]
     fused = quant is not None or fused
     body, body_state = _delta_body(Hv, dk, dv, False, fused), _delta_body(Hv, dk, dv, True, fused)
+    batch_rows = [b.const(f"gdn.batch.{nm}", [1, -1, w]) for nm, w in (("q", Hv * dk), ("k", Hv * dk), ("v", Hv * dv),
+                                                                         ("g", Hv), ("beta", Hv))] if fused else []
     sizes_qkv = b.const("gdn.qkv_sizes", [kd, kd, vd])
+
+    def norm(x: str, w, name: str, eps: float | None = None, dim: int | None = None) -> str:
+        """RMSNorm over the last axis (weight w; None: none, of width dim). fused: ONNX Runtime's
+        SimplifiedLayerNormalization, one node per norm where the standard ops take seven (a row's result still
+        depends on that row alone: row invariance holds); standard ops: StandardOps.norm."""
+        if not fused:
+            return ops.norm(x, w, name, eps=eps)
+        w = np.ones(dim, np.float32) if w is None else np.asarray(w, np.float32)
+        return b.op("SimplifiedLayerNormalization", [x, b.weight(f"{name}.weight", w)], name, axis=-1,
+                    epsilon=float(c.rms_norm_eps) if eps is None else eps, stash_type=1)[0]
 
     def heads(x: str, count: int, dim: int, name: str) -> str:  # [n, count*dim] -> [n, count, dim]
         return b.op("Reshape", [x, b.const(f"{name}.shape", [-1, count, dim])], name)[0]
@@ -189,6 +201,35 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         shape = b.op("Concat", [n, b.const(f"{name}.rep", [Hk, rep, dk])], f"{name}.rep_shape", axis=0)[0]
         x4 = b.op("Expand", [x4, shape], f"{name}.expand")[0]
         return b.op("Reshape", [x4, b.const(f"{name}.flat", [-1, Hv, dk])], name)[0]
+
+    def state_head(state: str, rows: list[str], p: str) -> tuple[str, str]:
+        """The rows before the window, which keep no per-row state: (state after them, their outputs [m, Hv, dv]).
+        fused: ONE LinearAttention over all of them (ONNX Runtime's chunked kernel: a long prompt is not a row loop;
+        0 rows pass the state through). Standard ops: a Scan over them, inside an If, since ONNX Runtime's Scan
+        refuses zero rows and every decode / verify step has none (a row leading the Scan that left the state as it
+        is cost a whole state pass per layer per decode). The If reads its inputs from the outer scope, which ONNX
+        Runtime's quantizer's topological sort does not see: the plan refuses quantizing this graph after
+        validation (the fused route writes int4 / int8 as it builds)."""
+        if fused:
+            q_, k_, v_, g_, beta_ = (b.op("Reshape", [t, shape], f"{t}.batch")[0]
+                                     for t, shape in zip(rows, batch_rows))  # [1, m, heads * dim]
+            s4 = b.op("Unsqueeze", [state, ax0], f"{p}.head.state4")[0]
+            o1, s1 = b.op("LinearAttention", [q_, k_, v_, s4, g_, beta_], f"{p}.delta_head", outputs=2,
+                          domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv, scale=1.0,
+                          update_rule="gated_delta")
+            return (b.op("Squeeze", [s1, ax0], f"{p}.head.state")[0],
+                    b.op("Reshape", [o1, b.const(f"{p}.head.o_heads", [-1, Hv, dv])], f"{p}.head.o")[0])
+        scan = helper.make_node("Scan", [state, *rows], [f"{p}.head.state", f"{p}.head.o"], body=body,
+                                num_scan_inputs=5, name=f"{p}.delta_head")
+        skip = [helper.make_node("Identity", [state], [f"{p}.skip.state"], name=f"{p}.skip.state"),
+                helper.make_node("Identity", [rows[2]], [f"{p}.skip.o"], name=f"{p}.skip.o")]  # v[0:0]
+
+        def branch(nodes, outs, name):
+            return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outs[0], F32, [Hv, dk, dv]),
+                                                       helper.make_tensor_value_info(outs[1], F32, [None, Hv, dv])])
+        return tuple(b.op("If", [has_head], f"{p}.delta_head.if", outputs=2,
+                          then_branch=branch([scan], [f"{p}.head.state", f"{p}.head.o"], f"{p}.head"),
+                          else_branch=branch(skip, [f"{p}.skip.state", f"{p}.skip.o"], f"{p}.skip")))
 
     def gdn(u: str, p: str, ig: int) -> tuple[str, str, str]:
         """One Gated DeltaNet mixer: (y [n, H], conv states [W', C, K-1], rec states [W', Hv, dk, dv])."""
@@ -233,29 +274,17 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         for t in (q, k, v, g, beta):
             head_rows.append(b.op("Slice", [t, b.const(f"{t}.h0", [0]), split_at, ax0], f"{t}.head")[0])
             tail_rows.append(b.op("Slice", [t, split_at, end, ax0], f"{t}.tail")[0])
-        # rows 0 .. n-W'-1 (a prefill past the window) keep no per-row state. ONNX Runtime's Scan refuses zero rows,
-        # so a step of n <= W rows (every decode and verify) takes the If's other branch: the state as it was, no
-        # rows out, no pass over the state. (A row leading the Scan that leaves the state as it is costs a whole
-        # state pass per layer per decode: 18 x 1.7 ms at Qwen3.5-0.8B's shape.) The If reads its inputs from the
-        # outer scope, which ONNX Runtime's quantizer's topological sort does not see: the plan refuses quantizing
-        # this graph after validation (the fused route writes int4 / int8 as it builds).
-        scan = helper.make_node("Scan", [state, *head_rows], [f"{p}.head.state", f"{p}.head.o"], body=body,
-                                num_scan_inputs=5, name=f"{p}.delta_head")
-        skip = [helper.make_node("Identity", [state], [f"{p}.skip.state"], name=f"{p}.skip.state"),
-                helper.make_node("Identity", [head_rows[2]], [f"{p}.skip.o"], name=f"{p}.skip.o")]  # v[0:0]
-
-        def branch(nodes, outs, name):
-            return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outs[0], F32, [Hv, dk, dv]),
-                                                       helper.make_tensor_value_info(outs[1], F32, [None, Hv, dv])])
-        state, o_head = b.op("If", [has_head], f"{p}.delta_head.if", outputs=2,
-                             then_branch=branch([scan], [f"{p}.head.state", f"{p}.head.o"], f"{p}.head"),
-                             else_branch=branch(skip, [f"{p}.skip.state", f"{p}.skip.o"], f"{p}.skip"))
+        # rows 0 .. n-W'-1 (a prefill past the window) keep no per-row state: state_head() runs them
+        state, o_head = state_head(state, head_rows, p)
         _, o_tail, rec_rows = b.op("Scan", [state, *tail_rows], f"{p}.delta_tail", outputs=3, body=body_state,
                                    num_scan_inputs=5)  # the last W' rows: [W', Hv, dk, dv]
         o = b.op("Concat", [o_head, o_tail], f"{p}.o", axis=0)[0]  # [n, Hv, dv]
         # gated RMSNorm per head: rmsnorm(o) * w (plain weight) * silu(z)
-        y = ops.norm(o, None, f"{p}.o_norm")
-        y = b.op("Mul", [y, b.fw(f"{p}.o_norm.weight", src.get(f"{a}.norm.weight"))], f"{p}.o_norm.w")[0]
+        if fused:  # the plain weight inside the norm's own product
+            y = norm(o, src.get(f"{a}.norm.weight"), f"{p}.o_norm")
+        else:
+            y = norm(o, None, f"{p}.o_norm", dim=dv)
+            y = b.op("Mul", [y, b.fw(f"{p}.o_norm.weight", src.get(f"{a}.norm.weight"))], f"{p}.o_norm.w")[0]
         y = b.op("Mul", [y, silu(heads(z, Hv, dv, f"{p}.z"), f"{p}.z.silu")], f"{p}.gated")[0]
         y = b.op("Reshape", [y, b.const(f"{p}.o_flat", [-1, vd])], f"{p}.o_flat")[0]
         return b.linear(y, f"{p}.out_proj", src, [f"{a}.out_proj"]), conv_rows, rec_rows
@@ -270,8 +299,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                        f"{p}.q_gate", outputs=2, axis=-1)  # [n, nh, hd] each
         gate = b.op("Reshape", [gate, b.const(f"{p}.gate_flat", [-1, nh * hd])], f"{p}.gate_flat")[0]
         k, v = heads(k, kvh, hd, f"{p}.k_heads"), heads(v, kvh, hd, f"{p}.v_heads")
-        q = ops.norm(q, _zc(src.get(f"{a}.q_norm.weight")), f"{p}.q_norm")
-        k = ops.norm(k, _zc(src.get(f"{a}.k_norm.weight")), f"{p}.k_norm")
+        q = norm(q, _zc(src.get(f"{a}.q_norm.weight")), f"{p}.q_norm")
+        k = norm(k, _zc(src.get(f"{a}.k_norm.weight")), f"{p}.k_norm")
         q, k = (partial_rope(t, f"{p}.{nm}_rope") for t, nm in ((q, "q"), (k, "k")))
         layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", ia)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
         pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0] for j, nm in ((0, "k"), (1, "v")))
@@ -318,7 +347,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         p = f"layers.{i}"
         if progress is not None:
             progress(i, L)
-        u = ops.norm(h, _zc(src.get(f"{p}.input_layernorm.weight")), f"{p}.input_layernorm")
+        u = norm(h, _zc(src.get(f"{p}.input_layernorm.weight")), f"{p}.input_layernorm")
         if kind == "full_attention":
             y, kv_row = attention(u, p, len(new_kv))
             new_kv.append(kv_row)
@@ -327,7 +356,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             conv_out.append(b.op("Unsqueeze", [cr, ax1], f"{p}.conv_rows.layer")[0])  # [W', 1, C, K-1]
             rec_out.append(b.op("Unsqueeze", [rr, ax1], f"{p}.rec_rows.layer")[0])
         h = b.op("Add", [h, y], f"{p}.mix_residual")[0]
-        u = ops.norm(h, _zc(src.get(f"{p}.post_attention_layernorm.weight")), f"{p}.post_attention_layernorm")
+        u = norm(h, _zc(src.get(f"{p}.post_attention_layernorm.weight")), f"{p}.post_attention_layernorm")
         m = f"{p}.mlp"
         gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
                                   b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
@@ -338,7 +367,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     for outs, name in ((new_kv, N.NEW_KV), (conv_out, N.CONV_STATES), (rec_out, N.REC_STATES)):
         b.op("Concat", outs, name, outputs=[name], axis=1)
-    y = ops.norm(h, _zc(src.get("norm.weight")), "norm")
+    y = norm(h, _zc(src.get("norm.weight")), "norm")
     head_name = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     if quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
         logits = b.matmul_nbits(y, "lm_head", (H, c.vocab_size), (r.T for r in src.row_chunks(head_name)))
@@ -352,7 +381,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     tap_rows = [taps[t] for t in tap_ids]
     t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]  # [n, n_taps H]
     if fuse_context:  # drafter.context: hidden_norm(fc(taps))
-        t = ops.norm(b.linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
+        t = norm(b.linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
                      eps=float(dc.rms_norm_eps))
     b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
 
