@@ -21,21 +21,24 @@ SHARED = 30.0  # + this on embedding dim 0: the target's normed hidden states le
 # often accepted (a random pair's drafts never are: the accept path would go untested)
 
 
-def sharp_export(root: Path, version: int) -> Path:
-    """A tiny Qwen3 target whose next-token distribution leans on one shared direction (a few dozen
-    3-token sequences hold most of the mass at T = 1) + a DFlash / DFlash2 drafter that leans on the
+def sharp_export(root: Path, version: int, family: str = "qwen3") -> Path:
+    """A tiny target (Qwen3, or the Qwen3.5 hybrid) whose next-token distribution leans on one shared direction
+    (a few dozen 3-token sequences hold most of the mass at T = 1) + a DFlash / DFlash2 drafter that leans on the
     same direction (block 4: one round drafts tokens 2..4), exported for ONNX Runtime."""
-    out = root / f"export-v{version}"
+    out = root / f"export-{family}-v{version}"
     if (out / "manifest.json").is_file():
         return out
-    target = root / "target"
+    target = root / f"target-{family}"
     if not (target / "config.json").is_file():
-        tiny.make_target(target, family="qwen3")
+        tiny.make_target(target, family=family)
         w = load_file(str(target / "model.safetensors"))
         w["model.embed_tokens.weight"][:, 0] += SHARED
-        w["model.norm.weight"][1:] *= CONTEXT  # the context still moves p, less than the shared direction
+        if family == "qwen3_5":  # zero-centred: the norm multiplies by 1 + w
+            w["model.norm.weight"][1:] = (1 + w["model.norm.weight"][1:]) * CONTEXT - 1
+        else:
+            w["model.norm.weight"][1:] *= CONTEXT  # the context still moves p, less than the shared direction
         save_file(w, str(target / "model.safetensors"), metadata={"format": "pt"})
-    drafter = tiny.make_drafter(root / f"drafter-v{version}", target, version=version, block_size=4, top_k=6)
+    drafter = tiny.make_drafter(root / f"drafter-{family}-v{version}", target, version=version, block_size=4, top_k=6)
     w = load_file(str(drafter / "model.safetensors"))
     w["norm.weight"][1:] = 0.0
     w["norm.weight"][0] *= DRAFT_SCALE

@@ -1,0 +1,25 @@
+"""The scale check's random Qwen3.5-0.8B-shaped target rewritten as the ConditionalGeneration wrapper (what
+onnxruntime-genai's builder takes): text config under text_config, tensors under model.language_model."""
+import json, shutil, sys
+from pathlib import Path
+from safetensors import safe_open
+from safetensors.torch import save_file
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+dst.mkdir(parents=True, exist_ok=True)
+text = json.loads((src / "config.json").read_text())
+tie = text.pop("tie_word_embeddings", False)
+text.pop("architectures", None)
+text["model_type"] = "qwen3_5_text"
+cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+       "tie_word_embeddings": tie, "torch_dtype": text.get("torch_dtype", "bfloat16")}
+(dst / "config.json").write_text(json.dumps(cfg, indent=2))
+for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    if (src / f).exists():
+        shutil.copy(src / f, dst / f)
+out = {}
+for f in sorted(src.glob("*.safetensors")):
+    with safe_open(str(f), "pt") as fh:
+        for k in fh.keys():
+            out[k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k] = fh.get_tensor(k)
+save_file(out, str(dst / "model.safetensors"))
+print(len(out), "tensors")
