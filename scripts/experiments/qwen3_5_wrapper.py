@@ -1,5 +1,11 @@
-"""The scale check's random Qwen3.5-0.8B-shaped target rewritten as the ConditionalGeneration wrapper (what
-onnxruntime-genai's builder takes): text config under text_config, tensors under model.language_model."""
+"""A Qwen3_5ForCausalLM folder (the scale check's random Qwen3.5-0.8B-shaped target) rewritten as the
+Qwen3_5ForConditionalGeneration wrapper, which is what onnxruntime-genai 0.18's builder takes: the text config under
+text_config, the tensors under model.language_model. (no vision tower: the builder builds the text model).
+
+    python scripts/experiments/qwen3_5_wrapper.py ~/.cache/dflash2/scale/qwen3.5-0.8b/target /tmp/q35-wrapper
+    python -m onnxruntime_genai.models.builder -i /tmp/q35-wrapper -o /tmp/q35-genai -p int4 -e cpu
+
+Result: docs/results/qwen3_5/ (docs/results/README.md, 2026-12-06)."""
 import json, shutil, sys
 from pathlib import Path
 from safetensors import safe_open
