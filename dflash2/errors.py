@@ -74,3 +74,12 @@ def check_threads(value: int | None, flag: str = "--threads") -> None:
         raise Dflash2Error(f"{flag}: expected >= 1, found {value}")
     if value > cores():
         raise Dflash2Error(f"{flag}: expected at most {cores()} (the CPU cores this process may use), found {value}")
+
+
+class CliError(Dflash2Error):
+    """A refusal worded by the CLI itself, with its own exit status (1: what the machine refused, e.g. a write).
+    Here, not in cli/, so that a shared module (dflash2.disk) may raise one; dflash2.cli re-exports it."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status

@@ -3,7 +3,7 @@
 make_target(): a folder of any registered target family (dflash2.families: Llama, Qwen3, Qwen3.5): config.json,
 safetensors, optionally sharded, a byte-level BPE tokenizer with a ChatML template. make_drafter(): a DFlash v1
 or DFlash2 drafter for it.
-A full disk (or quota) while a file is written is a DiskFullError naming that file (dflash2.train.disk), and the
+A full disk (or quota) while a file is written is a DiskFullError naming that file (dflash2.disk), and the
 half-written file is removed: dflash2-make-tiny fills temporary folders and renames them only when complete.
 Weights are scaled so logits are well separated (random models with near-ties would make
 token-for-token comparisons depend on float summation order).
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from dflash2 import families
 from dflash2.checkpoint import INDEX, drafter_tensor_shapes
-from dflash2.train.disk import safetensors_bytes, write_text, writing
+from dflash2.disk import safetensors_bytes, write_text, writing
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -22,7 +22,7 @@ from dflash2 import tiny
 from dflash2.cli import make_tiny as make_tiny_cli
 from dflash2.cli import train as train_cli
 from dflash2.train import corpus, state, trainer
-from dflash2.train.disk import DiskFullError, full_code, size
+from dflash2.disk import DiskFullError, full_code, size
 from tests.errorcheck import one_line_error, snapshot
 
 TEXT = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded"}

@@ -217,7 +217,7 @@ def test_temperature_zero_is_the_greedy_output(sharp):
 def test_same_seed_same_ids_on_pytorch_and_onnx_runtime(sharp, version):
     rt = Runtime(sharp[version])
     root = sharp["root"]
-    ref = TorchBackend(*load_pair(root / f"drafter-v{version}", root / "target"), 64)
+    ref = TorchBackend(*load_pair(root / f"drafter-qwen3-v{version}", root / "target-qwen3"), 64)
     prompt = [5, 17, 42, 99, 7]
     for seed in range(6):
         s = Sampling(0.8, top_k=8 if seed % 2 else 0, seed=seed)

@@ -29,16 +29,8 @@ import functools
 import sys
 from collections.abc import Callable
 
-from dflash2.errors import Dflash2Error
+from dflash2.errors import CliError, Dflash2Error  # noqa: F401 (CliError: re-exported, dflash2.cli)
 from dflash2.interrupts import Main, interruptible
-
-
-class CliError(Dflash2Error):
-    """A refusal worded by the CLI itself, with its own exit status (1: what the machine refused, e.g. a write)."""
-
-    def __init__(self, message: str, status: int = 2):
-        super().__init__(message)
-        self.status = status
 
 
 def cli_main(prog: str, after: str = "nothing was written",

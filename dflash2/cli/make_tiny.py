@@ -1,7 +1,7 @@
 """dflash2-make-tiny: write a deterministic tiny target + drafter pair (tests, demos).
 
 Both folders are filled in temporary siblings and renamed at the end; a failure (a full disk: one line naming the
-file, dflash2.train.disk) or Ctrl-C leaves --out as it was: no half pair, and no --out folder this run created."""
+file, dflash2.disk) or Ctrl-C leaves --out as it was: no half pair, and no --out folder this run created."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ AFTER = "nothing was written (the pair is put in place only when complete)"
 def main(argv: list[str] | None = None) -> int:
     require_extra("dflash2-make-tiny", "export", 'torch', 'safetensors')
     from dflash2 import families, tiny
-    from dflash2.train.disk import FULL, DiskFullError, full_code
+    from dflash2.disk import FULL, DiskFullError, full_code
 
     p = argparse.ArgumentParser(prog="dflash2-make-tiny", description=__doc__)
     p.add_argument("--out", required=True, type=Path, help="folder; writes OUT/target and OUT/drafter")

@@ -40,7 +40,7 @@ def run_training(a: TrainOptions) -> dict | None:
 
     check_train_folders(a.target, a.out, a.corpus or [a.out.parent / "corpus"])  # refusals before the lock file
 
-    from dflash2.train.disk import DiskFullError
+    from dflash2.disk import DiskFullError
 
     with output_lock(a.out) if _rank() == 0 else nullcontext():
         try:
@@ -163,7 +163,7 @@ def _run_training(a: TrainOptions) -> dict | None:
 def _write_draft_vocab(a: TrainOptions, ids: list[int], tc, source: str, step: int) -> None:
     """draft_vocab.json beside the trained drafter (written atomically); a full disk says the drafter is saved."""
     from dflash2 import draft_vocab
-    from dflash2.train.disk import writing
+    from dflash2.disk import writing
 
     with writing(draft_vocab.path_in(a.out), "the draft vocabulary", after=f"the drafter of step {step} is saved "
                  f"whole ({a.out}): free some space and rerun the same command to write it"):

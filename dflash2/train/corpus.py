@@ -8,7 +8,7 @@ whole: each shard is one safetensors file of flat tensors
 and a record's taps are read by `safe_open(...).get_slice` (an mmap) only when the trainer touches
 them. `corpus.json` is written first (taps, prompts, settings) and marked complete last, so a
 generation killed at any point resumes at the first missing shard and a partial corpus is refused. A full disk
-is a DiskFullError naming the shard (dflash2.train.disk): the shards before it stay, the same command resumes.
+is a DiskFullError naming the shard (dflash2.disk): the shards before it stay, the same command resumes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dflash2.errors import Dflash2Error
-from dflash2.train.disk import safetensors_bytes, writing
+from dflash2.disk import safetensors_bytes, writing
 
 META = "corpus.json"
 FORMAT = 2  # 1: one key per record (loaded whole); 2: flat memory-mapped shards

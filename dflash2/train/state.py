@@ -4,7 +4,7 @@ It holds the fp32 master weights, AdamW's moments, the step, the config, the eva
 both random generators (Python's for sequences / anchors, torch's for the negative shortlist), so a
 run killed at any point resumes from its last save and continues exactly as if never stopped.
 One file replaced by `os.replace` means a kill mid-write, or a full disk (a DiskFullError naming the file and
-the bytes it needed, dflash2.train.disk), leaves the previous state intact and no half file beside it.
+the bytes it needed, dflash2.disk), leaves the previous state intact and no half file beside it.
 
 That file (~6x the fp16 drafter: fp32 weights and two moments) stays on the machine. What travels in the
 repository is the compact state beside the drafter: its fp16 `model.safetensors` and `progress.json` (the
@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash2.errors import Dflash2Error
-from dflash2.train.disk import safetensors_bytes, writing
+from dflash2.disk import safetensors_bytes, writing
 
 STATE = "train_state"  # resumable state lives in a subfolder: the checkpoint folder holds only the model
 FILE = "resume.safetensors"

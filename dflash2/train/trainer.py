@@ -7,7 +7,7 @@ loss = depth-decayed cross-entropy (weight exp(-k/gamma)) + a K-way cross-entrop
 selector with the TRUE previous token as predecessor, counted where the true token is in the top-K.
 The losses and the offline acceptance are dflash2/train/objective.py; this module runs the loop, saves and
 resumes. Checkpoints are safetensors (weights and optimizer moments), never pickle, each written to a temporary
-name and renamed: a full disk (a DiskFullError naming the file, dflash2.train.disk) leaves the last whole save, and
+name and renamed: a full disk (a DiskFullError naming the file, dflash2.disk) leaves the last whole save, and
 the error says which step that is.
 """
 
@@ -29,7 +29,7 @@ from dflash2.config import load_drafter_config, load_target_config
 from dflash2.errors import Dflash2Error
 from dflash2.folders import write_atomic
 from dflash2.train import distributed, state
-from dflash2.train.disk import DiskFullError, safetensors_bytes, write_text, writing
+from dflash2.disk import DiskFullError, safetensors_bytes, write_text, writing
 from dflash2.train.state import STATE  # noqa: F401 (the checkpoint folder's state subfolder)
 from dflash2.train.objective import Teacher, after_misses, block_forward, losses, offline_acceptance
 from dflash2.train.pool import RecordPool

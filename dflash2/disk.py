@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflash2.cli.entry import CliError
+from dflash2.errors import CliError
 from dflash2.folders import write_atomic
 
 FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded"}
