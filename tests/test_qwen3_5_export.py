@@ -195,33 +195,9 @@ def test_the_conditional_generation_wrapper_exports_with_its_vision_tower_and_mt
     """What users download: Qwen3_5ForConditionalGeneration (text under text_config, `model.language_model.*`
     names, a vision tower, an MTP head). The export skips the tower and the head by name and generates transformers'
     own greedy ids of the wrapper."""
-    import json
-    import shutil
+    from tests.qwen3_5_wrapper import make_wrapper
 
-    from safetensors.torch import save_file
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    _, dense_like = pair
-    text = json.loads((dense_like / "config.json").read_text())
-    for k in ("architectures", "torch_dtype", "tie_word_embeddings"):
-        text.pop(k, None)
-    cfg = Qwen3_5Config(text_config=text, tie_word_embeddings=False,
-                        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                                           out_hidden_size=64, patch_size=4, num_position_embeddings=16))
-    torch.manual_seed(3)
-    hf = Qwen3_5ForConditionalGeneration(cfg).eval()
-    target = tmp_path / "wrapper"
-    hf.save_pretrained(target)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    assert any(k.startswith("model.visual.") for k in sd) and "model.language_model.embed_tokens.weight" in sd
-    sd["mtp.fc.weight"] = torch.zeros(4, 4)  # real checkpoints carry one; transformers does not build it
-    for f in target.glob("*.safetensors"):
-        f.unlink()
-    (target / "model.safetensors.index.json").unlink(missing_ok=True)
-    save_file(sd, str(target / "model.safetensors"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (dense_like / f).is_file():
-            shutil.copy(dense_like / f, target / f)
+    hf, target = make_wrapper(pair[1], tmp_path / "wrapper")
     drafter = tiny.make_drafter(tmp_path / "drafter", target, version=1, block_size=BLOCK)
     export(drafter, target, tmp_path / "out", max_seq_len=128, quiet=True)
     rt = Runtime(tmp_path / "out")

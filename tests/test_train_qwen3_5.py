@@ -181,33 +181,11 @@ def test_the_conditional_generation_wrapper_answers_as_itself(target, tmp_path):
     """What users download, Qwen3_5ForConditionalGeneration (text under text_config, `model.language_model.*`
     names, a vision tower, an MTP head): the corpus generator (Qwen3_5ForCausalLM over its text weights) answers as
     the wrapper's own generate, and the generator's and the live trainer's taps are the reference target's."""
-    import json
-    import shutil
-
-    from safetensors.torch import save_file
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
     from dflash2.reference.load import load_target
     from dflash2.train.live import TapsModel
+    from tests.qwen3_5_wrapper import make_wrapper
 
-    text = json.loads((target / "config.json").read_text())
-    for k in ("architectures", "torch_dtype", "tie_word_embeddings"):
-        text.pop(k, None)
-    cfg = Qwen3_5Config(text_config=text, tie_word_embeddings=False,
-                        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                                           out_hidden_size=64, patch_size=4, num_position_embeddings=16))
-    torch.manual_seed(3)
-    wrapper = Qwen3_5ForConditionalGeneration(cfg).eval()
-    folder = tmp_path / "wrapper"
-    wrapper.save_pretrained(folder)
-    sd = {k: v.contiguous() for k, v in wrapper.state_dict().items()}
-    sd["mtp.fc.weight"] = torch.zeros(4, 4)  # real checkpoints carry one; transformers does not build it
-    for f in folder.glob("*.safetensors"):
-        f.unlink()
-    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
-    save_file(sd, str(folder / "model.safetensors"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(target / f, folder / f)
+    wrapper, folder = make_wrapper(target, tmp_path / "wrapper")
     model, tok, _ = load_hf_target(folder)
     batch = chat_ids(tok, PROMPTS[:3])
     ref = load_target(folder, TAPS)
