@@ -14,7 +14,7 @@ from dflash2.config import load_drafter_config, load_target_config
 from dflash2.errors import Dflash2Error
 from dflash2.folders import write_atomic
 from dflash2.reference.drafter import Drafter
-from dflash2.train.disk import writing
+from dflash2.disk import writing
 
 
 def drafter_config_dict(target_dir: str | Path, c) -> dict:  # c: trainer.TrainConfig
