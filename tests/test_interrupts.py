@@ -233,7 +233,17 @@ def test_ctrl_c_wrapped_by_a_library_is_still_an_interrupt(name, monkeypatch, ca
     assert len(err) == 1 and err[0].startswith(f"dflash2-{name.replace('_', '-')}: interrupted; "), err
 
 
-def test_ctrl_c_during_the_final_swap_waits_for_it_and_says_the_output_is_complete(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler, as a CLI process starts with: an earlier in-process test may leave another (in
+    the full suite SIGINT was found ignored by then, and an ignored Ctrl-C is rightly not answered)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_during_the_final_swap_waits_for_it_and_says_the_output_is_complete(tmp_path, monkeypatch, capsys,
+                                                                                   python_sigint):
     """A real SIGINT sent while the replaced folder is being removed: the removal runs to the end (no half old
     folder beside the new one), the interrupt arrives right after, and the CLI line says OUT is complete."""
     from dflash2.interrupts import interruptible
