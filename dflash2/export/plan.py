@@ -210,7 +210,7 @@ def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dty
 def resolve_attention(asked: str, quantize, tc, dc, max_seq_len: int) -> str:
     """auto -> gqa for the ONNX Runtime quantizations when the target fits the kernel, else plain."""
     fam = families.by_name(tc.family)
-    why = (gqa.unsupported(tc, dc, max_seq_len) if fam.name in DENSE_FAMILIES else None) if "fused" in fam.templates \
+    why = (gqa.unsupported(tc, dc, max_seq_len) if fam.name in families.DENSE else None) if "fused" in fam.templates \
         else f"expected a target family with fused-op templates, found {tc.arch} ({fam.name}, {fam.description})"
     if asked == "gqa" and why:
         raise OutputError(f"--target-attention gqa: {why}")
@@ -251,7 +251,7 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
     _family_rules(tc, dtype, quantize)
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     attention = resolve_attention(target_attention, quantize, tc, dc, max_seq_len)
-    if isinstance(quantize, qz.OrtQuant) and attention == "plain" and tc.family not in DENSE_FAMILIES:
+    if isinstance(quantize, qz.OrtQuant) and attention == "plain" and tc.family not in families.DENSE:
         raise OutputError(f"--quantize {quantize.method} --target-attention plain: not for {tc.arch} (ONNX Runtime's "
                           f"quantizer rewrites the graph whole and loses the recurrence's If inputs); the default "
                           f"(--target-attention gqa) writes {quantize.method} as the graph is built")
@@ -275,7 +275,7 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
 def _family_rules(tc, dtype: str, quantize) -> None:
     """What a family's templates do not do yet, refused before any weight is read (the dense families: all)."""
     fam = families.by_name(tc.family)
-    if fam.name in DENSE_FAMILIES:
+    if fam.name in families.DENSE:
         return
     from dflash2.export import qwen3_5 as hybrid
 
@@ -287,8 +287,6 @@ def _family_rules(tc, dtype: str, quantize) -> None:
         raise OutputError(f"--quantize {quantize.method}: not yet for {what} (the TensorRT calibration runs the dense "
                           f"reference); ONNX Runtime's int4 / int8 are")
 
-
-DENSE_FAMILIES = ("llama", "qwen3")
 
 
 def _graphs(dc) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from dflash2.export.graphs import graph_specs
 from dflash2.export.plan import ExportPlan, GraphJob
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
-from dflash2.reference.load import DENSE
+from dflash2.families import DENSE
 
 KV_BINDING = ("prefix-view: past_kv is the contiguous prefix buffer[:P] of one preallocated sequence-major buffer "
               "[max_seq_len, L, 2, kv, hd]; new_kv is bound to buffer[P:P+n], so a step copies nothing and "

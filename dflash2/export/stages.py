@@ -27,7 +27,7 @@ from dflash2.export.validate import validate_graph
 from dflash2.folders import OutputError
 from dflash2.progress import Progress
 from dflash2.quant_manifest import QUANT_OPS
-from dflash2.reference.load import DENSE
+from dflash2.families import DENSE
 from dflash2.reference.streamed import streamed_target, truncated
 
 

@@ -9,12 +9,12 @@ dflash2/export/). Adding a family: write its module, add it to FAMILIES (docs/ar
 from __future__ import annotations
 
 from dflash2.families.base import OP_SETS, STATE_KINDS, StateKind, TargetFamily, TinyShape, resolve
-from dflash2.families.dense import LLAMA, QWEN3
+from dflash2.families.dense import DENSE, LLAMA, QWEN3
 from dflash2.families.qwen3_5 import QWEN3_5
 
 FAMILIES: tuple[TargetFamily, ...] = (LLAMA, QWEN3, QWEN3_5)
 
-__all__ = ["FAMILIES", "OP_SETS", "STATE_KINDS", "StateKind", "TargetFamily", "TinyShape", "by_arch", "by_name",
+__all__ = ["DENSE", "FAMILIES", "OP_SETS", "STATE_KINDS", "StateKind", "TargetFamily", "TinyShape", "by_arch", "by_name",
            "claim", "exportable_archs", "load", "resolve"]
 
 

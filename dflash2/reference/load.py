@@ -8,13 +8,12 @@ import torch
 
 from dflash2 import checkpoint as ckpt
 from dflash2 import draft_vocab, families
+from dflash2.families import DENSE
 from dflash2.config import (DrafterConfig, TargetConfig, check_pair, load_drafter_config,
                             load_target_config)
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.streamed import StreamedDrafter, StreamedTarget, streamed_target
 from dflash2.reference.target import Target
-
-DENSE = ("llama", "qwen3")  # the families this module's Target / StreamedTarget implement
 
 
 def load_target(folder: str | Path, tap_ids: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,

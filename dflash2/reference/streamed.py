@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dflash2.config import DrafterConfig, TargetConfig
+from dflash2.families import DENSE
 from dflash2.reference.layers import Fp32Rope, RMSNorm, rope_inv_freq
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target, TargetLayer
@@ -136,7 +137,7 @@ class StreamedQwen35Target(Qwen35Target):
 
 def streamed_target(tc, tap_ids, weights, like=None, dtype: torch.dtype = torch.float32):
     """The layer-streamed reference of any family's target config (dense: StreamedTarget)."""
-    cls = StreamedQwen35Target if getattr(tc, "family", None) == "qwen3_5" else StreamedTarget
+    cls = StreamedTarget if tc.family in DENSE else StreamedQwen35Target
     return cls(tc, tuple(tap_ids), weights, like=like, dtype=dtype)
 
 
