@@ -52,8 +52,11 @@ class StreamedTarget(Fp32Rope):
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.norm.weight = nn.Parameter(_tensor(weights, "norm.weight").to(dtype), requires_grad=False)
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
-        with torch.device("meta"):  # the template of every layer: shapes only, never given tensors
-            self._layer = TargetLayer(c).requires_grad_(False)
+        with torch.device("meta"):  # the template of every layer: shapes only, never given tensors (one per layer
+            # where the layers differ: a MoE target's dense and sparse MLPs, dflash2.reference.moe)
+            sparse = getattr(c, "is_sparse", None)
+            one = TargetLayer(c).requires_grad_(False) if sparse is None else None
+            self._layers = [one if one is not None else TargetLayer(c, i).requires_grad_(False) for i in range(c.num_layers)]
 
     @property
     def head_weight(self) -> StreamedRows:
@@ -66,7 +69,7 @@ class StreamedTarget(Fp32Rope):
         return self.head_rows.project(h)
 
     def iter_layers(self):
-        return _stream([self._layer] * self.config.num_layers, self.src, self.dtype)
+        return _stream(self._layers, self.src, self.dtype)
 
 
 class StreamedDrafter(Drafter):

@@ -1,0 +1,57 @@
+"""The sparse mixture-of-experts MLP block of the MoE targets (Qwen3-MoE, Qwen3.5-MoE), one module for both.
+
+transformers' Qwen3MoeSparseMoeBlock / Qwen3_5MoeSparseMoeBlock, with their parameter names (`gate.weight` the
+router, `experts.{e}.gate_proj|up_proj|down_proj.weight`, Qwen3.5-MoE's `shared_expert.*` and
+`shared_expert_gate.weight`) and their order of operations:
+- router: logits = x @ gate^T in the weights' dtype; softmax in fp32; top-k of the probabilities (ties: torch.topk's
+  order); with norm_topk_prob the k kept divided by their sum (Qwen3.5-MoE always); then cast to x's dtype;
+- each expert that some row picked, in ascending expert order: SwiGLU of its rows, times the row's weight,
+  accumulated into a zero output (transformers' index_add_ loop: the same summation order per row);
+- Qwen3.5-MoE adds sigmoid(x @ shared_expert_gate^T) * shared_expert(x) after the routed sum.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash2.reference.layers import MLP
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, experts: int, top_k: int, width: int, norm_topk_prob: bool,
+                 shared_width: int = 0):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden, experts, bias=False)  # the router, [E, H]
+        self.experts = nn.ModuleList(MLP(hidden, width) for _ in range(experts))
+        self.shared_expert = MLP(hidden, shared_width) if shared_width else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_width else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, H] -> (weights [n, k] in x's dtype, expert ids [n, k] int64)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [n, E] fp32
+        top, idx = torch.topk(probs, self.top_k, dim=-1)  # [n, k]
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(x.dtype), idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        weights, idx = self.route(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():  # ascending, as transformers' expert_hit loop
+            rows, slot = torch.where(idx == e)  # the rows that picked expert e, and in which of their k slots
+            y = self.experts[e](x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def mlp_for(c, i: int) -> nn.Module:
+    """Layer i's MLP for a dense-layout target config (TargetConfig; a MoeTargetConfig's sparse layers get the
+    mixture of experts, dflash2.families.qwen3_moe)."""
+    if getattr(c, "is_sparse", None) is not None and c.is_sparse(i):
+        return SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                         c.norm_topk_prob)
+    return MLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
