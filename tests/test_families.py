@@ -93,7 +93,8 @@ def test_tiny_checkpoint_reference_matches_transformers(tiny_targets, name):
         else:
             logits = ref(ids, ref.empty_state())[0]
         want = hf(ids[None]).logits[0]
-    assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4), (logits - want).abs().max()
+    scale = max(1.0, want.abs().max().item())  # fp32 rounding grows with the logits' size (22 for qwen3_5_moe's)
+    assert torch.allclose(logits, want, atol=1e-4 * scale, rtol=1e-4), (logits - want).abs().max()
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if families.by_name(n).exportable])

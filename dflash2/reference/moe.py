@@ -13,6 +13,7 @@ router, `experts.{e}.gate_proj|up_proj|down_proj.weight`, Qwen3.5-MoE's `shared_
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash2.reference.layers import MLP
@@ -36,12 +37,19 @@ class SparseMoE(nn.Module):
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(x.dtype), idx
 
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # [m, H] -> [m, H]
+        """Expert e's SwiGLU with gate|up as ONE [2I, H] matmul, as transformers' fused gate_up_proj computes it
+        (two matmuls round differently: ~1e-4 on a tiny hybrid's logits after the GDN layers)."""
+        ex = self.experts[e]
+        gate, up = F.linear(x, torch.cat([ex.gate_proj.weight, ex.up_proj.weight])).chunk(2, dim=-1)
+        return ex.down_proj(F.silu(gate) * up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         weights, idx = self.route(x)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():  # ascending, as transformers' expert_hit loop
             rows, slot = torch.where(idx == e)  # the rows that picked expert e, and in which of their k slots
-            y = self.experts[e](x[rows]) * weights[rows, slot, None]
+            y = self.expert(e, x[rows]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -55,3 +63,21 @@ def mlp_for(c, i: int) -> nn.Module:
         return SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                          c.norm_topk_prob)
     return MLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
+
+
+def unfuse_experts(tensors: dict) -> dict:
+    """A checkpoint's fused expert tensors (`...mlp.experts.gate_up_proj` [E, 2I, H]: gate rows then up rows, as
+    transformers' Concatenate(dim=1) makes them; `...mlp.experts.down_proj` [E, H, I]) -> the per-expert names
+    SparseMoE loads (views, no copy); every other tensor as it is."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p, half = name[:-len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"], out[f"{p}{e}.up_proj.weight"] = t[e, :half], t[e, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            p = name[:-len("down_proj")]
+            out.update({f"{p}{e}.down_proj.weight": t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    return out
