@@ -275,6 +275,10 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
 def _family_rules(tc, dtype: str, quantize) -> None:
     """What a family's templates do not do yet, refused before any weight is read (the dense families: all)."""
     fam = families.by_name(tc.family)
+    if fam.name in families.DENSE and hasattr(tc, "num_experts") and dtype not in plain.DTYPES:
+        # a bfloat16 graph is traced (GraphJob "traced"), and a trace bakes in the routing of its example rows
+        raise OutputError(f"--dtype: expected one of {list(plain.DTYPES)} for {tc.arch} ({fam.name}, "
+                          f"{fam.description}), found {dtype!r} (the experts' block is built from templates only)")
     if fam.name in families.DENSE:
         return
     from dflash2.export import qwen3_5 as hybrid

@@ -58,7 +58,7 @@ def read_qwen3_5_moe_config(raw: dict, path: str | Path = "config.json") -> Qwen
     path = Path(path)
     base = read_qwen3_5_config(raw, path, ARCHS)
     text, prefix = (raw["text_config"], "text_config.") if ARCHS[base.arch] else (raw, "")
-    moe = read_moe_fields(path, text, base.num_layers, prefix)
+    moe = read_moe_fields(path, text, prefix)
     shared = _Fields(path, text, prefix).int("shared_expert_intermediate_size", minimum=1)
     return Qwen35MoeConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **moe,
                            shared_expert_intermediate_size=shared, fused_experts=fused_experts(path.parent))

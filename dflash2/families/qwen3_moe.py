@@ -26,6 +26,8 @@ from dflash2.errors import CheckpointError
 from dflash2.families.base import TargetFamily, TinyShape
 
 ARCH = "Qwen3MoeForCausalLM"
+# the dense builders, their MLP the experts' block on the sparse layers (dflash2.export.moe)
+TEMPLATES = {"fused": "dflash2.export.gqa:build", "plain": "dflash2.export.plain:build"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class MoeTargetConfig(TargetConfig):
         return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
 
 
-def read_moe_fields(path: Path, raw: dict, num_layers: int, prefix: str = "") -> dict:
+def read_moe_fields(path: Path, raw: dict, prefix: str = "") -> dict:
     """The MoE fields shared by qwen3_moe and qwen3_5_moe, each refusal naming file, field, expected and found."""
     f = _Fields(path, raw, prefix)
     # transformers 5 writes `num_local_experts` (its attribute_map), the Hub's checkpoints `num_experts`
@@ -66,7 +68,7 @@ def read_moe_fields(path: Path, raw: dict, num_layers: int, prefix: str = "") ->
 def read_qwen3_moe(path: Path, raw: dict, arch: str) -> MoeTargetConfig:
     base = read_dense_target(path, raw, arch, "qwen3_moe", qk_norm=True)
     f = _Fields(path, raw)
-    moe = read_moe_fields(path, raw, base.num_layers)
+    moe = read_moe_fields(path, raw)
     step = f.int("decoder_sparse_step", 1, minimum=1)
     only = raw.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(_is_int(i) and 0 <= i < base.num_layers for i in only):
@@ -123,4 +125,4 @@ def _layer_states(c: MoeTargetConfig) -> tuple[tuple[str, ...], ...]:
 QWEN3_MOE = TargetFamily(
     name="qwen3_moe", archs=(ARCH,), description="mixture of experts", read_config=read_qwen3_moe,
     layer_states=_layer_states, tensor_shapes=tensor_shapes, tiny_config=tiny_config, hf_class=ARCH,
-    reference="dflash2.reference.load:load_target")
+    reference="dflash2.reference.load:load_target", templates=TEMPLATES)

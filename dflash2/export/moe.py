@@ -1,0 +1,113 @@
+"""The sparse mixture-of-experts MLP (dflash2.reference.moe.SparseMoE) as layer templates, both op sets; the Qwen3-MoE
+target is the dense Qwen3 target (plain.py, gqa.py) with this block on its sparse layers.
+
+standard(): opset-17 ops only (TensorRT parses it, any provider runs it), the all-experts form: the router's fp32
+softmax, TopK, the kept weights (renormalised when the config says so) scattered into a dense [n, E] routing matrix
+(zeros elsewhere); every expert's gate|up as ONE MatMul [H, E*2I], SwiGLU, each expert's intermediate scaled by its
+routing weight, and one down MatMul [E*I, H] that sums over the experts. Exactly SparseMoE's function (a zero weight
+removes an expert's term), but every expert is computed for every row: E/k times the routed FLOPs and every expert's
+weights read each step. Correct first; the gathered form (only the routed rows per expert) is left to do. Every row
+is computed by the same MatMuls whatever the other rows of the step: row-invariant as the dense MLP is.
+
+fused(): ONNX Runtime's com.microsoft `MoE` (fp32 weights) or `QMoE` (int4 / int8 blockwise weights, quantized
+expert by expert as the checkpoint is read: ONNX Runtime's own block quantizer, dflash2.export.weights.NBits).
+fc1 = the experts' gate and up rows INTERLEAVED ([E, 2I, H]: swiglu_fusion=1, the only layout the CPU kernel takes),
+fc2 = down [E, H, I]; swiglu with alpha 1, beta 0 and no clamp is silu(gate) * up. The op computes the router's
+softmax and top-k from the logits (normalize_routing_weights = norm_topk_prob). Row invariance: the CPU kernel runs
+an expert's rows as one GEMM whose M is the number of rows routed to it, and M = 1 takes another path than M >= 2
+(measured ~1e-7 apart, tests/test_qwen3_moe_export.py); so the op is given every row twice ([x; x], 2n rows: every
+routed expert sees M >= 2) and the first n output rows are kept. Measured bitwise row-invariant that way; costs a
+second copy of the rows' expert work (decode: 2 rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+ROUTER_DTYPE = np.float32  # the router stays unquantized: a quantized router changes which experts run
+
+
+def is_sparse(c, i: int) -> bool:
+    """Layer i of target config c has the mixture of experts (a MoeTargetConfig; dense configs: never)."""
+    sparse = getattr(c, "is_sparse", None)
+    return sparse is not None and sparse(i)
+
+
+def _names(m: str, E: int, proj: str) -> list[str]:
+    return [f"{m}.experts.{e}.{proj}.weight" for e in range(E)]
+
+
+def standard(b, ops, u: str, src, c, m: str) -> str:
+    """u [n, H] -> the block's output [n, H] (module docstring). b: a templates.Builder; ops: its StandardOps;
+    src: the weights; m: the checkpoint's prefix of the block (`layers.{i}.mlp`)."""
+    E, I, k = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    logits = b.linear(u, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [n, E]
+    probs = b.op("Softmax", [ops.f32(logits, f"{m}.router")], f"{m}.softmax", axis=-1)[0]  # [n, E] fp32
+    top, idx = b.op("TopK", [probs, b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2, axis=-1)  # [n, k]
+    if c.norm_topk_prob:
+        total = b.op("ReduceSum", [top, b.const(f"{m}.last", [-1])], f"{m}.top_sum", keepdims=1)[0]  # [n, 1]
+        top = b.op("Div", [top, total], f"{m}.top_norm")[0]
+    top = ops.back(top, f"{m}.top")  # the graph dtype, as SparseMoE.route casts
+    zero = helper.make_tensor("value", helper.np_dtype_to_tensor_dtype(b.dtype), [1], [0])
+    zeros = b.op("ConstantOfShape", [b.op("Shape", [logits], f"{m}.router.shape")[0]], f"{m}.zeros", value=zero)[0]
+    weights = b.op("ScatterElements", [zeros, idx, top], f"{m}.weights", axis=1)[0]  # [n, E]: 0 where not kept
+    gate_up = [n for e in range(E) for n in (f"{m}.experts.{e}.gate_proj", f"{m}.experts.{e}.up_proj")]
+    gu = b.linear(u, f"{m}.experts.gate_up", src, gate_up)  # [n, E*2I]: expert e's gate then up
+    gu = b.op("Reshape", [gu, b.const(f"{m}.gu_shape", [-1, E, 2, I])], f"{m}.gu4")[0]  # [n, E, 2, I]
+    gate, up = b.op("Split", [gu], f"{m}.gate_up", outputs=2, axis=2)  # [n, E, 1, I] each
+    act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{m}.sigmoid")[0]], f"{m}.silu")[0], up],
+               f"{m}.act")[0]
+    w4 = b.op("Reshape", [weights, b.const(f"{m}.w_shape", [-1, E, 1, 1])], f"{m}.w4")[0]  # [n, E, 1, 1]
+    act = b.op("Reshape", [b.op("Mul", [act, w4], f"{m}.routed")[0], b.const(f"{m}.act_shape", [-1, E * I])],
+               f"{m}.act_flat")[0]  # [n, E*I]
+    down = np.concatenate([src.get(n).T for n in _names(m, E, "down_proj")])  # [E*I, H]: the sum over experts
+    y = b.matmul(act, f"{m}.experts.down", down)
+    del down
+    return y
+
+
+def _fc1(src, m: str, e: int) -> np.ndarray:
+    """Expert e's gate and up rows interleaved: [2I, H] (row 2j gate_j, row 2j+1 up_j)."""
+    g, u = src.get(f"{m}.experts.{e}.gate_proj.weight"), src.get(f"{m}.experts.{e}.up_proj.weight")
+    return np.stack([g, u], axis=1).reshape(-1, g.shape[1])
+
+
+def fused(b, u: str, src, c, m: str) -> str:
+    """u [1, n, H] -> [1, n, H] through ONNX Runtime's MoE / QMoE (module docstring); QMoE when b quantizes."""
+    E, H, k = c.num_experts, c.hidden_size, c.num_experts_per_tok
+    rows = b.op("Reshape", [u, b.const(f"{m}.rows_shape", [-1, H])], f"{m}.rows")[0]  # [n, H]
+    twice = b.op("Concat", [rows, rows], f"{m}.twice", axis=0)[0]  # [2n, H]: every routed expert sees M >= 2
+    logits = b.linear(twice, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [2n, E]
+    attrs = dict(k=k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                 normalize_routing_weights=int(c.norm_topk_prob))
+    q = b.nbits
+    if q is None:
+        fc1 = b.weight(f"{m}.experts.fc1", np.stack([_fc1(src, m, e) for e in range(E)]).astype(np.float32))
+        fc2 = b.weight(f"{m}.experts.fc2", np.stack([src.get(n) for n in _names(m, E, "down_proj")]))
+        y = b.op("MoE", [twice, logits, fc1, "", fc2], f"{m}.moe", domain="com.microsoft", **attrs)[0]
+    else:
+        if q.dynamic:
+            raise ValueError("QMoE takes blockwise int4 / int8 expert weights, not dynamic int8")
+        inputs = [twice, logits]
+        zps = []
+        for fc, per_expert in (("fc1", lambda e: _fc1(src, m, e)),
+                               ("fc2", lambda e: src.get(f"{m}.experts.{e}.down_proj.weight"))):
+            packed, scales, zeros = [], [], []
+            for e in range(E):
+                w = per_expert(e)  # [N, K]
+                pk, sc, zp = q.quantize(w.T)  # ONNX Runtime's block quantizer on the [K, N] weight
+                packed.append(pk.reshape(w.shape[0], -1))  # [N, K * bits / 8]
+                scales.append(np.asarray(sc, np.float32).reshape(w.shape[0], -1))  # [N, K / block]
+                zeros.append(None if q.symmetric else np.asarray(zp).reshape(w.shape[0], -1))
+            inputs += [b.weight(f"{m}.experts.{fc}_Q{q.bits}", np.stack(packed)),
+                       b.weight(f"{m}.experts.{fc}_scales", np.stack(scales)), ""]  # (no bias)
+            zps.append("" if q.symmetric else b.weight(f"{m}.experts.{fc}_zero_points", np.stack(zeros)))
+        inputs += ["", "", ""] + zps  # no fc3 (gate|up are fused in fc1); then fc1 / fc2 zero points
+        if q.accuracy_level:
+            attrs["accuracy_level"] = q.accuracy_level
+        y = b.op("QMoE", inputs, f"{m}.qmoe", domain="com.microsoft", expert_weight_bits=q.bits,
+                 block_size=q.block_size, **attrs)[0]
+    n = b.op("Shape", [rows], f"{m}.n", start=0, end=1)[0]
+    y = b.op("Slice", [y, b.const(f"{m}.first", [0]), n, b.const(f"{m}.axis0", [0])], f"{m}.kept")[0]  # [n, H]
+    return b.op("Reshape", [y, b.const(f"{m}.out_shape", [1, -1, H])], f"{m}.out")[0]  # [1, n, H]
