@@ -168,12 +168,16 @@ def test_export_is_validated_row_invariant_and_lossless(pair, tmp_path, method, 
     assert rt.generate(PROMPT, 40).ids == truth  # the pair's own drafter
 
 
-def test_the_plan_refuses_a_traced_moe_graph(pair, tmp_path):
-    """bfloat16 graphs are traced, and a trace would bake in its example rows' routing: refused before writing."""
+def test_the_plan_refuses_what_the_moe_templates_do_not_do(pair, tmp_path):
+    """bfloat16 graphs are traced, and a trace would bake in its example rows' routing; QMoE's blocks must tile both
+    widths: refused before anything is written."""
     from dflash2.errors import Dflash2Error
 
     with pytest.raises(Dflash2Error, match="experts' block is built from templates only"):
         export(*pair, tmp_path / "bf16", dtype="bfloat16", quiet=True)
+    with pytest.raises(Dflash2Error, match="QMoE needs hidden_size and moe_intermediate_size divisible by the "
+                                           "block size 64, found 64 and 32"):  # the tiny experts are 32 wide
+        export(*pair, tmp_path / "q", quiet=True, quantize=QuantFlags(method="int4", block_size=64))
     assert not list(tmp_path.iterdir())
 
 

@@ -74,34 +74,37 @@ def _fc1(src, m: str, e: int) -> np.ndarray:
 
 
 def fused(b, u: str, src, c, m: str) -> str:
-    """u [1, n, H] -> [1, n, H] through ONNX Runtime's MoE / QMoE (module docstring); QMoE when b quantizes."""
-    E, H, k = c.num_experts, c.hidden_size, c.num_experts_per_tok
+    """u [1, n, H] -> [1, n, H] through ONNX Runtime's MoE / QMoE (module docstring); QMoE when b quantizes. The
+    expert tensors are written expert by expert (b.chunked: with a DataFile, one expert's weights in memory)."""
+    E, H, I, k = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     rows = b.op("Reshape", [u, b.const(f"{m}.rows_shape", [-1, H])], f"{m}.rows")[0]  # [n, H]
     twice = b.op("Concat", [rows, rows], f"{m}.twice", axis=0)[0]  # [2n, H]: every routed expert sees M >= 2
     logits = b.linear(twice, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [2n, E]
     attrs = dict(k=k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
                  normalize_routing_weights=int(c.norm_topk_prob))
+    fcs = (("fc1", lambda e: _fc1(src, m, e), (2 * I, H)),  # [N, K] per expert
+           ("fc2", lambda e: src.get(f"{m}.experts.{e}.down_proj.weight"), (H, I)))
     q = b.nbits
     if q is None:
-        fc1 = b.weight(f"{m}.experts.fc1", np.stack([_fc1(src, m, e) for e in range(E)]).astype(np.float32))
-        fc2 = b.weight(f"{m}.experts.fc2", np.stack([src.get(n) for n in _names(m, E, "down_proj")]))
+        fc1, fc2 = (b.chunked(f"{m}.experts.{fc}", (get(e)[None] for e in range(E)), (E, *nk), np.float32)
+                    for fc, get, nk in fcs)
         y = b.op("MoE", [twice, logits, fc1, "", fc2], f"{m}.moe", domain="com.microsoft", **attrs)[0]
     else:
         if q.dynamic:
             raise ValueError("QMoE takes blockwise int4 / int8 expert weights, not dynamic int8")
-        inputs = [twice, logits]
-        zps = []
-        for fc, per_expert in (("fc1", lambda e: _fc1(src, m, e)),
-                               ("fc2", lambda e: src.get(f"{m}.experts.{e}.down_proj.weight"))):
-            packed, scales, zeros = [], [], []
-            for e in range(E):
-                w = per_expert(e)  # [N, K]
-                pk, sc, zp = q.quantize(w.T)  # ONNX Runtime's block quantizer on the [K, N] weight
-                packed.append(pk.reshape(w.shape[0], -1))  # [N, K * bits / 8]
-                scales.append(np.asarray(sc, np.float32).reshape(w.shape[0], -1))  # [N, K / block]
-                zeros.append(None if q.symmetric else np.asarray(zp).reshape(w.shape[0], -1))
-            inputs += [b.weight(f"{m}.experts.{fc}_Q{q.bits}", np.stack(packed)),
-                       b.weight(f"{m}.experts.{fc}_scales", np.stack(scales)), ""]  # (no bias)
+        inputs, zps = [twice, logits], []
+        for fc, get, (N, K) in fcs:
+            scales, zeros = [], []
+
+            def packed(get=get, N=N, scales=scales, zeros=zeros):
+                for e in range(E):
+                    pk, sc, zp = q.quantize(get(e).T)  # ONNX Runtime's block quantizer on the [K, N] weight
+                    scales.append(np.asarray(sc, np.float32).reshape(N, -1))  # [N, K / block]
+                    zeros.append(None if q.symmetric else np.asarray(zp).reshape(N, -1))
+                    yield np.asarray(pk).reshape(1, N, -1)  # [1, N, K * bits / 8]
+
+            inputs.append(b.chunked(f"{m}.experts.{fc}_Q{q.bits}", packed(), (E, N, K * q.bits // 8), np.uint8))
+            inputs += [b.weight(f"{m}.experts.{fc}_scales", np.stack(scales)), ""]  # (no bias)
             zps.append("" if q.symmetric else b.weight(f"{m}.experts.{fc}_zero_points", np.stack(zeros)))
         inputs += ["", "", ""] + zps  # no fc3 (gate|up are fused in fc1); then fc1 / fc2 zero points
         if q.accuracy_level:
