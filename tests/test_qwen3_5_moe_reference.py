@@ -182,3 +182,29 @@ def test_make_tiny_checkpoint_loads_in_transformers(tmp_path):
     ids = prompt(10)
     with torch.no_grad():
         assert (hf.eval()(ids[None]).logits[0] - ref(ids, ref.empty_state())[0]).abs().max().item() < TOL
+
+
+def test_the_published_35b_a3b_layout_is_read():
+    """Qwen3.5-35B-A3B's text config (as published, under the wrapper) with its fused experts: the tensor names and
+    shapes its index lists (`mlp.experts.gate_up_proj` [256, 1024, 2048], `mlp.experts.down_proj` [256, 2048, 512],
+    no `.weight` suffix), about 34.7B text parameters (35B with the vision tower and the MTP head)."""
+    import dataclasses
+    import math
+    from pathlib import Path
+
+    text = {"hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4, "num_attention_heads": 16,
+            "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+            "num_experts_per_tok": 8, "vocab_size": 248320,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10]}}
+    raw = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "tie_word_embeddings": False, "text_config": text}
+    fam = families.by_name("qwen3_5_moe")
+    c = dataclasses.replace(fam.read_config(Path("/absent/config.json"), raw, raw["architectures"][0]),
+                            fused_experts=True)  # (no safetensors beside the config: the layout is given here)
+    shapes = fam.tensor_shapes(c)
+    p = "model.language_model.layers.7.mlp."
+    assert shapes[p + "experts.gate_up_proj"] == (256, 1024, 2048) and shapes[p + "experts.down_proj"] == (256, 2048, 512)
+    assert shapes[p + "shared_expert_gate.weight"] == (1, 2048) and shapes[p + "gate.weight"] == (256, 2048)
+    assert 34.5e9 < sum(math.prod(s) for s in shapes.values()) < 34.8e9

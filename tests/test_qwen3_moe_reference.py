@@ -157,3 +157,25 @@ def test_make_tiny_checkpoint_loads_in_transformers(tmp_path):
         want = hf.eval()(ids[None]).logits[0]
         got, _, _ = load_target(folder, config=c)(ids, torch.zeros(0, c.num_layers, 2, c.num_kv_heads, c.head_dim))
     assert (want - got).abs().max().item() < TOL and c.sparse_layers == (0, 1)
+
+
+def test_the_published_30b_a3b_config_is_read():
+    """Qwen3-30B-A3B's config.json as published (`num_experts`, per-expert tensors): 30.5B parameters, 3.3B of them
+    active per token (its model card's figures)."""
+    import math
+    from pathlib import Path
+
+    raw = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+           "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+           "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960, "mlp_only_layers": [],
+           "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+           "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+           "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+           "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}
+    fam = families.by_name("qwen3_moe")
+    c = fam.read_config(Path("/absent/config.json"), raw, raw["architectures"][0])
+    assert c.sparse_layers == tuple(range(48)) and c.norm_topk_prob and c.num_experts == 128
+    shapes = fam.tensor_shapes(c)
+    total = sum(math.prod(s) for s in shapes.values())
+    active = total - sum(math.prod(s) for k, s in shapes.items() if ".experts." in k) + 48 * 8 * 3 * 768 * 2048
+    assert round(total / 1e9, 1) == 30.5 and 3.3e9 < active < 3.4e9
