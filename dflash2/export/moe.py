@@ -16,17 +16,16 @@ fc2 = down [E, H, I]; swiglu with alpha 1, beta 0 and no clamp is silu(gate) * u
 softmax and top-k from the logits (normalize_routing_weights = norm_topk_prob). Row invariance: the CPU kernel runs
 an expert's rows as one GEMM whose M is the number of rows routed to it, and M = 1 takes another path than M >= 2
 (measured ~1e-7 apart, tests/test_qwen3_moe_export.py); so the op is given every row twice ([x; x], 2n rows: every
-routed expert sees M >= 2) and the first n output rows are kept. Measured bitwise row-invariant that way; costs a
-second copy of the rows' expert work (decode: 2 rows).
+routed expert sees M >= 2) and the first n output rows are kept: measured bitwise row-invariant that way, at 1.3-1.7x
+the block's time. QMoE with int8 activations (int4 weights at accuracy level 4, the export's default, and every int8
+QMoE: ONNX Runtime has no fp32-activation kernel for 8-bit experts) measured row-invariant as it is, and gets each
+row once. (docs/families/qwen3_moe.md has the measurements; the export's row check runs on every export.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 from onnx import helper
-
-ROUTER_DTYPE = np.float32  # the router stays unquantized: a quantized router changes which experts run
-
 
 def is_sparse(c, i: int) -> bool:
     """Layer i of target config c has the mixture of experts (a MoeTargetConfig; dense configs: never)."""
@@ -42,6 +41,7 @@ def standard(b, ops, u: str, src, c, m: str) -> str:
     """u [n, H] -> the block's output [n, H] (module docstring). b: a templates.Builder; ops: its StandardOps;
     src: the weights; m: the checkpoint's prefix of the block (`layers.{i}.mlp`)."""
     E, I, k = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    # the router is never quantized: a quantized router would change which experts run
     logits = b.linear(u, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [n, E]
     probs = b.op("Softmax", [ops.f32(logits, f"{m}.router")], f"{m}.softmax", axis=-1)[0]  # [n, E] fp32
     top, idx = b.op("TopK", [probs, b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2, axis=-1)  # [n, k]
@@ -78,13 +78,16 @@ def fused(b, u: str, src, c, m: str) -> str:
     expert tensors are written expert by expert (b.chunked: with a DataFile, one expert's weights in memory)."""
     E, H, I, k = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     rows = b.op("Reshape", [u, b.const(f"{m}.rows_shape", [-1, H])], f"{m}.rows")[0]  # [n, H]
-    twice = b.op("Concat", [rows, rows], f"{m}.twice", axis=0)[0]  # [2n, H]: every routed expert sees M >= 2
+    q = b.nbits
+    # fp32 activations (MoE; QMoE int4 below accuracy level 4) take the M = 1 path: every row twice, so every routed
+    # expert sees M >= 2. int8 activations (QMoE int4 at level 4, every int8 QMoE) measured row-invariant as they are.
+    twice = rows if q is not None and (q.bits == 8 or q.accuracy_level >= 4) else \
+        b.op("Concat", [rows, rows], f"{m}.twice", axis=0)[0]  # [n or 2n, H]
     logits = b.linear(twice, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [2n, E]
     attrs = dict(k=k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
                  normalize_routing_weights=int(c.norm_topk_prob))
     fcs = (("fc1", lambda e: _fc1(src, m, e), (2 * I, H)),  # [N, K] per expert
            ("fc2", lambda e: src.get(f"{m}.experts.{e}.down_proj.weight"), (H, I)))
-    q = b.nbits
     if q is None:
         fc1, fc2 = (b.chunked(f"{m}.experts.{fc}", (get(e)[None] for e in range(E)), (E, *nk), np.float32)
                     for fc, get, nk in fcs)
