@@ -207,3 +207,24 @@ def test_past_the_budget_a_truncated_build_is_validated_against_the_streamed_ref
     for name in ("target.truncated", "target.truncated.trt"):
         assert m.validation[name].ok and not m.validation[name].skipped, name
     assert m.validation["target"].skipped
+
+
+def test_make_tiny_then_export_from_the_command_line(tmp_path):
+    """dflash2-make-tiny --family qwen3_moe, then dflash2-export --quantize int4 of its pair: the fused graph with
+    QMoE, validated and row-checked."""
+    import json
+    import subprocess
+    import sys
+
+    pair = tmp_path / "pair"
+    r = subprocess.run([sys.executable, "-m", "dflash2.cli.make_tiny", "--out", str(pair), "--family", "qwen3_moe"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((pair / "target" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "dflash2.cli.export", "--target", str(pair / "target"), "--model",
+                        str(pair / "drafter"), "--out", str(out), "--max-seq-len", "128", "--quantize", "int4"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["kv"]["target_attention"] == "gqa" and m["validation"]["target.rows"]["ok"]
