@@ -34,19 +34,23 @@ BLOCK = 8
 
 
 class Block(nn.Module):
-    def __init__(self, E: int, k: int, norm: bool):
+    def __init__(self, E: int, k: int, norm: bool, shared: int = 0):
         super().__init__()
         torch.manual_seed(E * 10 + k)
-        self.mlp = SparseMoE(H, E, k, I, norm)
+        self.mlp = SparseMoE(H, E, k, I, norm, shared)
         with torch.no_grad():
             self.mlp.gate.weight.mul_(5.0)  # decisive, spread routing
+            if shared:
+                self.mlp.shared_expert_gate.weight.mul_(5.0)  # sigmoid() far from 0.5
 
 
 def _session(block: Block, fused: bool, quant: OrtQuant | None = None):
     """A graph of the block alone: x [n, H] -> y [n, H] (the fused form runs on [1, n, H], as gqa.py's layers)."""
     m = block.mlp
+    shared = 0 if m.shared_expert is None else m.shared_expert.gate_proj.weight.shape[0]
     c = SimpleNamespace(hidden_size=H, num_experts=len(m.experts), num_experts_per_tok=m.top_k,
-                        moe_intermediate_size=I, norm_topk_prob=m.norm_topk_prob)
+                        moe_intermediate_size=I, norm_topk_prob=m.norm_topk_prob,
+                        shared_expert_intermediate_size=shared)
     b = Builder(quant=quant)
     src = W.ModuleWeights(block)
     if fused:
@@ -65,13 +69,14 @@ def _session(block: Block, fused: bool, quant: OrtQuant | None = None):
     return lambda x: sess.run(None, {"x": np.ascontiguousarray(x, np.float32)})[0], model
 
 
-SHAPES = [(4, 1, False), (8, 2, True), (8, 2, False)]
+# (experts, top-k, norm_topk_prob, shared expert width: Qwen3.5-MoE's block, 0 for Qwen3-MoE's)
+SHAPES = [(4, 1, False, 0), (8, 2, True, 0), (8, 2, False, 0), (8, 2, True, 48)]
 
 
-@pytest.mark.parametrize("E, k, norm", SHAPES)
+@pytest.mark.parametrize("E, k, norm, shared", SHAPES)
 @pytest.mark.parametrize("fused", [False, True], ids=["standard-ops", "ort-moe"])
-def test_block_matches_the_reference_and_is_row_invariant(E, k, norm, fused):
-    block = Block(E, k, norm).eval()
+def test_block_matches_the_reference_and_is_row_invariant(E, k, norm, shared, fused):
+    block = Block(E, k, norm, shared).eval()
     run, model = _session(block, fused)
     assert ("MoE" in {n.op_type for n in model.graph.node}) == fused
     x = torch.randn(13, H, generator=torch.Generator().manual_seed(1))
@@ -88,7 +93,8 @@ def _dequantized(block: Block, quant: OrtQuant) -> Block:
     """The block with every expert weight replaced by what ONNX Runtime's block quantizer's packed codes and
     scales mean (w = (q - 2^(bits-1)) * scale per block of K, low nibble first for int4): the QMoE's function."""
     q = W.NBits(quant)
-    out = Block(len(block.mlp.experts), block.mlp.top_k, block.mlp.norm_topk_prob)
+    out = Block(len(block.mlp.experts), block.mlp.top_k, block.mlp.norm_topk_prob,
+                0 if block.mlp.shared_expert is None else block.mlp.shared_expert.gate_proj.weight.shape[0])
     out.load_state_dict(block.state_dict())
     with torch.no_grad():
         for ex in out.mlp.experts:
@@ -112,7 +118,7 @@ def _dequantized(block: Block, quant: OrtQuant) -> Block:
 @pytest.mark.parametrize("method, level, tol", [("int4", 0, 1e-5), ("int4", 4, 3e-2), ("int8", 0, 3e-2)])
 def test_qmoe_computes_the_quantized_experts(method, level, tol):
     quant = OrtQuant(method, accuracy_level=level)
-    block = Block(8, 2, True).eval()
+    block = Block(8, 2, True).eval()  # (no shared expert: its dense SwiGLU is MatMulNBits, not QMoE)
     run, model = _session(block, True, quant)
     assert "QMoE" in {n.op_type for n in model.graph.node}
     x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))

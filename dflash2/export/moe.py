@@ -1,6 +1,9 @@
 """The sparse mixture-of-experts MLP (dflash2.reference.moe.SparseMoE) as layer templates, both op sets; the Qwen3-MoE
 target is the dense Qwen3 target (plain.py, gqa.py) with this block on its sparse layers.
 
+Both add a shared expert where the config has one (Qwen3.5-MoE: sigmoid(x @ shared_expert_gate^T) * SwiGLU(x), beside
+the routed sum); the Qwen3.5-MoE graphs themselves are not written yet (docs/families/qwen3_moe.md).
+
 standard(): opset-17 ops only (TensorRT parses it, any provider runs it), the all-experts form: the router's fp32
 softmax, TopK, the kept weights (renormalised when the config says so) scattered into a dense [n, E] routing matrix
 (zeros elsewhere); every expert's gate|up as ONE MatMul [H, E*2I], SwiGLU, each expert's intermediate scaled by its
@@ -64,7 +67,25 @@ def standard(b, ops, u: str, src, c, m: str) -> str:
     down = np.concatenate([src.get(n).T for n in _names(m, E, "down_proj")])  # [E*I, H]: the sum over experts
     y = b.matmul(act, f"{m}.experts.down", down)
     del down
-    return y
+    return _with_shared(b, u, y, src, c, m)
+
+
+def _with_shared(b, u: str, y: str, src, c, m: str) -> str:
+    """y + sigmoid(u @ shared_expert_gate^T) * shared_expert(u) where the config has a shared expert (Qwen3.5-MoE's
+    `shared_expert_intermediate_size`), else y. Standard ops on any leading shape ([n, H] or [1, n, H]); the gate's
+    [H, 1] weight is not quantized (as the router)."""
+    S = getattr(c, "shared_expert_intermediate_size", 0)
+    if not S:
+        return y
+    p = f"{m}.shared_expert"
+    gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up", src, [f"{p}.gate_proj", f"{p}.up_proj"]),
+                              b.const(f"{p}.sizes", [S, S])], f"{p}.split", outputs=2, axis=-1)
+    act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0], up],
+               f"{p}.act")[0]
+    shared = b.linear(act, f"{p}.down", src, [f"{p}.down_proj"])
+    g = b.op("Sigmoid", [b.linear(u, f"{m}.shared_gate", src, [f"{m}.shared_expert_gate"], quantize=False)],
+             f"{m}.shared_gate.sigmoid")[0]  # [.., 1]
+    return b.op("Add", [y, b.op("Mul", [g, shared], f"{p}.gated")[0]], f"{m}.with_shared")[0]
 
 
 def _fc1(src, m: str, e: int) -> np.ndarray:
@@ -116,4 +137,5 @@ def fused(b, u: str, src, c, m: str) -> str:
                  block_size=q.block_size, **attrs)[0]
     n = b.op("Shape", [rows], f"{m}.n", start=0, end=1)[0]
     y = b.op("Slice", [y, b.const(f"{m}.first", [0]), n, b.const(f"{m}.axis0", [0])], f"{m}.kept")[0]  # [n, H]
-    return b.op("Reshape", [y, b.const(f"{m}.out_shape", [1, -1, H])], f"{m}.out")[0]  # [1, n, H]
+    y = b.op("Reshape", [y, b.const(f"{m}.out_shape", [1, -1, H])], f"{m}.out")[0]  # [1, n, H]
+    return _with_shared(b, u, y, src, c, m)  # (ONNX Runtime's MoE has no shared expert: added beside it)
