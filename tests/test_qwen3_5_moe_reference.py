@@ -208,3 +208,28 @@ def test_the_published_35b_a3b_layout_is_read():
     assert shapes[p + "experts.gate_up_proj"] == (256, 1024, 2048) and shapes[p + "experts.down_proj"] == (256, 2048, 512)
     assert shapes[p + "shared_expert_gate.weight"] == (1, 2048) and shapes[p + "gate.weight"] == (256, 2048)
     assert 34.5e9 < sum(math.prod(s) for s in shapes.values()) < 34.8e9
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_streamed_reference_equals_the_loaded_one(fused, tmp_path_factory):
+    """The layer-streamed reference (the export's, for targets past its memory budget) reads either expert layout
+    an expert at a time (UnfusedExperts) and computes exactly the loaded reference."""
+    from dflash2.checkpoint import Weights
+    from dflash2.reference.streamed import StreamedQwen35MoeTarget, streamed_target
+
+    torch.manual_seed(1234)
+    hf = Qwen3_5MoeForCausalLM(hf_config("e4-k2")).eval()
+    randomize(hf, 7)
+    folder = tmp_path_factory.mktemp("streamed")
+    hf.save_pretrained(folder)
+    if fused:
+        fuse(folder)
+    _, c = families.load(folder)
+    whole = load_target(folder, (1, 3), config=c)
+    streamed = streamed_target(c, (1, 3), Weights(folder))
+    assert isinstance(streamed, StreamedQwen35MoeTarget)
+    ids = prompt(20)
+    with torch.no_grad():
+        a, b = whole(ids, whole.empty_state()), streamed(ids, streamed.empty_state())
+    for x, y in zip((a[0], a[1], *a[2]), (b[0], b[1], *b[2])):
+        assert torch.equal(x, y)

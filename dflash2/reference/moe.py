@@ -81,3 +81,50 @@ def unfuse_experts(tensors: dict) -> dict:
         else:
             out[name] = t
     return out
+
+
+class UnfusedExperts:
+    """A weight source (dflash2.checkpoint.Weights' interface: get / shape / in / row_chunks) over a checkpoint whose
+    experts are fused, answering the per-expert names: `...experts.{e}.gate_proj.weight` is rows e of
+    `...experts.gate_up_proj`'s first half, read alone (Weights.get's row slice: one expert in memory). Every other
+    name passes through. The layer-streamed reference and the export's templates read either layout through it."""
+
+    PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
+
+    def __init__(self, src):
+        self.src = src
+
+    def _fused(self, name: str):
+        """(fused name, expert, half) for a per-expert name the source holds fused, else None."""
+        head, sep, tail = name.rpartition(".experts.")
+        parts = tail.split(".")
+        if not sep or len(parts) != 3 or not parts[0].isdigit() or parts[1] not in self.PARTS or parts[2] != "weight":
+            return None
+        fused, half = self.PARTS[parts[1]]
+        key = f"{head}.experts.{fused}"
+        return (key, int(parts[0]), half) if key in self.src and name not in self.src else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.src or self._fused(name) is not None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        f = self._fused(name)
+        if f is None:
+            return tuple(self.src.shape(name))
+        E, N, K = self.src.shape(f[0])
+        return (N // 2, K) if f[2] is not None else (N, K)
+
+    def get(self, name: str, rows: slice | None = None):
+        f = self._fused(name)
+        if f is None:
+            return self.src.get(name, rows)
+        key, e, half = f
+        w = self.src.get(key, slice(e, e + 1))[0]  # [2I, H] or [H, I]: this expert only
+        if half is not None:
+            w = w[half * (w.shape[0] // 2):(half + 1) * (w.shape[0] // 2)]
+        return w if rows is None else w[rows]
+
+    def row_chunks(self, name: str, *args, **kwargs):
+        if self._fused(name) is None:
+            return self.src.row_chunks(name, *args, **kwargs)
+        return iter([self.get(name)])

@@ -28,6 +28,7 @@ from dflash2.reference.layers import Fp32Rope, RMSNorm, rope_inv_freq
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target, TargetLayer
 from dflash2.reference.qwen3_5 import Qwen35Layer, Qwen35Target, ZeroCentredRMSNorm, mrope_inv_freq
+from dflash2.reference.moe import SparseMoE, UnfusedExperts
 from dflash2.reference.vocab import StreamedRows
 
 
@@ -138,9 +139,23 @@ class StreamedQwen35Target(Qwen35Target):
         return _stream(self._templates, self.src, self._dtype)
 
 
+class StreamedQwen35MoeTarget(StreamedQwen35Target):
+    """StreamedQwen35Target of a Qwen3.5-MoE target: the layer templates' MLP the experts' block
+    (dflash2.reference.moe.SparseMoE), the experts read per expert whichever layout the checkpoint holds."""
+
+    def __init__(self, c, tap_ids: tuple[int, ...], weights, like=None, dtype: torch.dtype = torch.float32):
+        super().__init__(dataclasses.replace(c, intermediate_size=1), tap_ids, UnfusedExperts(weights), like, dtype)
+        self.config = c
+        with torch.device("meta"):
+            for template in set(self._templates):
+                template.mlp = SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                                         c.norm_topk_prob, c.shared_expert_intermediate_size).requires_grad_(False)
+
+
 def streamed_target(tc, tap_ids, weights, like=None, dtype: torch.dtype = torch.float32):
     """The layer-streamed reference of any family's target config (dense: StreamedTarget)."""
-    cls = StreamedTarget if tc.family in DENSE else StreamedQwen35Target
+    cls = StreamedTarget if tc.family in DENSE else \
+        StreamedQwen35MoeTarget if tc.family == "qwen3_5_moe" else StreamedQwen35Target
     return cls(tc, tuple(tap_ids), weights, like=like, dtype=dtype)
 
 
