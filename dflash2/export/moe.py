@@ -95,7 +95,7 @@ def _fc1(src, m: str, e: int) -> np.ndarray:
 
 
 def fused(b, u: str, src, c, m: str) -> str:
-    """u [1, n, H] -> [1, n, H] through ONNX Runtime's MoE / QMoE (module docstring); QMoE when b quantizes. The
+    """u [1, n, H] (gqa.py) or [n, H] -> the same shape, through ONNX Runtime's MoE / QMoE (module docstring); QMoE when b quantizes. The
     expert tensors are written expert by expert (b.chunked: with a DataFile, one expert's weights in memory)."""
     E, H, I, k = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     rows = b.op("Reshape", [u, b.const(f"{m}.rows_shape", [-1, H])], f"{m}.rows")[0]  # [n, H]
@@ -137,5 +137,5 @@ def fused(b, u: str, src, c, m: str) -> str:
                  block_size=q.block_size, **attrs)[0]
     n = b.op("Shape", [rows], f"{m}.n", start=0, end=1)[0]
     y = b.op("Slice", [y, b.const(f"{m}.first", [0]), n, b.const(f"{m}.axis0", [0])], f"{m}.kept")[0]  # [n, H]
-    y = b.op("Reshape", [y, b.const(f"{m}.out_shape", [1, -1, H])], f"{m}.out")[0]  # [1, n, H]
+    y = b.op("Reshape", [y, b.op("Shape", [u], f"{m}.in_shape")[0]], f"{m}.out")[0]  # u's shape: [1, n, H] or [n, H]
     return _with_shared(b, u, y, src, c, m)  # (ONNX Runtime's MoE has no shared expert: added beside it)
