@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
+
 def is_sparse(c, i: int) -> bool:
     """Layer i of target config c has the mixture of experts (a MoeTargetConfig; dense configs: never)."""
     sparse = getattr(c, "is_sparse", None)
@@ -95,8 +96,9 @@ def _fc1(src, m: str, e: int) -> np.ndarray:
 
 
 def fused(b, u: str, src, c, m: str) -> str:
-    """u [1, n, H] (gqa.py) or [n, H] -> the same shape, through ONNX Runtime's MoE / QMoE (module docstring); QMoE when b quantizes. The
-    expert tensors are written expert by expert (b.chunked: with a DataFile, one expert's weights in memory)."""
+    """u [1, n, H] (gqa.py) or [n, H] -> the same shape, through ONNX Runtime's MoE / QMoE (module docstring); QMoE
+    when b quantizes. The expert tensors are written expert by expert (b.chunked: with a DataFile, one expert's
+    weights in memory)."""
     E, H, I, k = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     rows = b.op("Reshape", [u, b.const(f"{m}.rows_shape", [-1, H])], f"{m}.rows")[0]  # [n, H]
     q = b.nbits
