@@ -149,8 +149,9 @@ def _hf_greedy(target, n: int) -> list[int]:
     return out[0, len(PROMPT):].tolist()
 
 
-@pytest.mark.parametrize("method, dtype", [(None, "float32"), ("int4", "float32"), (None, "float16")],
-                         ids=["fp32-standard-ops", "int4-qmoe", "fp16-standard-ops"])
+@pytest.mark.parametrize("method, dtype", [(None, "float32"), ("int4", "float32"), ("int8", "float32"),
+                                           (None, "float16")],
+                         ids=["fp32-standard-ops", "int4-qmoe", "int8-qmoe", "fp16-standard-ops"])
 def test_export_is_validated_row_invariant_and_lossless(pair, tmp_path, method, dtype):
     import onnx
 
