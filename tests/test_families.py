@@ -144,7 +144,8 @@ def test_export_refuses_a_family_without_templates_before_writing(tmp_path, monk
     with pytest.raises(CheckpointError) as e:
         export(drafter, target, out, quiet=True)
     assert "'Qwen3_5ForCausalLM' (qwen3_5, hybrid Gated DeltaNet: reference and tiny checkpoints only; export" \
-           in str(e.value) and "['LlamaForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM']" in str(e.value), str(e.value)
+           in str(e.value) and "['LlamaForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM']" in str(e.value), \
+        str(e.value)
     assert not out.exists() and not list(tmp_path.glob("out*"))
 
 

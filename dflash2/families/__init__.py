@@ -1,9 +1,9 @@
 """Target families: one module each, registered here (torch-free; the runtime may import it).
 
-`dense.py` (Llama, Qwen3), `qwen3_moe.py` (Qwen3-MoE), `qwen3_5_moe.py` (Qwen3.5-MoE), `qwen3_5.py` (Qwen3.5 / 3.6 / 3.8 dense hybrid Gated DeltaNet). A family's config
-reader, state kinds, tap points and tiny-checkpoint config live in its module; its PyTorch reference and its
-ONNX layer templates are named there by import path and live in the stages that own them (dflash2/reference/,
-dflash2/export/). Adding a family: write its module, add it to FAMILIES (docs/architecture.md, "Target families").
+`dense.py` (Llama, Qwen3), `qwen3_5.py` (Qwen3.5 / 3.6 / 3.8 dense hybrid Gated DeltaNet), `qwen3_moe.py` and
+`qwen3_5_moe.py` (their mixture-of-experts variants). A family's config reader, state kinds, tap points and
+tiny-checkpoint config live in its module; its PyTorch reference and its ONNX layer templates are named there by
+import path and live in the stages that own them (dflash2/reference/, dflash2/export/). Adding a family: write its module, add it to FAMILIES (docs/architecture.md, "Target families").
 """
 
 from __future__ import annotations

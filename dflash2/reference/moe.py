@@ -94,6 +94,11 @@ class UnfusedExperts:
     def __init__(self, src):
         self.src = src
 
+    def __getattr__(self, name: str):  # the rest of the source's interface (folder, non_finite, ...) as it is
+        if name == "src":
+            raise AttributeError(name)
+        return getattr(self.src, name)
+
     def _fused(self, name: str):
         """(fused name, expert, half) for a per-expert name the source holds fused, else None."""
         head, sep, tail = name.rpartition(".experts.")

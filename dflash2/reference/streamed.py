@@ -57,7 +57,8 @@ class StreamedTarget(Fp32Rope):
             # where the layers differ: a MoE target's dense and sparse MLPs, dflash2.reference.moe)
             sparse = getattr(c, "is_sparse", None)
             one = TargetLayer(c).requires_grad_(False) if sparse is None else None
-            self._layers = [one if one is not None else TargetLayer(c, i).requires_grad_(False) for i in range(c.num_layers)]
+            self._layers = [one if one is not None else TargetLayer(c, i).requires_grad_(False)
+                            for i in range(c.num_layers)]
 
     @property
     def head_weight(self) -> StreamedRows:
