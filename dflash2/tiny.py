@@ -118,13 +118,16 @@ def target_config(family: str, vocab: int, hidden_size: int, num_layers: int, nu
 def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384, hidden_size: int = 64,
                 num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                 tie_word_embeddings: bool = False, shards: int = 1, seed: int = 0,
-                dtype: torch.dtype = torch.float32, attention_bias: bool = False, head_dim: int | None = None) -> Path:
+                dtype: torch.dtype = torch.float32, attention_bias: bool = False, head_dim: int | None = None,
+                extra: dict | None = None) -> Path:
+    """extra: config.json fields over the family's tiny config (a MoE target's mlp_only_layers, say)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(folder, vocab_size)
     eos = vocab and SPECIALS.index("<|im_end|>")
     config = target_config(family, vocab, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
-                           tie_word_embeddings, eos, str(dtype).replace("torch.", ""), attention_bias, head_dim)
+                           tie_word_embeddings, eos, str(dtype).replace("torch.", ""), attention_bias, head_dim,
+                           **(extra or {}))
     write_text(folder / "config.json", json.dumps(config, indent=2), "the config")
     write_text(folder / "generation_config.json", json.dumps({"eos_token_id": eos, "do_sample": False}),
                 "the generation config")

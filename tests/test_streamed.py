@@ -60,7 +60,7 @@ def test_streamed_pair_holds_no_vocabulary_matrix_and_one_layer_at_a_time(pair):
     _outputs(target, drafter)  # a forward of every graph: what it read is dropped after it
     held = [t for m in (target, drafter) for t in (*m.parameters(), *m.buffers()) if t.device.type != "meta"]
     assert held and max(t.numel() for t in held) < tc.vocab_size * tc.hidden_size  # codebooks are [V, rank]
-    for template in (target._layer, drafter.layers):  # the templates, never loaded
+    for template in (*target._layers, drafter.layers):  # the templates (one per layer), never loaded
         assert all(p.device.type == "meta" for p in template.parameters())
     seen = [id(layer) for layer in drafter.iter_layers()]
     assert len(seen) == dc.num_layers

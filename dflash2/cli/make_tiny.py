@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash2-make-tiny", description=__doc__)
     p.add_argument("--out", required=True, type=Path, help="folder; writes OUT/target and OUT/drafter")
     p.add_argument("--family", choices=[f.name for f in families.FAMILIES], default="llama",
-                   help="target family (dflash2.families); qwen3_5: reference and tiny checkpoints only, not exportable")
+                   help="target family (dflash2.families); not exportable yet (reference and tiny checkpoints only): "
+                        + (", ".join(f.name for f in families.FAMILIES if not f.exportable) or "none"))
     p.add_argument("--drafter", choices=["v1", "v2"], default="v2")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--layers", type=int, default=1, help="drafter layers")

@@ -31,6 +31,7 @@ import torch
 from onnx import TensorProto, helper
 from torch import nn
 
+from dflash2.export import moe
 from dflash2.export import signature as N
 from dflash2.export import weights as W
 from dflash2.export.templates import OPSET, Builder, head_norm, rope_caches
@@ -128,11 +129,14 @@ def build(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data: W.DataFi
         pending = b.linear(attn, f"{p}.o_proj", src, [f"{a}.o_proj"])
         u = norm(f"{p}.post_attention_layernorm.weight", f"{p}.post_attention_layernorm")
         m = f"{p}.mlp"
-        gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
-                                  b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
-                        outputs=2, axis=-1)
-        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
-        pending = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])
+        if moe.is_sparse(c, i):  # a MoE target's sparse layer: ONNX Runtime's MoE / QMoE (dflash2.export.moe)
+            pending = moe.fused(b, u, src, c, m)
+        else:
+            gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
+                                      b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
+                            outputs=2, axis=-1)
+            act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
+            pending = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])
     y = norm("norm.weight", "norm")  # h is now the last layer's output
     if L - 1 in tap_ids:
         taps[L - 1] = h

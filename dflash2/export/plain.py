@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from dflash2.export import moe
 from dflash2.export import signature as N
 from dflash2.export.templates import Builder, StandardOps
 
@@ -97,12 +98,15 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
         u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
         m = f"{p}.mlp"
-        gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
-                                  b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
-                        outputs=2, axis=-1)
-        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
-        h = b.op("Add", [h, b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])],
-                 f"{p}.mlp_residual")[0]
+        if moe.is_sparse(c, i):  # a MoE target's sparse layer: the experts' block (dflash2.export.moe)
+            mlp = moe.standard(b, ops, u, src, c, m)
+        else:
+            gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
+                                      b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
+                            outputs=2, axis=-1)
+            act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
+            mlp = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])
+        h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
         kv_i = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
                     f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
         new_kv.append(b.op("Unsqueeze", [kv_i, ax1], f"{p}.new_kv.layer")[0])  # [n, 1, 2, kv, hd]

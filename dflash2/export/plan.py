@@ -255,6 +255,11 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
         raise OutputError(f"--quantize {quantize.method} --target-attention plain: not for {tc.arch} (ONNX Runtime's "
                           f"quantizer rewrites the graph whole and loses the recurrence's If inputs); the default "
                           f"(--target-attention gqa) writes {quantize.method} as the graph is built")
+    if attention == "gqa" and isinstance(quantize, qz.OrtQuant) and hasattr(tc, "num_experts") and \
+            (tc.hidden_size % quantize.block_size or tc.moe_intermediate_size % quantize.block_size):
+        raise OutputError(f"--quantize {quantize.method}: ONNX Runtime's QMoE needs hidden_size and "
+                          f"moe_intermediate_size divisible by the block size {quantize.block_size}, found "
+                          f"{tc.hidden_size} and {tc.moe_intermediate_size} in {Path(target_dir) / 'config.json'}")
     why_not_gqa = gqa.unsupported(tc, dc, max_seq_len)
     if isinstance(quantize, qz.OrtQuant) and quantize.native and attention != "gqa":
         raise OutputError("--quant-from-gguf: expected the fused-op target graph (--target-attention gqa, the default "
@@ -275,6 +280,10 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
 def _family_rules(tc, dtype: str, quantize) -> None:
     """What a family's templates do not do yet, refused before any weight is read (the dense families: all)."""
     fam = families.by_name(tc.family)
+    if fam.name in families.DENSE and hasattr(tc, "num_experts") and dtype not in plain.DTYPES:
+        # a bfloat16 graph is traced (GraphJob "traced"), and a trace bakes in the routing of its example rows
+        raise OutputError(f"--dtype: expected one of {list(plain.DTYPES)} for {tc.arch} ({fam.name}, "
+                          f"{fam.description}), found {dtype!r} (the experts' block is built from templates only)")
     if fam.name in families.DENSE:
         return
     from dflash2.export import qwen3_5 as hybrid

@@ -56,5 +56,3 @@ def _family(name: str, arch: str, qk_norm: bool, hf_class: str) -> TargetFamily:
 
 LLAMA = _family("llama", "LlamaForCausalLM", qk_norm=False, hf_class="LlamaForCausalLM")
 QWEN3 = _family("qwen3", "Qwen3ForCausalLM", qk_norm=True, hf_class="Qwen3ForCausalLM")
-# the families of dflash2.reference.target (Target / StreamedTarget) and the dense graph builders (gqa.py, plain.py)
-DENSE = (LLAMA.name, QWEN3.name)

@@ -69,21 +69,22 @@ class Qwen35Config:
         return asdict(self)
 
 
-def read_qwen3_5_config(raw: dict, path: str | Path = "config.json") -> Qwen35Config:
+def read_qwen3_5_config(raw: dict, path: str | Path = "config.json", accepted: dict = ARCHS) -> Qwen35Config:
     """A Qwen3.5 config.json dict (Qwen3_5ForCausalLM, or Qwen3_5ForConditionalGeneration with the text model's
     fields under `text_config`) -> Qwen35Config. Every refusal names the file, the field, what was expected and
-    what was found."""
+    what was found. accepted: the architectures read (-> wrapped in text_config); the MoE family
+    (dflash2.families.qwen3_5_moe) passes its own, whose configs have no dense `intermediate_size`."""
     path = Path(path)
     archs = raw.get("architectures")
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
         raise CheckpointError(path, "architectures", "a list with one architecture name", repr(archs))
     arch = archs[0]
-    if arch not in ARCHS:
-        hint = "the MoE variant (qwen3_5_moe) is not supported by this reference" if "Moe" in arch else \
-            "not a Qwen3.5 dense checkpoint"
-        raise CheckpointError(path, "architectures", f"one of {sorted(ARCHS)}", repr(arch), hint)
+    if arch not in accepted:
+        hint = "the MoE variant: read by the qwen3_5_moe family" if "Moe" in arch and accepted is ARCHS else \
+            "not a Qwen3.5 checkpoint of this family"
+        raise CheckpointError(path, "architectures", f"one of {sorted(accepted)}", repr(arch), hint)
     text, prefix = raw, ""
-    if ARCHS[arch]:
+    if accepted[arch]:
         if not isinstance(raw.get("text_config"), dict):
             raise CheckpointError(path, "text_config", "an object {...} (the text model's config)",
                                   "the field missing" if "text_config" not in raw else
@@ -143,7 +144,8 @@ def read_qwen3_5_config(raw: dict, path: str | Path = "config.json") -> Qwen35Co
     # transformers ties by the TOP-LEVEL config's flag (the wrapper's, not text_config's)
     tie = _Fields(path, raw).bool("tie_word_embeddings", False)
     return Qwen35Config(
-        arch=arch, hidden_size=hidden, intermediate_size=f.int("intermediate_size", minimum=1),
+        arch=arch, hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size", minimum=1) if accepted is ARCHS else 0,  # MoE: experts only
         layer_types=tuple(types), num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rotary_dim=rotary,
         rope_theta=theta, mrope_section=tuple(section), vocab_size=vocab, rms_norm_eps=f.float("rms_norm_eps", 1e-6),
         tie_word_embeddings=tie, attention_bias=f.bool("attention_bias", False),

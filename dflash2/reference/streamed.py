@@ -28,6 +28,7 @@ from dflash2.reference.layers import Fp32Rope, RMSNorm, rope_inv_freq
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.target import Target, TargetLayer
 from dflash2.reference.qwen3_5 import Qwen35Layer, Qwen35Target, ZeroCentredRMSNorm, mrope_inv_freq
+from dflash2.reference.moe import SparseMoE, UnfusedExperts
 from dflash2.reference.vocab import StreamedRows
 
 
@@ -52,8 +53,12 @@ class StreamedTarget(Fp32Rope):
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.norm.weight = nn.Parameter(_tensor(weights, "norm.weight").to(dtype), requires_grad=False)
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
-        with torch.device("meta"):  # the template of every layer: shapes only, never given tensors
-            self._layer = TargetLayer(c).requires_grad_(False)
+        with torch.device("meta"):  # the template of every layer: shapes only, never given tensors (one per layer
+            # where the layers differ: a MoE target's dense and sparse MLPs, dflash2.reference.moe)
+            sparse = getattr(c, "is_sparse", None)
+            one = TargetLayer(c).requires_grad_(False) if sparse is None else None
+            self._layers = [one if one is not None else TargetLayer(c, i).requires_grad_(False)
+                            for i in range(c.num_layers)]
 
     @property
     def head_weight(self) -> StreamedRows:
@@ -66,7 +71,7 @@ class StreamedTarget(Fp32Rope):
         return self.head_rows.project(h)
 
     def iter_layers(self):
-        return _stream([self._layer] * self.config.num_layers, self.src, self.dtype)
+        return _stream(self._layers, self.src, self.dtype)
 
 
 class StreamedDrafter(Drafter):
@@ -135,9 +140,23 @@ class StreamedQwen35Target(Qwen35Target):
         return _stream(self._templates, self.src, self._dtype)
 
 
+class StreamedQwen35MoeTarget(StreamedQwen35Target):
+    """StreamedQwen35Target of a Qwen3.5-MoE target: the layer templates' MLP the experts' block
+    (dflash2.reference.moe.SparseMoE), the experts read per expert whichever layout the checkpoint holds."""
+
+    def __init__(self, c, tap_ids: tuple[int, ...], weights, like=None, dtype: torch.dtype = torch.float32):
+        super().__init__(dataclasses.replace(c, intermediate_size=1), tap_ids, UnfusedExperts(weights), like, dtype)
+        self.config = c
+        with torch.device("meta"):
+            for template in set(self._templates):
+                template.mlp = SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                                         c.norm_topk_prob, c.shared_expert_intermediate_size).requires_grad_(False)
+
+
 def streamed_target(tc, tap_ids, weights, like=None, dtype: torch.dtype = torch.float32):
     """The layer-streamed reference of any family's target config (dense: StreamedTarget)."""
-    cls = StreamedTarget if tc.family in DENSE else StreamedQwen35Target
+    cls = StreamedTarget if tc.family in DENSE else \
+        StreamedQwen35MoeTarget if tc.family == "qwen3_5_moe" else StreamedQwen35Target
     return cls(tc, tuple(tap_ids), weights, like=like, dtype=dtype)
 
 

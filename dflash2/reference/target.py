@@ -11,15 +11,17 @@ import torch
 from torch import nn
 
 from dflash2.config import TargetConfig
-from dflash2.reference.layers import MLP, Fp32Rope, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq
+from dflash2.reference.layers import Fp32Rope, Projections, RMSNorm, attend, rope_cos_sin, rope_inv_freq
+from dflash2.reference.moe import mlp_for
 
 
 class TargetLayer(nn.Module):
-    def __init__(self, c: TargetConfig):
+    def __init__(self, c: TargetConfig, index: int = 0):
+        """index: the layer's place (a MoE target's MLP is sparse on some layers only, dflash2.reference.moe)."""
         super().__init__()
         self.self_attn = Projections(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                      c.attention_bias, c.qk_norm, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.mlp = mlp_for(c, index)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -40,7 +42,7 @@ class Target(Fp32Rope):
         super().__init__()
         self.config, self.tap_ids = c, tuple(tap_ids)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(TargetLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(TargetLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)

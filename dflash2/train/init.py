@@ -56,8 +56,10 @@ def init_drafter(target, cfg_dict: dict, init_from: str = "last") -> Drafter:
         if attn is not None:
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(mine.self_attn, name).weight.data.copy_(_attention_weight(attn, name))
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(mine.mlp, name).weight.data.copy_(getattr(theirs.mlp, name).weight)
+        mlp = _mlp_source(target, theirs, mine.mlp.gate_proj.weight.shape)
+        if mlp is not None:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(mine.mlp, name).weight.data.copy_(getattr(mlp, name).weight)
         mine.input_layernorm.weight.data.copy_(_norm_weight(theirs.input_layernorm))
         mine.post_attention_layernorm.weight.data.copy_(_norm_weight(theirs.post_attention_layernorm))
     d.norm.weight.data.copy_(_norm_weight(target.norm))
@@ -81,6 +83,18 @@ def _attention_source(target, layer):
         return None
     at = next(i for i, x in enumerate(target.layers) if x is layer)
     return target.layers[min(full, key=lambda i: (abs(i - at), -i))].self_attn
+
+
+def _mlp_source(target, layer, shape):
+    """The dense MLP a drafter layer starts from: the layer's own; for a MoE target's sparse layer (no dense MLP
+    there: dflash2.reference.moe.SparseMoE) the nearest layer's dense MLP of the drafter's width (mlp_only_layers /
+    decoder_sparse_step), None when there is none (the drafter's MLP then keeps its fresh init)."""
+    dense = [i for i, x in enumerate(target.layers)
+             if hasattr(x.mlp, "gate_proj") and x.mlp.gate_proj.weight.shape == shape]
+    if not dense:
+        return None
+    at = next(i for i, x in enumerate(target.layers) if x is layer)
+    return target.layers[min(dense, key=lambda i: (abs(i - at), -i))].mlp
 
 
 def _attention_weight(attn, name: str) -> torch.Tensor:

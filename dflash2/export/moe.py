@@ -1,0 +1,143 @@
+"""The sparse mixture-of-experts MLP (dflash2.reference.moe.SparseMoE) as layer templates, both op sets; the Qwen3-MoE
+target is the dense Qwen3 target (plain.py, gqa.py) with this block on its sparse layers.
+
+Both add a shared expert where the config has one (Qwen3.5-MoE: sigmoid(x @ shared_expert_gate^T) * SwiGLU(x), beside
+the routed sum); the Qwen3.5-MoE graphs themselves are not written yet (docs/families/qwen3_moe.md).
+
+standard(): opset-17 ops only (TensorRT parses it, any provider runs it), the all-experts form: the router's fp32
+softmax, TopK, the kept weights (renormalised when the config says so) scattered into a dense [n, E] routing matrix
+(zeros elsewhere); every expert's gate|up as ONE MatMul [H, E*2I], SwiGLU, each expert's intermediate scaled by its
+routing weight, and one down MatMul [E*I, H] that sums over the experts. Exactly SparseMoE's function (a zero weight
+removes an expert's term), but every expert is computed for every row: E/k times the routed FLOPs and every expert's
+weights read each step. Correct first; the gathered form (only the routed rows per expert) is left to do. Every row
+is computed by the same MatMuls whatever the other rows of the step: row-invariant as the dense MLP is.
+
+fused(): ONNX Runtime's com.microsoft `MoE` (fp32 weights) or `QMoE` (int4 / int8 blockwise weights, quantized
+expert by expert as the checkpoint is read: ONNX Runtime's own block quantizer, dflash2.export.weights.NBits).
+fc1 = the experts' gate and up rows INTERLEAVED ([E, 2I, H]: swiglu_fusion=1, the only layout the CPU kernel takes),
+fc2 = down [E, H, I]; swiglu with alpha 1, beta 0 and no clamp is silu(gate) * up. The op computes the router's
+softmax and top-k from the logits (normalize_routing_weights = norm_topk_prob). Row invariance: the CPU kernel runs
+an expert's rows as one GEMM whose M is the number of rows routed to it, and M = 1 takes another path than M >= 2
+(measured ~1e-7 apart, tests/test_qwen3_moe_export.py); so the op is given every row twice ([x; x], 2n rows: every
+routed expert sees M >= 2) and the first n output rows are kept: measured bitwise row-invariant that way, at 1.3-1.7x
+the block's time. QMoE with int8 activations (int4 weights at accuracy level 4, the export's default, and every int8
+QMoE: ONNX Runtime has no fp32-activation kernel for 8-bit experts) measured row-invariant as it is, and gets each
+row once. (docs/families/qwen3_moe.md has the measurements; the export's row check runs on every export.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+
+def is_sparse(c, i: int) -> bool:
+    """Layer i of target config c has the mixture of experts (a MoeTargetConfig; dense configs: never)."""
+    sparse = getattr(c, "is_sparse", None)
+    return sparse is not None and sparse(i)
+
+
+def _names(m: str, E: int, proj: str) -> list[str]:
+    return [f"{m}.experts.{e}.{proj}.weight" for e in range(E)]
+
+
+def standard(b, ops, u: str, src, c, m: str) -> str:
+    """u [n, H] -> the block's output [n, H] (module docstring). b: a templates.Builder; ops: its StandardOps;
+    src: the weights; m: the checkpoint's prefix of the block (`layers.{i}.mlp`)."""
+    E, I, k = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    # the router is never quantized: a quantized router would change which experts run
+    logits = b.linear(u, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [n, E]
+    probs = b.op("Softmax", [ops.f32(logits, f"{m}.router")], f"{m}.softmax", axis=-1)[0]  # [n, E] fp32
+    top, idx = b.op("TopK", [probs, b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2, axis=-1)  # [n, k]
+    if c.norm_topk_prob:
+        total = b.op("ReduceSum", [top, b.const(f"{m}.last", [-1])], f"{m}.top_sum", keepdims=1)[0]  # [n, 1]
+        top = b.op("Div", [top, total], f"{m}.top_norm")[0]
+    top = ops.back(top, f"{m}.top")  # the graph dtype, as SparseMoE.route casts
+    zero = helper.make_tensor("value", helper.np_dtype_to_tensor_dtype(b.dtype), [1], [0])
+    zeros = b.op("ConstantOfShape", [b.op("Shape", [logits], f"{m}.router.shape")[0]], f"{m}.zeros", value=zero)[0]
+    weights = b.op("ScatterElements", [zeros, idx, top], f"{m}.weights", axis=1)[0]  # [n, E]: 0 where not kept
+    gate_up = [n for e in range(E) for n in (f"{m}.experts.{e}.gate_proj", f"{m}.experts.{e}.up_proj")]
+    gu = b.linear(u, f"{m}.experts.gate_up", src, gate_up)  # [n, E*2I]: expert e's gate then up
+    gu = b.op("Reshape", [gu, b.const(f"{m}.gu_shape", [-1, E, 2, I])], f"{m}.gu4")[0]  # [n, E, 2, I]
+    gate, up = b.op("Split", [gu], f"{m}.gate_up", outputs=2, axis=2)  # [n, E, 1, I] each
+    act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{m}.sigmoid")[0]], f"{m}.silu")[0], up],
+               f"{m}.act")[0]
+    w4 = b.op("Reshape", [weights, b.const(f"{m}.w_shape", [-1, E, 1, 1])], f"{m}.w4")[0]  # [n, E, 1, 1]
+    act = b.op("Reshape", [b.op("Mul", [act, w4], f"{m}.routed")[0], b.const(f"{m}.act_shape", [-1, E * I])],
+               f"{m}.act_flat")[0]  # [n, E*I]
+    down = np.concatenate([src.get(n).T for n in _names(m, E, "down_proj")])  # [E*I, H]: the sum over experts
+    y = b.matmul(act, f"{m}.experts.down", down)
+    del down
+    return _with_shared(b, u, y, src, c, m)
+
+
+def _with_shared(b, u: str, y: str, src, c, m: str) -> str:
+    """y + sigmoid(u @ shared_expert_gate^T) * shared_expert(u) where the config has a shared expert (Qwen3.5-MoE's
+    `shared_expert_intermediate_size`), else y. Standard ops on any leading shape ([n, H] or [1, n, H]); the gate's
+    [H, 1] weight is not quantized (as the router)."""
+    S = getattr(c, "shared_expert_intermediate_size", 0)
+    if not S:
+        return y
+    p = f"{m}.shared_expert"
+    gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up", src, [f"{p}.gate_proj", f"{p}.up_proj"]),
+                              b.const(f"{p}.sizes", [S, S])], f"{p}.split", outputs=2, axis=-1)
+    act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0], up],
+               f"{p}.act")[0]
+    shared = b.linear(act, f"{p}.down", src, [f"{p}.down_proj"])
+    g = b.op("Sigmoid", [b.linear(u, f"{m}.shared_gate", src, [f"{m}.shared_expert_gate"], quantize=False)],
+             f"{m}.shared_gate.sigmoid")[0]  # [.., 1]
+    return b.op("Add", [y, b.op("Mul", [g, shared], f"{p}.gated")[0]], f"{m}.with_shared")[0]
+
+
+def _fc1(src, m: str, e: int) -> np.ndarray:
+    """Expert e's gate and up rows interleaved: [2I, H] (row 2j gate_j, row 2j+1 up_j)."""
+    g, u = src.get(f"{m}.experts.{e}.gate_proj.weight"), src.get(f"{m}.experts.{e}.up_proj.weight")
+    return np.stack([g, u], axis=1).reshape(-1, g.shape[1])
+
+
+def fused(b, u: str, src, c, m: str) -> str:
+    """u [1, n, H] (gqa.py) or [n, H] -> the same shape, through ONNX Runtime's MoE / QMoE (module docstring); QMoE
+    when b quantizes. The expert tensors are written expert by expert (b.chunked: with a DataFile, one expert's
+    weights in memory)."""
+    E, H, I, k = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+    rows = b.op("Reshape", [u, b.const(f"{m}.rows_shape", [-1, H])], f"{m}.rows")[0]  # [n, H]
+    q = b.nbits
+    # fp32 activations (MoE; QMoE int4 below accuracy level 4) take the M = 1 path: every row twice, so every routed
+    # expert sees M >= 2. int8 activations (QMoE int4 at level 4, every int8 QMoE) measured row-invariant as they are.
+    twice = rows if q is not None and (q.bits == 8 or q.accuracy_level >= 4) else \
+        b.op("Concat", [rows, rows], f"{m}.twice", axis=0)[0]  # [n or 2n, H]
+    logits = b.linear(twice, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [2n, E]
+    attrs = dict(k=k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                 normalize_routing_weights=int(c.norm_topk_prob))
+    fcs = (("fc1", lambda e: _fc1(src, m, e), (2 * I, H)),  # [N, K] per expert
+           ("fc2", lambda e: src.get(f"{m}.experts.{e}.down_proj.weight"), (H, I)))
+    if q is None:
+        fc1, fc2 = (b.chunked(f"{m}.experts.{fc}", (get(e)[None] for e in range(E)), (E, *nk), np.float32)
+                    for fc, get, nk in fcs)
+        y = b.op("MoE", [twice, logits, fc1, "", fc2], f"{m}.moe", domain="com.microsoft", **attrs)[0]
+    else:
+        if q.dynamic:
+            raise ValueError("QMoE takes blockwise int4 / int8 expert weights, not dynamic int8")
+        inputs, zps = [twice, logits], []
+        for fc, get, (N, K) in fcs:
+            scales, zeros = [], []
+
+            def packed(get=get, N=N, scales=scales, zeros=zeros):
+                for e in range(E):
+                    pk, sc, zp = q.quantize(get(e).T)  # ONNX Runtime's block quantizer on the [K, N] weight
+                    scales.append(np.asarray(sc, np.float32).reshape(N, -1))  # [N, K / block]
+                    zeros.append(None if q.symmetric else np.asarray(zp).reshape(N, -1))
+                    yield np.asarray(pk).reshape(1, N, -1)  # [1, N, K * bits / 8]
+
+            inputs.append(b.chunked(f"{m}.experts.{fc}_Q{q.bits}", packed(), (E, N, K * q.bits // 8), np.uint8))
+            inputs += [b.weight(f"{m}.experts.{fc}_scales", np.stack(scales)), ""]  # (no bias)
+            zps.append("" if q.symmetric else b.weight(f"{m}.experts.{fc}_zero_points", np.stack(zeros)))
+        inputs += ["", "", ""] + zps  # no fc3 (gate|up are fused in fc1); then fc1 / fc2 zero points
+        if q.accuracy_level:
+            attrs["accuracy_level"] = q.accuracy_level
+        y = b.op("QMoE", inputs, f"{m}.qmoe", domain="com.microsoft", expert_weight_bits=q.bits,
+                 block_size=q.block_size, **attrs)[0]
+    n = b.op("Shape", [rows], f"{m}.n", start=0, end=1)[0]
+    y = b.op("Slice", [y, b.const(f"{m}.first", [0]), n, b.const(f"{m}.axis0", [0])], f"{m}.kept")[0]  # [n, H]
+    y = b.op("Reshape", [y, b.op("Shape", [u], f"{m}.in_shape")[0]], f"{m}.out")[0]  # u's shape: [1, n, H] or [n, H]
+    return _with_shared(b, u, y, src, c, m)  # (ONNX Runtime's MoE has no shared expert: added beside it)
