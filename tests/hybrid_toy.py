@@ -2,7 +2,8 @@
 state whose meaning is checkable: the conv state is the last K-1 token ids, the recurrent state their running sum,
 and next_ids a function of both. Its state io is the Qwen3.5 export's, per layer (signature.state_names): LG layers,
 each conv_state.{j} / rec_state.{j} in and conv_states.{j} / rec_states.{j} out; every layer holds the same two values
-under its own pattern, and the graph reads the window from layer 0 and the running sum from the last layer. `reference` computes the same in Python (tests/test_state_binding.py)."""
+under its own pattern, and the graph reads the window from layer 0 and the running sum from the last layer.
+`reference` computes the same in Python (tests/test_state_binding.py)."""
 
 from __future__ import annotations
 

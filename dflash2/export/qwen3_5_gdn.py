@@ -79,7 +79,8 @@ def _delta_body(Hv: int, dk: int, dv: int, fused: bool) -> onnx.GraphProto:
     same = lambda t: t  # noqa: E731
     if fused:
         nodes = [helper.make_node("Unsqueeze", ["S", "ax0"], ["S4"]), *_fused_row(Hv, same, same, "S4", "S4o"),
-                 helper.make_node("Squeeze", ["S4o", "ax0"], ["S2"]), helper.make_node("Reshape", ["o1", "heads"], ["o"])]
+                 helper.make_node("Squeeze", ["S4o", "ax0"], ["S2"]),
+                 helper.make_node("Reshape", ["o1", "heads"], ["o"])]
         consts = [("ax0", [0]), ("row", [1, 1, -1]), ("heads", [Hv, dv])]
     else:
         nodes, consts = _standard_row(same, same), list(STD_CONSTS)
