@@ -84,7 +84,7 @@ def test_templates_match_the_reference_and_keep_every_row_state(pair, fused):
     readers = {n.op_type for n in model.graph.node if set(n.input) & set(past)}
     writers = {o: n.op_type for n in model.graph.node for o in n.output if o in present}
     assert not {"Split", "Gather"} & readers  # per layer: no stacked state split up, none joined
-    assert {writers[n] for n in present[1::2]} == {"If"} and {writers[n] for n in present[0::2]} == {"Concat"}
+    assert {writers[n] for n in present[1::2]} == {"If"} and {writers[n] for n in present[0::2]} == {"Transpose"}
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     run = lambda ids, s: dict(zip(names, sess.run(None, _feed(ids, s)))) # noqa: E731

@@ -122,6 +122,19 @@ class Gdn:
                                                                            ("v", Hv * dv), ("g", Hv), ("beta", Hv))]
         kd = c.linear_num_key_heads * dk
         self.sizes_qkv = b.const("gdn.qkv_sizes", [kd, kd, Hv * dv])
+        # shared by every layer, computed once per step: each conv tap's rows [t, n + t) of the window, and the
+        # window rows of the conv state after each kept row r (split_at + 1 + r + [0, K-1)): [W', K-1]
+        K = c.linear_conv_kernel_dim
+        self.taps = [(b.const(f"gdn.tap{t}.from", [t]),
+                      sh.n if t == 0 else b.op("Add", [sh.n, b.const(f"gdn.tap{t}.to", [t])], f"gdn.tap{t}.end")[0])
+                     for t in range(K)]
+        scalar = lambda x, nm: b.op("Squeeze", [x, sh.ax0], nm)[0]  # noqa: E731
+        first = b.op("Add", [sh.split_at, b.const("gdn.one", [1])], "gdn.conv_state.first")[0]
+        kept = b.op("Range", [scalar(first, "gdn.conv_state.first0"), scalar(self.taps[1][1], "gdn.conv_state.end0"),
+                              b.const("gdn.step", 1)], "gdn.conv_state.kept")[0]  # [W'] split_at+1 .. n
+        self.conv_rows = b.op("Add", [b.op("Unsqueeze", [kept, b.const("gdn.ax1", [1])], "gdn.conv_state.col")[0],
+                                      b.const("gdn.conv_state.taps", [list(range(K - 1))])],
+                              "gdn.conv_state.rows")[0]  # [W', K-1]
         # the one-row branch's constants, outer-scope initializers its If reads (the Scan body holds its own)
         self.row_consts = {nm: b.const(f"gdn.row.{nm}", v) for nm, v in
                            (STD_CONSTS if not fused else (("row", [1, 1, -1]), ("heads", [-1, Hv, dv])))}
@@ -212,20 +225,15 @@ class Gdn:
         wconv = np.asarray(src.get(f"{a}.conv1d.weight"), np.float32)[:, 0, :]  # [C, K]
         x = None
         for t in range(K):  # reference causal_conv: the taps summed in order
-            rows = b.op("Slice", [window, b.const(f"{p}.tap{t}.from", [t]),
-                                  b.op("Add", [sh.n, b.const(f"{p}.tap{t}.to", [t])], f"{p}.tap{t}.end")[0], sh.ax0],
-                        f"{p}.tap{t}.rows")[0]  # [n, C]
+            rows = b.op("Slice", [window, *self.taps[t], sh.ax0], f"{p}.tap{t}.rows")[0]  # [n, C]
             m = b.op("Mul", [rows, b.fw(f"{p}.conv.w{t}", wconv[:, t])], f"{p}.tap{t}")[0]
             x = m if x is None else b.op("Add", [x, m], f"{p}.conv.sum{t}")[0]
         x = f["silu"](x, f"{p}.conv.silu")
-        # conv state after each of the last W' rows r: window rows r+1 .. r+K-1, as [C, K-1]
-        cols = []
-        for t in range(K - 1):
-            lo = b.op("Add", [sh.split_at, b.const(f"{p}.cs{t}.lo", [t + 1])], f"{p}.cs{t}.from")[0]
-            hi = b.op("Add", [sh.n, b.const(f"{p}.cs{t}.hi", [t + 1])], f"{p}.cs{t}.to")[0]
-            col = b.op("Slice", [window, lo, hi, sh.ax0], f"{p}.cs{t}")[0]  # [W', C]
-            cols.append(b.op("Unsqueeze", [col, b.const(f"{p}.cs{t}.ax", [2])], f"{p}.cs{t}.col")[0])
-        b.op("Concat", cols, conv_out, outputs=[conv_out], axis=2)  # [W', C, K-1]
+        # conv state after each of the last W' rows r: window rows r+1 .. r+K-1, as [C, K-1] (one Gather of the
+        # shared row indices and a Transpose: the K-1 Slices, Unsqueezes and index Adds per layer they replace were
+        # 13 of a decode step's ~60 nodes per GDN layer, each costing ONNX Runtime's per-node overhead)
+        rows = b.op("Gather", [window, self.conv_rows], f"{p}.conv_state_rows", axis=0)[0]  # [W', K-1, C]
+        b.op("Transpose", [rows], conv_out, outputs=[conv_out], perm=[0, 2, 1])  # [W', C, K-1]
         q, k, v = b.op("Split", [x, self.sizes_qkv], f"{p}.qkv", outputs=3, axis=-1)
         rep = f["repeat_heads"]
         q = b.op("Mul", [f["l2norm"](rep(f["heads"](q, Hk, dk, f"{p}.q_heads"), f"{p}.q_rep"), f"{p}.q_l2"),
