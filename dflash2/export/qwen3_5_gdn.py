@@ -8,12 +8,12 @@ Per GDN layer j the layer reads its own state inputs and writes its own state ou
     rec_states.{j}   [W', Hv, dk, dv]     out: the delta-rule state after each of those rows
 
 One tensor per layer, not one stacked over layers: the stacked binding cost a Split of the input and a Concat of the
-18 layers' per-row states into one output every step (11% of an int4 decode step at Qwen3.5-0.8B's shape).
+18 layers' per-row states into one output every step (9-11% of an int4 decode step at Qwen3.5-0.8B's shape).
 
 The recurrence, per layer, is an If on n == 1:
   then (a 1-row decode): the one-row delta rule applied once, reading rec_state.{j} and writing rec_states.{j}
-       directly: no Scan, no row Slices, no state copy (the Scan's per-row Identity and its loop state were 14% of
-       the decode step's non-MatMul time);
+       directly: no Scan, no row Slices, no state copy (the Scan, its per-row Identity included, was 9% of the
+       stacked graph's decode step, beside a zero-row LinearAttention per layer; docs/results, 2026-12-06);
   else: the rows before the window (a prefill past it) in one pass that keeps no per-row state, the last W' rows
        in a Scan whose body is the same one-row delta rule, keeping each row's state.
 Both run the SAME one-row op on the same shapes (the fused LinearAttention over [1, 1, Hv*dk] rows, or the standard
