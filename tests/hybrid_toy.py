@@ -1,6 +1,9 @@
 """A toy hybrid target pair as ONNX graphs (onnx.helper) that honours the whole target contract, with a recurrent
 state whose meaning is checkable: the conv state is the last K-1 token ids, the recurrent state their running sum,
-and next_ids a function of both. `reference` computes the same in Python (tests/test_state_binding.py)."""
+and next_ids a function of both. Its state io is the Qwen3.5 export's, per layer (signature.state_names): LG layers,
+each conv_state.{j} / rec_state.{j} in and conv_states.{j} / rec_states.{j} out; every layer holds the same two values
+under its own pattern, and the graph reads the window from layer 0 and the running sum from the last layer.
+`reference` computes the same in Python (tests/test_state_binding.py)."""
 
 from __future__ import annotations
 
@@ -18,12 +21,13 @@ from dflash2.export import signature as sg
 # the toy pair: vocab, block size (= window), context width, KV row [L, 2, kv, hd], state rows
 V, B, CW, KV_ROW = 50, 4, 3, [1, 2, 1, 2]
 LG, C, K1, HV, DK, DV = 2, 3, 3, 2, 2, 3  # K1 = K - 1: the conv window
-ROWS = [[LG, C, K1], [LG, HV, DK, DV]]
+ROWS = [[C, K1], [HV, DK, DV]] * LG  # each state tensor's row, in state_names' order (conv, rec per layer)
+PAST, PRESENT = sg.state_names(LG)
 
 
 def state_sig(window: int = B, **change) -> mf.StateSignature:
-    s = mf.StateSignature("rows", [sg.CONV_STATE, sg.REC_STATE], [sg.CONV_STATES, sg.REC_STATES],
-                          [list(r) for r in ROWS], ["float32", "float32"], window)
+    s = mf.StateSignature("rows", list(PAST), list(PRESENT), [list(r) for r in ROWS], ["float32"] * len(ROWS),
+                          window)
     return dataclasses.replace(s, **change)
 
 
@@ -41,14 +45,15 @@ def reference(state: tuple[tuple, float], ids: list[int]) -> tuple[list[int], li
 
 ZERO = ((0.0,) * K1, 0.0)
 # per-element offsets inside a state row (element 0 is 0: what the graph reads back), so a row holds more than one value
-CONV_PAT = (np.arange(LG * C * K1, dtype=np.float32).reshape(LG, C, K1) // K1 * 100)
-REC_PAT = np.arange(LG * HV * DK * DV, dtype=np.float32).reshape(LG, HV, DK, DV) * 1000
+# (and it differs per layer)
+CONV_PAT = [np.arange(C * K1, dtype=np.float32).reshape(C, K1) // K1 * 100 * (j + 1) for j in range(LG)]
+REC_PAT = [np.arange(HV * DK * DV, dtype=np.float32).reshape(HV, DK, DV) * 1000 * (j + 1) for j in range(LG)]
 
 
-def state_rows(state) -> tuple[np.ndarray, np.ndarray]:
-    """A reference state as the two rows the graph writes: [LG, C, K1], [LG, HV, DK, DV]."""
+def state_rows(state) -> list[np.ndarray]:
+    """A reference state as the rows the graph writes, per layer [C, K1], [HV, DK, DV] (PAST's order)."""
     window, total = state
-    return np.asarray(window, np.float32) + CONV_PAT, total + REC_PAT
+    return [r for j in range(LG) for r in (np.asarray(window, np.float32) + CONV_PAT[j], total + REC_PAT[j])]
 
 
 def _const(name: str, value) -> onnx.NodeProto:
@@ -64,15 +69,16 @@ def target_graph() -> onnx.ModelProto:
         _const("m1", np.arange(1, K1 + 1, dtype=np.int64)), _const("zero", np.array(0, np.int64)),
         _const("c5", np.array(5, np.float32)), _const("c7", np.array(7, np.float32)),
         _const("cv", np.array(V, np.float32)), _const("col0", np.array(0, np.int64)),
-        _const("colm", np.array(K1 - 2, np.int64)), _const("conv_pat", CONV_PAT), _const("rec_pat", REC_PAT),
+        _const("colm", np.array(K1 - 2, np.int64)),
         _const("r5", np.array([-1, 1, 1, 1, 1], np.int64)), _const("r4", np.array([-1, 1, 1, 1], np.int64)),
         _const("ctx_ones", np.ones((1, CW), np.float32)), _const("kv_ones", np.ones([1, *KV_ROW], np.float32)),
         _const("vocab", np.arange(V, dtype=np.float32)[None, :]),
         oh.make_node("Cast", ["input_ids"], ["x"], to=f),
-        # the state before the step: element 0 of each row (conv: its first K1 values, rec: the running sum)
-        oh.make_node("Reshape", ["conv_state", "flat"], ["conv_flat"]),
+        # the state before the step: element 0 of each row (conv: its first K1 values from layer 0, rec: the
+        # running sum from the last layer)
+        oh.make_node("Reshape", [PAST[0], "flat"], ["conv_flat"]),
         oh.make_node("Slice", ["conv_flat", "z1", "k1"], ["w0"]),
-        oh.make_node("Reshape", ["rec_state", "flat"], ["rec_flat"]),
+        oh.make_node("Reshape", [PAST[-1], "flat"], ["rec_flat"]),
         oh.make_node("Slice", ["rec_flat", "z1", "one"], ["s0"]),
         oh.make_node("Concat", ["w0", "x"], ["seq"], axis=0),  # [K1 + n]
         oh.make_node("Shape", ["input_ids"], ["n"]),
@@ -91,13 +97,11 @@ def target_graph() -> onnx.ModelProto:
         oh.make_node("Add", ["a1", "a2"], ["a3"]), oh.make_node("Add", ["a3", "wb"], ["a4"]),
         oh.make_node("Mod", ["a4", "cv"], ["nf"], fmod=1),
         oh.make_node("Cast", ["nf"], ["next_ids"], to=TP.INT32),
-        # the state after each of the last min(n, B) rows
+        # the state after each of the last min(n, B) rows, per layer
         oh.make_node("Slice", ["win", "negw", "big", "z1"], ["win_w"]),
         oh.make_node("Slice", ["st", "negw", "big", "z1"], ["st_w"]),
-        oh.make_node("Unsqueeze", ["win_w", "one"], ["ww1"]), oh.make_node("Unsqueeze", ["ww1", "one"], ["ww2"]),
-        oh.make_node("Add", ["ww2", "conv_pat"], ["conv_states"]),
-        oh.make_node("Reshape", ["st_w", "r5"], ["st5"]),
-        oh.make_node("Add", ["st5", "rec_pat"], ["rec_states"]),
+        oh.make_node("Unsqueeze", ["win_w", "one"], ["ww1"]),  # [w, 1, K1]
+        oh.make_node("Reshape", ["st_w", "r4"], ["st4"]),  # [w, 1, 1, 1]
         # the dense target's io: context and KV rows from the ids, logits peaked at next_ids (+ 0 * the past KV)
         oh.make_node("Unsqueeze", ["x", "one"], ["xc"]),
         oh.make_node("Mul", ["xc", "ctx_ones"], ["context"]),
@@ -110,14 +114,16 @@ def target_graph() -> onnx.ModelProto:
         oh.make_node("Sub", ["nf2", "vocab"], ["d"]), oh.make_node("Abs", ["d"], ["ad"]),
         oh.make_node("Neg", ["ad"], ["l0"]), oh.make_node("Add", ["l0", "kv_zero"], ["logits"]),
     ]
+    for j in range(LG):
+        n += [_const(f"conv_pat{j}", CONV_PAT[j]), _const(f"rec_pat{j}", REC_PAT[j]),
+              oh.make_node("Add", ["ww1", f"conv_pat{j}"], [PRESENT[2 * j]]),
+              oh.make_node("Add", ["st4", f"rec_pat{j}"], [PRESENT[2 * j + 1]])]
     ins = [oh.make_tensor_value_info("input_ids", TP.INT32, ["n"]),
            oh.make_tensor_value_info("past_kv", f, ["past", *KV_ROW]),
-           oh.make_tensor_value_info("conv_state", f, [1, *ROWS[0]]),
-           oh.make_tensor_value_info("rec_state", f, [1, *ROWS[1]])]
+           *[oh.make_tensor_value_info(nm, f, [1, *r]) for nm, r in zip(PAST, ROWS)]]
     outs = [oh.make_tensor_value_info("next_ids", TP.INT32, ["n"]), oh.make_tensor_value_info("context", f, ["n", CW]),
             oh.make_tensor_value_info("logits", f, ["w", V]), oh.make_tensor_value_info("new_kv", f, ["n", *KV_ROW]),
-            oh.make_tensor_value_info("conv_states", f, ["w", *ROWS[0]]),
-            oh.make_tensor_value_info("rec_states", f, ["w", *ROWS[1]])]
+            *[oh.make_tensor_value_info(nm, f, ["w", *r]) for nm, r in zip(PRESENT, ROWS)]]
     g = oh.make_graph(_toposort(n), "toy_hybrid_target", ins, outs)
     return oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)])
 
@@ -142,7 +148,7 @@ def drafter_graph() -> onnx.ModelProto:
 
 def _toposort(nodes: list) -> list:
     """Nodes in an order where each input is made first (the list above reads in the order of the math)."""
-    made, out, rest = {"input_ids", "past_kv", "conv_state", "rec_state"}, [], list(nodes)
+    made, out, rest = {"input_ids", "past_kv", *PAST}, [], list(nodes)
     while rest:
         ready = [nd for nd in rest if all(i in made for i in nd.input if i)]
         assert ready, [nd.output for nd in rest]

@@ -16,6 +16,7 @@ from dflash2.checkpoint import Weights
 from dflash2.config import load_drafter_config
 from dflash2.errors import Dflash2Error
 from dflash2.export import qwen3_5 as Q
+from dflash2.export import signature as N
 from dflash2.export import weights as W
 from dflash2.export.api import export
 from dflash2.reference.qwen3_5 import State, commit, load_target
@@ -43,8 +44,27 @@ def exported(pair, tmp_path_factory):
 
 
 def _feed(ids, s: State) -> dict:
-    return {"input_ids": np.asarray(ids, np.int32), "past_kv": s.kv.numpy(), "conv_state": s.conv[None].numpy(),
-            "rec_state": s.rec[None].numpy()}
+    """Per GDN layer j: conv_state.{j} [1, C, K-1], rec_state.{j} [1, Hv, dk, dv] (signature.state_names)."""
+    past = N.state_names(s.conv.shape[0])[0]
+    per_layer = [t[j][None].numpy() for j in range(s.conv.shape[0]) for t in (s.conv, s.rec)]
+    return {"input_ids": np.asarray(ids, np.int32), "past_kv": s.kv.numpy(), **dict(zip(past, per_layer))}
+
+
+def _stacked(out: dict, stem: str) -> np.ndarray:
+    """The graph's per-layer state outputs {stem}.{j} [W', *row] stacked as the reference keeps them: [W', Lg, *row]."""
+    layers = sorted((k for k in out if k.startswith(stem + ".")), key=lambda k: int(k.rsplit(".", 1)[1]))
+    return np.stack([out[k] for k in layers], axis=1)
+
+
+def _ops(g) -> set[str]:
+    """Op types of a graph and of every subgraph (If branches, Scan bodies)."""
+    out = set()
+    for n in g.node:
+        out.add(n.op_type)
+        for a in n.attribute:
+            if a.type == a.GRAPH:
+                out |= _ops(a.g)
+    return out
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["standard-ops", "linear-attention"])
@@ -56,8 +76,15 @@ def test_templates_match_the_reference_and_keep_every_row_state(pair, fused):
     dc = load_drafter_config(drafter)
     ref = load_target(target, tuple(dc.target_layer_ids))
     model, _ = Q.build(ref.config, dc, W.ModuleWeights(ref), Weights(drafter), fuse_context=False, fused=fused)
-    ops = {n.op_type for n in model.graph.node}  # the rows before the window: one LinearAttention, or an If'd Scan
-    assert ("LinearAttention" in ops and "If" not in ops) if fused else ("If" in ops and "LinearAttention" not in ops)
+    ops = _ops(model.graph)  # a decode's row, the rows before the window and the window's rows: LinearAttention
+    assert ("LinearAttention" in ops) == fused and {"If", "Scan"} <= ops
+    io = {v.name for v in model.graph.input} | {v.name for v in model.graph.output}
+    past, present = N.state_names(len(ref.config.linear_layers))
+    assert set(past + present) <= io and not {"conv_state", "rec_state", "conv_states", "rec_states"} & io
+    readers = {n.op_type for n in model.graph.node if set(n.input) & set(past)}
+    writers = {o: n.op_type for n in model.graph.node for o in n.output if o in present}
+    assert not {"Split", "Gather"} & readers  # per layer: no stacked state split up, none joined
+    assert {writers[n] for n in present[1::2]} == {"If"} and {writers[n] for n in present[0::2]} == {"Transpose"}
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     run = lambda ids, s: dict(zip(names, sess.run(None, _feed(ids, s)))) # noqa: E731
@@ -65,6 +92,7 @@ def test_templates_match_the_reference_and_keep_every_row_state(pair, fused):
     with torch.no_grad():
         logits, taps, step = ref(torch.tensor(PROMPT), s0)
     out = run(PROMPT, s0)
+    out["conv_states"], out["rec_states"] = _stacked(out, "conv_states"), _stacked(out, "rec_states")
     assert out["rec_states"].shape[0] == out["conv_states"].shape[0] == BLOCK  # the last B rows only
     for name, want in (("logits", logits[-BLOCK:]), ("context", taps), ("new_kv", step.kv),
                        ("conv_states", step.conv[-BLOCK:]), ("rec_states", step.rec[-BLOCK:])):
@@ -72,6 +100,7 @@ def test_templates_match_the_reference_and_keep_every_row_state(pair, fused):
     s1 = commit(s0, step, len(PROMPT))
     verify = [3, 1, 4, 1, 5, 9, 2, 6]
     v = run(verify, s1)
+    v["conv_states"], v["rec_states"] = _stacked(v, "conv_states"), _stacked(v, "rec_states")
     with torch.no_grad():
         vl, _, vstep = ref(torch.tensor(verify), s1)
     assert np.abs(v["logits"] - vl.numpy()).max() < 1e-4
@@ -158,7 +187,7 @@ def test_int4_is_lossless_against_its_own_target(pair, tmp_path):
     assert m.kv.target_attention == "gqa" and m.validation["target.truncated"].ok  # written quantized, fp32 checked
     g = onnx.load(str(tmp_path / "int4" / "target.onnx"), load_external_data=False).graph
     weights = {t.name for t in g.initializer}
-    assert {"MatMulNBits", "GatherBlockQuantized", "Scan"} <= {n.op_type for n in g.node}
+    assert {"MatMulNBits", "GatherBlockQuantized", "Scan", "LinearAttention"} <= _ops(g)
     assert not [n.name for n in g.node if n.op_type in ("MatMul", "Gemm") and weights & set(n.input)]  # all int4
     rt = Runtime(tmp_path / "int4")
     rt.manifest.eos_token_ids = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 
 import numpy as np
@@ -20,8 +21,8 @@ from dflash2.runtime.session import SpecSession, buffer_bytes
 from dflash2.runtime.state import INITIAL, RowStates, state_bytes
 from dflash2.speculative import Drafted, generate
 from tests.exports import edit_manifest
-from tests.hybrid_toy import (B, C, DK, DV, HV, K1, LG, ROWS, V, ZERO, drafter_graph, facts, graph_io, io_of, names,
-                              reference, state_rows, state_sig, target_graph)
+from tests.hybrid_toy import (B, C, DK, DV, HV, K1, LG, PAST, PRESENT, ROWS, V, ZERO, drafter_graph, facts, graph_io,
+                              io_of, names, reference, state_rows, state_sig, target_graph)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def session(toy, cls=SpecSession, **kw) -> SpecSession:
 def test_the_toy_signature_records_the_state(toy):
     _, ts, ds = toy
     assert ts.state == state_sig() and ds.state is None
-    assert {"conv_state", "rec_state"} <= ts.names()[0] and {"conv_states", "rec_states"} <= ts.names()[1]
+    assert PAST == ["conv_state.0", "rec_state.0", "conv_state.1", "rec_state.1"]  # per GDN layer, conv first
+    assert set(PAST) <= ts.names()[0] and set(PRESENT) <= ts.names()[1]
     assert ts.problems("graphs.target.signature", graph_io(target_graph()), "target") == []
 
 
@@ -67,20 +69,22 @@ def test_a_signature_without_state_is_unchanged():
 def test_the_signature_helper_refuses_a_partial_state():
     io = io_of(target_graph())
     ins, outs = names(io)
-    with pytest.raises(ValueError, match=r"recurrent state needs .* found state tensors \['conv_state', 'rec_state', "
-                                         r"'conv_states', 'rec_states'\], state_window None"):
+    with pytest.raises(ValueError, match=r"recurrent state needs .* found state tensors " +
+                       re.escape(f"{PAST + PRESENT}, state_window None")):
         sg.signature("target", "prefix", ins, outs)
-    with pytest.raises(ValueError, match=r"found state tensors \['conv_state', 'rec_state', 'conv_states'\]"):
-        sg.signature("target", "prefix", ins, [o for o in outs if o != "rec_states"], state_window=B, io=io)
+    with pytest.raises(ValueError, match=re.escape(f"found state tensors {PAST + PRESENT[:-1]}")):
+        sg.signature("target", "prefix", ins, [o for o in outs if o != "rec_states.1"], state_window=B, io=io)
+    with pytest.raises(ValueError, match=re.escape(f"found state tensors {PAST[1:] + PRESENT}")):
+        sg.signature("target", "prefix", [i for i in ins if i != "conv_state.0"], outs, state_window=B, io=io)
     dense_in, dense_out = ins[:2], outs[:4]
     with pytest.raises(ValueError, match=r"found state tensors \[\], state_window 4"):
         sg.signature("target", "prefix", dense_in, dense_out, state_window=B, io=io)
-    with pytest.raises(ValueError, match=r"tensors \['conv_state'\] unnamed by the contract"):
-        sg.signature("drafter", "prefix", ["context", "anchor", "past_ctx_kv", "conv_state"],
+    with pytest.raises(ValueError, match=r"tensors \['conv_state.0'\] unnamed by the contract"):
+        sg.signature("drafter", "prefix", ["context", "anchor", "past_ctx_kv", "conv_state.0"],
                      ["draft_ids", "confidence", "new_ctx_kv"])
-    io["outputs"][-1]["shape"] = ["w", LG, HV, DK, DV + 1]
-    with pytest.raises(ValueError, match=r"rec_states expected shape \[W', 2, 2, 2, 3\], found "
-                                         r"\['w', 2, 2, 2, 4\]"):
+    io["outputs"][-1]["shape"] = ["w", HV, DK, DV + 1]
+    with pytest.raises(ValueError, match=r"rec_states.1 expected shape \[W', 2, 2, 3\], found "
+                                         r"\['w', 2, 2, 4\]"):
         sg.signature("target", "prefix", ins, outs, state_window=B, io=io)
 
 
@@ -89,26 +93,27 @@ def test_json_round_trip():
     problems: list[str] = []
     back = _convert(mf.Signature, json.loads(json.dumps(_plain(sig))), "sig", problems)
     assert problems == [] and back == sig and isinstance(back.state, mf.StateSignature)
-    assert _plain(sig)["state"] == {"kind": "rows", "past": ["conv_state", "rec_state"],
-                                    "present": ["conv_states", "rec_states"], "rows": ROWS,
-                                    "dtypes": ["float32", "float32"], "window": B}
+    assert _plain(sig)["state"] == {"kind": "rows", "past": PAST, "present": PRESENT, "rows": ROWS,
+                                    "dtypes": ["float32"] * 4, "window": B}
 
 
 @pytest.mark.parametrize("change, want", [
     (dict(kind="cols"), "S.state.kind: expected one of ['rows'], found 'cols'"),
-    (dict(past=["conv_state"]), "S.state.past: expected 2 entries (conv state, recurrent state), found 1"),
-    (dict(present=["conv_states", "rec_states", "x"]), "S.state.present: expected 2 entries"),
-    (dict(rows=[ROWS[0]]), "S.state.rows: expected 2 entries (conv state, recurrent state), found 1"),
-    (dict(dtypes=["float32"]), "S.state.dtypes: expected 2 entries"),
+    (dict(past=[]), "S.state.past: expected at least 1 state tensor, found none"),
+    (dict(past=PAST[:1]), "S.state.present: expected 1 entries (one per state.past tensor), found 4"),
+    (dict(present=PRESENT + ["x"]), "S.state.present: expected 4 entries (one per state.past tensor), found 5"),
+    (dict(rows=ROWS[:1]), "S.state.rows: expected 4 entries (one per state.past tensor), found 1"),
+    (dict(dtypes=["float32"]), "S.state.dtypes: expected 4 entries"),
     (dict(window=0), "S.state.window: expected >= 1, found 0"),
-    (dict(rows=[[LG, 0, K1], ROWS[1]]), "S.state.rows[0]: expected a shape of positive ints, found [2, 0, 3]"),
-    (dict(rows=[[], ROWS[1]]), "S.state.rows[0]: expected a shape of positive ints, found []"),
-    (dict(dtypes=["float32", "float8"]), "S.state.dtypes[1]: expected one of ['float32', "),
-    (dict(present=["conv_state", "rec_states"]), "S.state: expected distinct tensor names"),
-    (dict(past=["conv_state", "recurrent"]), "S.state: recurrent is not an input of the graph"),
-    (dict(present=["conv_states", "next_ids_x"]), "S.state: next_ids_x is not an output of the graph"),
-    (dict(rows=[[LG, C, K1 + 1], ROWS[1]]), "S.state: conv_state expected shape [1, 2, 3, 4], found [1, 2, 3, 3]"),
-    (dict(dtypes=["float16", "float32"]), "S.state: conv_state expected element type float16, found float32"),
+    (dict(rows=[[C, 0], *ROWS[1:]]), "S.state.rows[0]: expected a shape of positive ints, found [3, 0]"),
+    (dict(rows=[[], *ROWS[1:]]), "S.state.rows[0]: expected a shape of positive ints, found []"),
+    (dict(dtypes=["float32", "float8", "float32", "float32"]), "S.state.dtypes[1]: expected one of ['float32', "),
+    (dict(present=["conv_state.0", *PRESENT[1:]]), "S.state: expected distinct tensor names"),
+    (dict(past=["conv_state.0", "recurrent", *PAST[2:]]), "S.state: recurrent is not an input of the graph"),
+    (dict(present=[PRESENT[0], "next_ids_x", *PRESENT[2:]]), "S.state: next_ids_x is not an output of the graph"),
+    (dict(rows=[[C, K1 + 1], *ROWS[1:]]), "S.state: conv_state.0 expected shape [1, 3, 4], found [1, 3, 3]"),
+    (dict(dtypes=["float16"] + ["float32"] * 3),
+     "S.state: conv_state.0 expected element type float16, found float32"),
 ])
 def test_problems_name_each_broken_field(toy, change, want):
     _, ts, _ = toy
@@ -120,8 +125,8 @@ def test_problems_name_each_broken_field(toy, change, want):
 def test_problems_check_the_past_leading_dim_and_the_graph(toy):
     _, ts, ds = toy
     io = graph_io(target_graph())
-    io.inputs[2] = mf.IoSpec("conv_state", "float32", [2, *ROWS[0]])
-    assert ts.problems("S", io, "target") == ["S.state: conv_state expected shape [1, 2, 3, 3], found [2, 2, 3, 3]"]
+    io.inputs[2] = mf.IoSpec("conv_state.0", "float32", [2, *ROWS[0]])
+    assert ts.problems("S", io, "target") == ["S.state: conv_state.0 expected shape [1, 3, 3], found [2, 3, 3]"]
     on_drafter = dataclasses.replace(ds, state=state_sig())
     assert "S.state: expected none (only a target graph keeps a recurrent state), found a 'rows' binding" in \
         on_drafter.problems("S", None, "drafter")
@@ -138,9 +143,9 @@ def stateful_export(export_dir, tmp_path):
     def edit(data):
         g = data["graphs"]["target"]
         g["inputs"] += [{"name": n, "dtype": "float32", "shape": [1, *r]}
-                        for n, r in zip(["conv_state", "rec_state"], ROWS)]
+                        for n, r in zip(PAST, ROWS)]
         g["outputs"] += [{"name": n, "dtype": "float32", "shape": ["w", *r]}
-                         for n, r in zip(["conv_states", "rec_states"], ROWS)]
+                         for n, r in zip(PRESENT, ROWS)]
         g["signature"]["state"] = _plain(state_sig(window=B_))
     edit_manifest(out, edit)
     return out
@@ -157,7 +162,7 @@ def test_manifest_round_trip_with_a_state(export_dir, stateful_export):
     # the state rows count in what dflash2-run says it allocates
     T = m.max_seq_len
     assert buffer_bytes(m, T) - buffer_bytes(mf.load(export_dir), T) == state_bytes(m.signature("target").state) \
-        == (2 * m.block_size + 1) * 4 * (LG * C * K1 + LG * HV * DK * DV)
+        == (2 * m.block_size + 1) * 4 * LG * (C * K1 + HV * DK * DV)
 
 
 @pytest.mark.parametrize("edit, want", [
@@ -196,7 +201,7 @@ def where(states: RowStates, view, i: int) -> tuple[int, int]:
 def check_step(states: RowStates, n: int) -> int:
     """One step's views: inputs are 1-row views of current, outputs rows [0, W') of the other buffer. Returns it."""
     ins, outs = states.step(n)
-    assert list(ins) == ["conv_state", "rec_state"] and list(outs) == ["conv_states", "rec_states"]
+    assert list(ins) == PAST and list(outs) == PRESENT
     k_in, r_in = states.current
     for i, (name, v) in enumerate(ins.items()):
         assert v.shape == (1, *ROWS[i]) and where(states, v, i) == (k_in, r_in)
@@ -280,7 +285,7 @@ def test_reset_and_buffers():
     assert s.current == (INITIAL, 0) and check_step(s, 1) == 0
     assert not any(b.host.any() for b in s.buffers[INITIAL])
     assert sum(b.nbytes for b in s.named_buffers().values()) == state_bytes(state_sig())
-    assert len(s.named_buffers()) == 6
+    assert len(s.named_buffers()) == 3 * len(PAST)
 
 
 # --- (c) a session over the toy hybrid target ---------------------------------------------------------------
@@ -288,16 +293,14 @@ def test_reset_and_buffers():
 PROMPT = [3, 17, 4, 40, 22, 9, 11]  # longer than the window: prefill keeps the state after its last row
 
 
-def current_state(s: SpecSession) -> tuple[np.ndarray, np.ndarray]:
+def current_state(s: SpecSession) -> list[np.ndarray]:
     k, r = s.states.current
-    return tuple(s.states.buffers[k][i].host[r] for i in range(2))
+    return [s.states.buffers[k][i].host[r] for i in range(len(PAST))]
 
 
 def assert_state(s: SpecSession, want) -> None:
-    conv, rec = current_state(s)
-    want_conv, want_rec = state_rows(want)
-    np.testing.assert_array_equal(conv, want_conv)
-    np.testing.assert_array_equal(rec, want_rec)
+    for got, row in zip(current_state(s), state_rows(want), strict=True):  # every layer's conv and rec rows
+        np.testing.assert_array_equal(got, row)
 
 
 def test_decode_after_a_verify_sees_the_state_of_the_accepted_rows(toy):
@@ -379,7 +382,7 @@ def test_the_session_counts_binds_and_keeps_its_state_buffers(toy):
     assert lines == [f"allocating {s.buffer_bytes / 2**20:.1f} MiB of KV, context and recurrent-state buffers "
                      f"(max_seq_len 64)"]
     addresses = s.buffers()
-    assert sum(k.startswith("states.") for k in addresses) == 6
+    assert sum(k.startswith("states.") for k in addresses) == 3 * len(PAST)
     generate(s, PROMPT, 30, speculative=True, draft_len=B - 1)
     assert s.buffers() == addresses
 

@@ -4,21 +4,23 @@ What dflash2.reference.qwen3_5.Qwen35Target computes, written from the checkpoin
 plain.py writes the dense target), opset-17 ops only: Gated DeltaNet layers and gated full-attention layers.
 The full-attention layers keep the dense target's KV binding (portable: `past_kv` the valid prefix; TensorRT
 flavour: `kv_cache` + `past_len`, plain.py's prologues), over the La full layers only. The Gated DeltaNet layers
-carry a state instead of K/V rows, bound as state rows (dflash2.runtime.state.RowStates):
+(their template: qwen3_5_gdn.py) carry a state instead of K/V rows, bound as state rows
+(dflash2.runtime.state.RowStates), one pair of tensors per GDN layer j (signature.state_names):
 
-    conv_state  [1, Lg, C, K-1]        graph dtype   the last K-1 conv inputs before the step
-    rec_state   [1, Lg, Hv, dk, dv]    float32       the delta-rule state before the step
-    conv_states [W', Lg, C, K-1]       out           the conv state after each of the LAST W' = min(n, W) rows
-    rec_states  [W', Lg, Hv, dk, dv]   out, float32  the delta-rule state after each of those rows
+    conv_state.{j}   [1, C, K-1]          graph dtype   the last K-1 conv inputs before the step
+    rec_state.{j}    [1, Hv, dk, dv]      float32       the delta-rule state before the step
+    conv_states.{j}  [W', C, K-1]         out           the conv state after each of the LAST W' = min(n, W) rows
+    rec_states.{j}   [W', Hv, dk, dv]     out, float32  the delta-rule state after each of those rows
 
 W = the block size: a verify of k <= B rows returns the state after every row, and the runtime commits the one
 after the last accepted row by pointing the next step at it (no copy, no re-decode; docs/families/qwen3_5.md).
-A prefill of n > W rows returns only the last W: its rows before them run in a Scan that keeps no per-row state,
-so a long prompt holds one state per layer, not n.
+A prefill of n > W rows returns only the last W: its rows before them run in one pass that keeps no per-row
+state, so a long prompt holds one state per layer, not n.
 
-The recurrence is a Scan over rows of exactly the reference's per-row operations (gated_delta_rows), in fp32;
-the causal conv is the reference's explicit sum over the K taps in tap order, so a k-row verify row equals the
-1-row decode of the same token. fp32 graphs only for now (the plan refuses others).
+The recurrence applies one row at a time exactly the reference's per-row operations (gated_delta_rows), in fp32
+(a 1-row decode without a Scan, a verify's rows in a Scan of the same one-row op: qwen3_5_gdn.py); the causal
+conv is the reference's explicit sum over the K taps in tap order, so a k-row verify row equals the 1-row decode
+of the same token. fp32 graphs only for now (the plan refuses others).
 
 Attention scores are q.k summed over head_dim in chunks of at most 128: at head_dim 256 MLAS's SGEMM computes a
 256-long dot product one way for at most 64 columns (keys) and another past 64 (a k-row verify and the 1-row decode
@@ -35,6 +37,7 @@ from onnx import TensorProto, helper
 from dflash2.config import RopeConfig
 from dflash2.export import signature as N
 from dflash2.export.plain import _fixed, _prefix
+from dflash2.export.qwen3_5_gdn import Gdn, GdnShared
 from dflash2.export.templates import Builder, StandardOps
 
 F32 = TensorProto.FLOAT
@@ -44,51 +47,6 @@ DTYPES = ("float32",)
 def _zc(w: np.ndarray) -> np.ndarray:
     """A zero-centred RMSNorm weight as the norm multiplies it: 1 + w, in fp32 (the reference's product)."""
     return 1.0 + np.asarray(w, np.float32)
-
-
-def _delta_body(Hv: int, dk: int, dv: int, keep_state: bool, fused: bool) -> onnx.GraphProto:
-    """One row of the gated delta rule, a Scan body: (state [Hv, dk, dv]; q, k [Hv, dk], v [Hv, dv], g, beta [Hv])
-    -> (state', o [Hv, dv][, state']). Standard ops: exactly the reference's per-row operations (gated_delta_rows);
-    fused: ONNX Runtime's LinearAttention over the one row (within 1.2e-7 of them, docs/families/qwen3_5.md; 2.1x
-    faster at Hv 16, 128 x 128). Either way every row goes through the same one-row body, so a k-row verify row is
-    bitwise the 1-row decode of it."""
-    if fused:
-        nodes = [helper.make_node("Reshape", [x, "row"], [f"{x}1"]) for x in ("q", "k", "v", "g", "beta")]
-        nodes += [helper.make_node("Unsqueeze", ["S", "ax0"], ["S4"]),
-                  helper.make_node("LinearAttention", ["q1", "k1", "v1", "S4", "g1", "beta1"], ["o1", "S4o"],
-                                   domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv, scale=1.0,
-                                   update_rule="gated_delta"),  # q arrives scaled by dk^-0.5
-                  helper.make_node("Squeeze", ["S4o", "ax0"], ["S2"]),
-                  helper.make_node("Reshape", ["o1", "heads"], ["o"])]
-        consts = [("ax0", [0]), ("row", [1, 1, -1]), ("heads", [Hv, dv])]
-    else:
-        nodes = [
-            helper.make_node("Exp", ["g"], ["decay"]),
-            helper.make_node("Unsqueeze", ["decay", "ax12"], ["decay3"]),  # exp(g) [Hv, 1, 1]
-            helper.make_node("Mul", ["S", "decay3"], ["S1"]),
-            helper.make_node("Unsqueeze", ["k", "ax2"], ["k3"]),  # [Hv, dk, 1]
-            helper.make_node("Mul", ["S1", "k3"], ["Sk"]),
-            helper.make_node("ReduceSum", ["Sk", "axm2"], ["kv_mem"], keepdims=0),  # S^T k [Hv, dv]
-            helper.make_node("Sub", ["v", "kv_mem"], ["err"]),
-            helper.make_node("Unsqueeze", ["beta", "ax1"], ["beta2"]),
-            helper.make_node("Mul", ["err", "beta2"], ["delta"]),  # [Hv, dv]
-            helper.make_node("Unsqueeze", ["delta", "ax1"], ["delta3"]),  # [Hv, 1, dv]
-            helper.make_node("Mul", ["k3", "delta3"], ["outer"]),
-            helper.make_node("Add", ["S1", "outer"], ["S2"]),
-            helper.make_node("Unsqueeze", ["q", "ax2"], ["q3"]),
-            helper.make_node("Mul", ["S2", "q3"], ["Sq"]),
-            helper.make_node("ReduceSum", ["Sq", "axm2"], ["o"], keepdims=0),  # [Hv, dv]
-        ]
-        consts = [("ax1", [1]), ("ax2", [2]), ("ax12", [1, 2]), ("axm2", [-2])]
-    outs = [helper.make_tensor_value_info("S2", F32, [Hv, dk, dv]), helper.make_tensor_value_info("o", F32, [Hv, dv])]
-    if keep_state:
-        nodes.append(helper.make_node("Identity", ["S2"], ["S_row"]))
-        outs.append(helper.make_tensor_value_info("S_row", F32, [Hv, dk, dv]))
-    ins = [helper.make_tensor_value_info("S", F32, [Hv, dk, dv]), helper.make_tensor_value_info("q", F32, [Hv, dk]),
-           helper.make_tensor_value_info("k", F32, [Hv, dk]), helper.make_tensor_value_info("v", F32, [Hv, dv]),
-           helper.make_tensor_value_info("g", F32, [Hv]), helper.make_tensor_value_info("beta", F32, [Hv])]
-    return helper.make_graph(nodes, "delta_row_state" if keep_state else "delta_row", ins, outs,
-                             [helper.make_tensor(n, TensorProto.INT64, [len(v)], v) for n, v in consts])
 
 
 def _embed(b: Builder, src, quant, matrix) -> str:
@@ -136,7 +94,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     La, Lg, rd = len(c.full_layers), len(c.linear_layers), c.rotary_dim
     Hk, Hv, dk, dv, K = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                          c.linear_value_head_dim, c.linear_conv_kernel_dim)
-    C, kd, vd, rep = c.conv_dim, Hk * dk, Hv * dv, Hv // Hk
+    C, rep = c.conv_dim, Hv // Hk
     g, B, eps = nh // kvh, dc.block_size, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
     b = Builder(data, quant, dtype=np.float32)
@@ -163,13 +121,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     end = b.const("to_end", [2**62])
     has_head = b.op("Squeeze", [b.op("Greater", [split_at, b.const("zero1", [0])], "window.has_head")[0], ax0],
                     "window.has_head.scalar")[0]  # [] bool: a prefill longer than the window
-    rec_in = b.op("Squeeze", [N.REC_STATE, ax0], "rec_state.rows")[0]  # [Lg, Hv, dk, dv]
-    conv_in = b.op("Squeeze", [N.CONV_STATE, ax0], "conv_state.rows")[0]  # [Lg, C, K-1]
     fused = quant is not None or fused
-    body, body_state = _delta_body(Hv, dk, dv, False, fused), _delta_body(Hv, dk, dv, True, fused)
-    batch_rows = [b.const(f"gdn.batch.{nm}", [1, -1, w]) for nm, w in (("q", Hv * dk), ("k", Hv * dk), ("v", Hv * dv),
-                                                                         ("g", Hv), ("beta", Hv))] if fused else []
-    sizes_qkv = b.const("gdn.qkv_sizes", [kd, kd, vd])
 
     def norm(x: str, w, name: str, eps: float | None = None, dim: int | None = None) -> str:
         """RMSNorm over the last axis (weight w; None: none, of width dim). fused: ONNX Runtime's
@@ -201,93 +153,6 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         shape = b.op("Concat", [n, b.const(f"{name}.rep", [Hk, rep, dk])], f"{name}.rep_shape", axis=0)[0]
         x4 = b.op("Expand", [x4, shape], f"{name}.expand")[0]
         return b.op("Reshape", [x4, b.const(f"{name}.flat", [-1, Hv, dk])], name)[0]
-
-    def state_head(state: str, rows: list[str], p: str) -> tuple[str, str]:
-        """The rows before the window, which keep no per-row state: (state after them, their outputs [m, Hv, dv]).
-        fused: ONE LinearAttention over all of them (ONNX Runtime's chunked kernel: a long prompt is not a row loop;
-        0 rows pass the state through). Standard ops: a Scan over them, inside an If, since ONNX Runtime's Scan
-        refuses zero rows and every decode / verify step has none (a row leading the Scan that left the state as it
-        is cost a whole state pass per layer per decode). The If reads its inputs from the outer scope, which ONNX
-        Runtime's quantizer's topological sort does not see: the plan refuses quantizing this graph after
-        validation (the fused route writes int4 / int8 as it builds)."""
-        if fused:
-            q_, k_, v_, g_, beta_ = (b.op("Reshape", [t, shape], f"{t}.batch")[0]
-                                     for t, shape in zip(rows, batch_rows))  # [1, m, heads * dim]
-            s4 = b.op("Unsqueeze", [state, ax0], f"{p}.head.state4")[0]
-            o1, s1 = b.op("LinearAttention", [q_, k_, v_, s4, g_, beta_], f"{p}.delta_head", outputs=2,
-                          domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv, scale=1.0,
-                          update_rule="gated_delta")
-            return (b.op("Squeeze", [s1, ax0], f"{p}.head.state")[0],
-                    b.op("Reshape", [o1, b.const(f"{p}.head.o_heads", [-1, Hv, dv])], f"{p}.head.o")[0])
-        scan = helper.make_node("Scan", [state, *rows], [f"{p}.head.state", f"{p}.head.o"], body=body,
-                                num_scan_inputs=5, name=f"{p}.delta_head")
-        skip = [helper.make_node("Identity", [state], [f"{p}.skip.state"], name=f"{p}.skip.state"),
-                helper.make_node("Identity", [rows[2]], [f"{p}.skip.o"], name=f"{p}.skip.o")]  # v[0:0]
-
-        def branch(nodes, outs, name):
-            return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outs[0], F32, [Hv, dk, dv]),
-                                                       helper.make_tensor_value_info(outs[1], F32, [None, Hv, dv])])
-        return tuple(b.op("If", [has_head], f"{p}.delta_head.if", outputs=2,
-                          then_branch=branch([scan], [f"{p}.head.state", f"{p}.head.o"], f"{p}.head"),
-                          else_branch=branch(skip, [f"{p}.skip.state", f"{p}.skip.o"], f"{p}.skip")))
-
-    def gdn(u: str, p: str, ig: int) -> tuple[str, str, str]:
-        """One Gated DeltaNet mixer: (y [n, H], conv states [W', C, K-1], rec states [W', Hv, dk, dv])."""
-        a = f"{p}.linear_attn"
-        proj = b.linear(u, f"{p}.gdn_in_proj", src, [f"{a}.in_proj_qkv", f"{a}.in_proj_z", f"{a}.in_proj_b",
-                                                      f"{a}.in_proj_a"])  # [n, C + vd + 2 Hv]
-        qkv, z, bb, aa = b.op("Split", [proj, b.const(f"{p}.gdn_sizes", [C, vd, Hv, Hv])], f"{p}.gdn_in", outputs=4,
-                              axis=-1)
-        # the causal conv over [conv_state ; the step's rows], row-major: window [K-1+n, C]
-        past = b.op("Transpose", [b.op("Gather", [conv_in, b.const(f"{p}.ig", ig)], f"{p}.conv_past", axis=0)[0]],
-                    f"{p}.conv_past_rows", perm=[1, 0])[0]  # [K-1, C]
-        window = b.op("Concat", [past, qkv], f"{p}.window", axis=0)[0]
-        wconv = np.asarray(src.get(f"{a}.conv1d.weight"), np.float32)[:, 0, :]  # [C, K]
-        x = None
-        for j in range(K):  # reference causal_conv: the taps summed in order
-            rows = b.op("Slice", [window, b.const(f"{p}.tap{j}.from", [j]),
-                                  b.op("Add", [n, b.const(f"{p}.tap{j}.to", [j])], f"{p}.tap{j}.end")[0], ax0],
-                        f"{p}.tap{j}.rows")[0]  # [n, C]
-            t = b.op("Mul", [rows, b.fw(f"{p}.conv.w{j}", wconv[:, j])], f"{p}.tap{j}")[0]
-            x = t if x is None else b.op("Add", [x, t], f"{p}.conv.sum{j}")[0]
-        x = silu(x, f"{p}.conv.silu")
-        # conv state after each of the last W' rows t: window rows t+1 .. t+K-1, as [C, K-1]
-        cols = []
-        for j in range(K - 1):
-            lo = b.op("Add", [split_at, b.const(f"{p}.cs{j}.lo", [j + 1])], f"{p}.cs{j}.from")[0]
-            hi = b.op("Add", [n, b.const(f"{p}.cs{j}.hi", [j + 1])], f"{p}.cs{j}.to")[0]
-            col = b.op("Slice", [window, lo, hi, ax0], f"{p}.cs{j}")[0]  # [W', C]
-            cols.append(b.op("Unsqueeze", [col, b.const(f"{p}.cs{j}.ax", [2])], f"{p}.cs{j}.col")[0])
-        conv_rows = cols[0] if len(cols) == 1 else b.op("Concat", cols, f"{p}.conv_rows", axis=2)[0]  # [W', C, K-1]
-        q, k, v = b.op("Split", [x, sizes_qkv], f"{p}.qkv", outputs=3, axis=-1)
-        q = b.op("Mul", [l2norm(repeat_heads(heads(q, Hk, dk, f"{p}.q_heads"), f"{p}.q_rep"), f"{p}.q_l2"),
-                         b.const(f"{p}.q_scale", [dk ** -0.5], np.float32)], f"{p}.q")[0]  # [n, Hv, dk]
-        k = l2norm(repeat_heads(heads(k, Hk, dk, f"{p}.k_heads"), f"{p}.k_rep"), f"{p}.k")
-        v = heads(v, Hv, dv, f"{p}.v")
-        beta = b.op("Sigmoid", [bb], f"{p}.beta")[0]  # [n, Hv]
-        neg_a = -np.exp(np.asarray(src.get(f"{a}.A_log"), np.float32))
-        sp = b.op("Softplus", [b.op("Add", [aa, b.fw(f"{p}.dt_bias", src.get(f"{a}.dt_bias"))], f"{p}.dt")[0]],
-                  f"{p}.softplus")[0]
-        g = b.op("Mul", [sp, b.fw(f"{p}.neg_A", neg_a)], f"{p}.g")[0]  # [n, Hv] log decay
-        state = b.op("Gather", [rec_in, b.const(f"{p}.ig.rec", ig)], f"{p}.rec_past", axis=0)[0]  # [Hv, dk, dv]
-        head_rows, tail_rows = [], []
-        for t in (q, k, v, g, beta):
-            head_rows.append(b.op("Slice", [t, b.const(f"{t}.h0", [0]), split_at, ax0], f"{t}.head")[0])
-            tail_rows.append(b.op("Slice", [t, split_at, end, ax0], f"{t}.tail")[0])
-        # rows 0 .. n-W'-1 (a prefill past the window) keep no per-row state: state_head() runs them
-        state, o_head = state_head(state, head_rows, p)
-        _, o_tail, rec_rows = b.op("Scan", [state, *tail_rows], f"{p}.delta_tail", outputs=3, body=body_state,
-                                   num_scan_inputs=5)  # the last W' rows: [W', Hv, dk, dv]
-        o = b.op("Concat", [o_head, o_tail], f"{p}.o", axis=0)[0]  # [n, Hv, dv]
-        # gated RMSNorm per head: rmsnorm(o) * w (plain weight) * silu(z)
-        if fused:  # the plain weight inside the norm's own product
-            y = norm(o, src.get(f"{a}.norm.weight"), f"{p}.o_norm")
-        else:
-            y = norm(o, None, f"{p}.o_norm", dim=dv)
-            y = b.op("Mul", [y, b.fw(f"{p}.o_norm.weight", src.get(f"{a}.norm.weight"))], f"{p}.o_norm.w")[0]
-        y = b.op("Mul", [y, silu(heads(z, Hv, dv, f"{p}.z"), f"{p}.z.silu")], f"{p}.gated")[0]
-        y = b.op("Reshape", [y, b.const(f"{p}.o_flat", [-1, vd])], f"{p}.o_flat")[0]
-        return b.linear(y, f"{p}.out_proj", src, [f"{a}.out_proj"]), conv_rows, rec_rows
 
     def attention(u: str, p: str, ia: int) -> tuple[str, str]:
         """Gated full attention: (y [n, H], new K/V rows [n, 1, 2, kv, hd])."""
@@ -331,6 +196,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                     f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
         return b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"]), b.op("Unsqueeze", [kv_i, ax1], f"{p}.kv_row")[0]
 
+    gdn = Gdn(b, src, c, fused, GdnShared(n, split_at, has_head, end, ax0),
+              dict(norm=norm, heads=heads, l2norm=l2norm, silu=silu, repeat_heads=repeat_heads))
     rope_split = b.const("rope.split", [rd, hd - rd]) if rd < hd else None
     chunks = [min(128, hd - i) for i in range(0, hd, 128)]
     score_split = b.const("scores.split", chunks) if len(chunks) > 1 else None
@@ -342,7 +209,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         return b.op("Concat", [ops.rotate(xr, rot, name), xp], f"{name}.joined", axis=-1)[0]
 
     h = _embed(b, src, quant, matrix)  # [n, H]
-    taps, new_kv, conv_out, rec_out = {}, [], [], []
+    taps, new_kv, gdn_layers = {}, [], 0
     for i, kind in enumerate(c.layer_types):
         p = f"layers.{i}"
         if progress is not None:
@@ -352,9 +219,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             y, kv_row = attention(u, p, len(new_kv))
             new_kv.append(kv_row)
         else:
-            y, cr, rr = gdn(u, p, len(conv_out))
-            conv_out.append(b.op("Unsqueeze", [cr, ax1], f"{p}.conv_rows.layer")[0])  # [W', 1, C, K-1]
-            rec_out.append(b.op("Unsqueeze", [rr, ax1], f"{p}.rec_rows.layer")[0])
+            y, _, _ = gdn(u, p, gdn_layers)  # writes conv_states.{j}, rec_states.{j} itself
+            gdn_layers += 1
         h = b.op("Add", [h, y], f"{p}.mix_residual")[0]
         u = norm(h, _zc(src.get(f"{p}.post_attention_layernorm.weight")), f"{p}.post_attention_layernorm")
         m = f"{p}.mlp"
@@ -365,8 +231,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                                      src, [f"{m}.down_proj"])], f"{p}.mlp_residual")[0]
         if i in tap_ids:
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
-    for outs, name in ((new_kv, N.NEW_KV), (conv_out, N.CONV_STATES), (rec_out, N.REC_STATES)):
-        b.op("Concat", outs, name, outputs=[name], axis=1)
+    b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)
     y = norm(h, _zc(src.get("norm.weight")), "norm")
     head_name = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     if quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
@@ -386,16 +251,16 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
 
     ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
-    row, conv_row, rec_row = [La, 2, kvh, hd], [Lg, C, K - 1], [Lg, Hv, dk, dv]
+    row, W = [La, 2, kvh, hd], f"Min(n, {B})"
+    past_state, present_state = N.state_names(Lg)
+    state_rows = [[C, K - 1], [Hv, dk, dv]] * Lg  # per GDN layer: conv, rec (signature.state_names' order)
     outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
                helper.make_tensor_value_info(N.CONTEXT, F32, ["n", ctx_width]),
                helper.make_tensor_value_info(N.NEW_KV, F32, ["n", *row]),
-               helper.make_tensor_value_info(N.LOGITS, F32, [f"Min(n, {B})", c.vocab_size]),
-               helper.make_tensor_value_info(N.CONV_STATES, F32, [f"Min(n, {B})", *conv_row]),
-               helper.make_tensor_value_info(N.REC_STATES, F32, [f"Min(n, {B})", *rec_row])]
+               helper.make_tensor_value_info(N.LOGITS, F32, [W, c.vocab_size])]
+    outputs += [helper.make_tensor_value_info(nm, F32, [W, *r]) for nm, r in zip(present_state, state_rows)]
     ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
-    states = [helper.make_tensor_value_info(N.CONV_STATE, F32, [1, *conv_row]),
-              helper.make_tensor_value_info(N.REC_STATE, F32, [1, *rec_row])]
+    states = [helper.make_tensor_value_info(nm, F32, [1, *r]) for nm, r in zip(past_state, state_rows)]
     past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, F32, ["past", *row]), *states]
     cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, F32, ["cap", *row]),
              helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1]), *states]

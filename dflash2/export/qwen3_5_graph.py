@@ -1,11 +1,14 @@
 """What the Qwen3.5 target graph computes (dflash2.export.qwen3_5), as a torch module around the reference
 (dflash2.reference.qwen3_5.Qwen35Target), and its GraphSpec: the validation feeds the export checks the graph on.
 
-(input_ids [n], past_kv [P, La, 2, kv, hd], conv_state [1, Lg, C, K-1], rec_state [1, Lg, Hv, dk, dv])
+(input_ids [n], past_kv [P, La, 2, kv, hd], per GDN layer j: conv_state.{j} [1, C, K-1], rec_state.{j} [1, Hv, dk, dv])
   -> next_ids [n], context [n, C'], new_kv [n, La, 2, kv, hd], logits [min(n, B), V],
-     conv_states / rec_states: the GDN states after each of the last min(n, B) rows.
-The feeds cover a prefill longer than the window (the graph's no-state Scan branch), a verify of B rows after it
-(every row's state kept), and a 1-row decode from a state committed mid-verify (what rollback hands the next step).
+     per GDN layer j: conv_states.{j} [W', C, K-1], rec_states.{j} [W', Hv, dk, dv], the states after each of the
+     last W' = min(n, B) rows (signature.state_names orders them: layer-major, conv before rec).
+The reference keeps the states stacked over layers (State.conv [Lg, C, K-1], State.rec [Lg, Hv, dk, dv]): the
+module splits and stacks at its edges. The feeds cover a prefill longer than the window (the graph's no-state
+head), a verify of B rows after it (every row's state kept), and a 1-row decode from a state committed mid-verify
+(what rollback hands the next step).
 """
 
 from __future__ import annotations
@@ -23,20 +26,29 @@ class HybridTargetGraph(nn.Module):
         self.target, self.drafter, self.fuse = target, drafter, fuse_context
         self.block_size = drafter.config.block_size
 
-    def forward(self, input_ids, past_kv, conv_state, rec_state, past_len=None):
+    def forward(self, input_ids, past_kv, *states):
+        """states: conv_state.{j}, rec_state.{j} per GDN layer (then past_len [1] for the TensorRT flavour)."""
+        past_len = states[-1] if len(states) % 2 else None
         if past_len is not None:  # the TensorRT flavour: the whole buffer, rows >= past_len stale
             past_kv = past_kv[: int(past_len.reshape(-1)[0])]
-        logits, taps, step = self.target(input_ids.long(), State(past_kv, conv_state[0], rec_state[0]))
+        logits, taps, step = self.target(input_ids.long(), _state(past_kv, states[:len(states) // 2 * 2]))
         logits = logits.float()
         context = self.drafter.context(taps) if self.fuse else taps
         W = min(input_ids.shape[0], self.block_size)
-        return (logits.argmax(-1).to(torch.int32), context, step.kv, logits[-self.block_size:],
-                step.conv[-W:], step.rec[-W:])
+        conv, rec = step.conv[-W:], step.rec[-W:]  # [W', Lg, ...]
+        per_layer = [t[:, j] for j in range(conv.shape[1]) for t in (conv, rec)]
+        return (logits.argmax(-1).to(torch.int32), context, step.kv, logits[-self.block_size:], *per_layer)
 
     def target_logits(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
         """[n, V] fp32 logits of every row of a validation feed (the deviation measurement reads them)."""
-        state = State(feed[N.PAST_KV], feed[N.CONV_STATE][0], feed[N.REC_STATE][0])
+        past = N.state_names(len(self.target.config.linear_layers))[0]
+        state = _state(feed[N.PAST_KV], [feed[n] for n in past])
         return self.target(feed[N.INPUT_IDS].long(), state)[0].float()
+
+
+def _state(kv: torch.Tensor, states) -> State:
+    """The reference's State from the graph's per-layer state inputs (conv_state.{j}, rec_state.{j}, ...)."""
+    return State(kv, torch.cat(list(states[0::2])), torch.cat(list(states[1::2])))
 
 
 def target_spec(target: Qwen35Target, drafter, fuse_context: bool, gen):
@@ -59,12 +71,14 @@ def target_spec(target: Qwen35Target, drafter, fuse_context: bool, gen):
         return [_feed(prompt, empty), _feed(verify, s1), _feed(verify[B // 2:B // 2 + 1], s2)]
 
     example = tuple(_feed(torch.arange(5), target.empty_state()).values())
-    inputs = [N.INPUT_IDS, N.PAST_KV, N.CONV_STATE, N.REC_STATE]
-    outputs = [N.NEXT_IDS, N.CONTEXT, N.NEW_KV, N.LOGITS, N.CONV_STATES, N.REC_STATES]
+    past, present = N.state_names(len(target.config.linear_layers))
+    inputs = [N.INPUT_IDS, N.PAST_KV, *past]
+    outputs = [N.NEXT_IDS, N.CONTEXT, N.NEW_KV, N.LOGITS, *present]
     return GraphSpec("target", module, inputs, outputs,
-                     {N.INPUT_IDS: {0: "n"}, N.PAST_KV: {0: "past"}, N.CONV_STATE: {}, N.REC_STATE: {}},
-                     example, feeds)
+                     {N.INPUT_IDS: {0: "n"}, N.PAST_KV: {0: "past"}, **{n: {} for n in past}}, example, feeds)
 
 
 def _feed(ids: torch.Tensor, s: State) -> dict[str, torch.Tensor]:
-    return {N.INPUT_IDS: ids.to(torch.int32), N.PAST_KV: s.kv, N.CONV_STATE: s.conv[None], N.REC_STATE: s.rec[None]}
+    past = N.state_names(s.conv.shape[0])[0]
+    per_layer = [t[j][None] for j in range(s.conv.shape[0]) for t in (s.conv, s.rec)]  # [1, C, K-1], [1, Hv, dk, dv]
+    return {N.INPUT_IDS: ids.to(torch.int32), N.PAST_KV: s.kv, **dict(zip(past, per_layer))}

@@ -9,6 +9,8 @@ tensor name. No torch: the names are plain strings.
 
 from __future__ import annotations
 
+import re
+
 from dflash2 import manifest as mf
 
 # target graph
@@ -19,11 +21,31 @@ ANCHOR, UNIFORMS, TEMPERATURE = "anchor", "uniforms", "temperature"
 DRAFT_IDS, CAND_IDS, CONFIDENCE, DRAFT_PROBS = "draft_ids", "cand_ids", "confidence", "draft_probs"
 PAST_CTX_KV, NEW_CTX_KV, CTX_KV_CACHE = "past_ctx_kv", "new_ctx_kv", "ctx_kv_cache"
 # the standalone selector graph: the op contract's own names (dflash2.ops.contract)
-# a hybrid target's recurrent state (Gated DeltaNet layers; manifest.StateSignature, runtime.state.RowStates):
-# conv_state [1, Lg, C, K-1] and rec_state [1, Lg, Hv, dk, dv] in (the state before the step), conv_states /
-# rec_states [W', *row] out (the state after each of the step's last W' = min(n, W) rows)
-CONV_STATE, REC_STATE, CONV_STATES, REC_STATES = "conv_state", "rec_state", "conv_states", "rec_states"
-STATE = ([CONV_STATE, REC_STATE], [CONV_STATES, REC_STATES])
+# a hybrid target's recurrent state (Gated DeltaNet layers; manifest.StateSignature, runtime.state.RowStates), one
+# pair of tensors per GDN layer j (0 .. Lg-1, in layer order; made by state_names): conv_state.{j} [1, C, K-1] and
+# rec_state.{j} [1, Hv, dk, dv] in (the state before the step), conv_states.{j} / rec_states.{j} [W', *row] out (the
+# state after each of the step's last W' = min(n, W) rows). Per layer, not stacked: a stacked input was Split and
+# the stacked outputs Concat-ed every step (11% of an int4 decode step at Qwen3.5-0.8B's shape)
+CONV_STATE, REC_STATE, CONV_STATES, REC_STATES = "conv_state", "rec_state", "conv_states", "rec_states"  # stems
+
+
+def state_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """(past inputs, present outputs) of a hybrid target with num_layers GDN layers: layer-major, conv before rec
+    (as gqa_kv_names orders key before value)."""
+    def of(stems):
+        return [f"{s}.{j}" for j in range(num_layers) for s in stems]
+    return of((CONV_STATE, REC_STATE)), of((CONV_STATES, REC_STATES))
+
+
+def state_layers(inputs: list[str]) -> int:
+    """How many GDN layers' states a graph's inputs hold (conv_state.{j}: 0 in a graph without a state)."""
+    return sum(1 for n in inputs if re.fullmatch(rf"{CONV_STATE}\.\d+", n))
+
+
+def is_state(name: str) -> bool:
+    """A state tensor's name (any stem, any layer)."""
+    return re.fullmatch(rf"({CONV_STATE}|{REC_STATE}|{CONV_STATES}|{REC_STATES})\.\d+", name) is not None
+
 
 ROLES = {  # graph -> (input role -> name, output role -> name); a graph has a subset
     "target": ({"ids": INPUT_IDS}, {"next_ids": NEXT_IDS, "context": CONTEXT, "logits": LOGITS}),
@@ -66,9 +88,9 @@ def state_signature(window: int, io: dict) -> mf.StateSignature:
     window: W, the pair's block size. A past input that is not [1, *static row], or a present output whose row or
     element type differs from its past input's, is a builder bug: ValueError names them."""
     specs = {d["name"]: d for d in io["inputs"]}
-    past, present = STATE
+    past, present = state_names(state_layers(list(specs)))
     rows = [list(specs[n]["shape"])[1:] for n in past]
-    state = mf.StateSignature("rows", list(past), list(present), rows, [specs[n]["dtype"] for n in past], window)
+    state = mf.StateSignature("rows", past, present, rows, [specs[n]["dtype"] for n in past], window)
     graph_io = mf.GraphIo([mf.IoSpec(d["name"], d["dtype"], list(d["shape"])) for d in io["inputs"]],
                           [mf.IoSpec(d["name"], d["dtype"], list(d["shape"])) for d in io["outputs"]])
     problems = state.problems("target signature", graph_io)
@@ -83,7 +105,7 @@ def signature(graph: str, kind: str, inputs: list[str], outputs: list[str], num_
     """The signature of a built graph from its io names: every role whose tensor it has, its KV binding, its
     capabilities. A graph whose io does not match the contract (a required role missing, a tensor no role
     names) is a builder bug: ValueError names both lists.
-    A hybrid target (its inputs hold CONV_STATE / REC_STATE) also gets its state binding: state_window is W (the
+    A hybrid target (its inputs hold state_names' tensors) also gets its state binding: state_window is W (the
     pair's block size) and io the graph's io dict (state_signature reads the rows' shapes and types from it)."""
     if graph == "selector":  # the standalone selector: the op contract's io, no cache
         ins, outs = selector_io
@@ -91,11 +113,13 @@ def signature(graph: str, kind: str, inputs: list[str], outputs: list[str], num_
     in_roles, out_roles = ROLES[graph]
     kv = kv_signature(graph, kind, num_layers)
     state = None
-    named = [n for n in STATE[0] if n in inputs] + [n for n in STATE[1] if n in outputs]
+    named = [n for n in inputs if is_state(n)] + [n for n in outputs if is_state(n)]
     if graph == "target" and (named or state_window is not None):
-        absent = [n for n in STATE[0] + STATE[1] if n not in named]
-        if absent or state_window is None or io is None:
-            raise ValueError(f"target graph ({kind}): a recurrent state needs inputs {STATE[0]}, outputs {STATE[1]}, "
+        past, present = state_names(state_layers(inputs))
+        absent = [n for n in past + present if n not in named]
+        if absent or not past or len(named) != len(past) + len(present) or state_window is None or io is None:
+            raise ValueError(f"target graph ({kind}): a recurrent state needs inputs {past or state_names(1)[0]}, "
+                             f"outputs {present or state_names(1)[1]}, "
                              f"state_window and the io dict; found state tensors {named}, state_window "
                              f"{state_window}, io {'given' if io is not None else 'none'}")
         state = state_signature(state_window, io)

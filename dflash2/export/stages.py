@@ -156,7 +156,7 @@ def validated(progress: Progress, what: str, spec, path: Path, dtype: str, tmp: 
 def graph_signature(graph: str, kind: str, io: dict, num_layers: int, window: int | None = None) -> mf.Signature:
     """window: the pair's block size, the state rows a hybrid target's graph returns per step (its state binding)."""
     ins, outs = [d["name"] for d in io["inputs"]], [d["name"] for d in io["outputs"]]
-    hybrid = graph == "target" and sig.CONV_STATE in ins
+    hybrid = graph == "target" and sig.state_layers(ins) > 0
     return sig.signature(graph, kind, ins, outs, num_layers, selector_io=(ins, outs),
                          state_window=window if hybrid else None, io=io if hybrid else None)
 

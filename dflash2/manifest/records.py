@@ -116,10 +116,13 @@ STATE_KINDS = ("rows",)
 @dataclass
 class StateSignature:
     """How a hybrid target (Gated DeltaNet layers) binds its recurrent state (dflash2.runtime.state.RowStates):
-    rows  past = [conv_state, rec_state], each [1, *row]: the state before the step;
-          present = [conv_states, rec_states], each [W', *row], W' = min(n, window): the state after each of
-          the step's last W' rows (so any accepted prefix of a verify of <= window rows has its state kept)
-    rows: the per-row shape of each past tensor (e.g. [Lg, C, K-1], [Lg, Hv, dk, dv]); dtypes: each element type;
+    rows  past = the state tensors, each [1, *row]: the state before the step;
+          present = one per past tensor, in its order, each [W', *row], W' = min(n, window): the state after each
+          of the step's last W' rows (so any accepted prefix of a verify of <= window rows has its state kept)
+    Any number of state tensors (>= 1): the Qwen3.5 export binds two per GDN layer (conv_state.{j} [1, C, K-1],
+    rec_state.{j} [1, Hv, dk, dv]: dflash2.export.signature.state_names); a manifest of the stacked binding (two
+    tensors [1, Lg, ...]) reads the same way.
+    rows: the per-row shape of each past tensor; dtypes: each element type;
     window: W, the most rows whose states one step keeps (the pair's block size)."""
     kind: str
     past: list[str]
@@ -134,10 +137,13 @@ class StateSignature:
         out, w = [], f"{where}.state"
         if self.kind is not None and self.kind not in STATE_KINDS:
             out.append(f"{w}.kind: expected one of {list(STATE_KINDS)}, found {self.kind!r}")
-        for name in ("past", "present", "rows", "dtypes"):
+        if self.past is not None and not self.past:
+            out.append(f"{w}.past: expected at least 1 state tensor, found none")
+        for name in ("present", "rows", "dtypes"):  # one per past tensor, in its order
             value = getattr(self, name)
-            if value is not None and len(value) != 2:
-                out.append(f"{w}.{name}: expected 2 entries (conv state, recurrent state), found {len(value)}")
+            if value is not None and self.past and len(value) != len(self.past):
+                out.append(f"{w}.{name}: expected {len(self.past)} entries (one per state.past tensor), found "
+                           f"{len(value)}")
         if self.window is not None and self.window < 1:
             out.append(f"{w}.window: expected >= 1, found {self.window}")
         for i, row in enumerate(self.rows or []):

@@ -1,8 +1,9 @@
 """The recurrent state of a hybrid target (Gated DeltaNet layers: a conv state and a recurrent state per layer),
 rolled back with the KV cache without copying: `RowStates`, built once from the graph's `StateSignature`.
 
-The graph reads the state before the step (`conv_state`, `rec_state`: [1, *row]) and writes the state after each
-of the step's last W' = min(n, W) rows (`conv_states`, `rec_states`: [W', *row]). A verify of n <= W rows may be
+The graph reads the state before the step (the signature's past tensors, [1, *row] each: the Qwen3.5 export binds
+`conv_state.{j}` and `rec_state.{j}` per GDN layer j) and writes the state after each of the step's last
+W' = min(n, W) rows (its present tensors, [W', *row] each: `conv_states.{j}`, `rec_states.{j}`). A verify of n <= W rows may be
 accepted at any a in 1..n, and the next step must start from the state after row a - 1.
 
 Why ping-pong: the binding keeps per state tensor two row buffers A and B [W, *row] and a zero initial row
