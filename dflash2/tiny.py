@@ -132,7 +132,8 @@ def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384
     write_text(folder / "generation_config.json", json.dumps({"eos_token_id": eos, "do_sample": False}),
                 "the generation config")
     fam, c = families.load(folder)
-    tensors = {k: v.to(dtype) for k, v in _init(fam.tensor_shapes(c), seed).items()}
+    shapes = {**(fam.extra_tensors(config) if fam.extra_tensors else {}), **fam.tensor_shapes(c)}
+    tensors = {k: v.to(dtype) for k, v in _init(shapes, seed).items()}
     write_safetensors(folder, tensors, shards)
     return folder
 

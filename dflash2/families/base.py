@@ -66,6 +66,9 @@ class TargetFamily:
     templates: Mapping[str, str] = field(default_factory=dict)
     # checkpoint tensor-name prefixes that are not the target (an MTP head, a vision tower): skipped, not refused
     ignored: tuple[str, ...] = ()
+    # raw config.json dict -> tensors a checkpoint holds that are not the target (under `ignored`: a vision tower),
+    # written by the tiny maker so that `hf_class` loads its checkpoint whole; None: none
+    extra_tensors: Callable[[dict], dict[str, tuple[int, ...]]] | None = None
 
     @property
     def exportable(self) -> bool:

@@ -36,6 +36,7 @@ class StreamedTarget(Fp32Rope):
     """Target's interface (forward, embed, project, head_weight, kv_row_shape, config, tap_ids), one layer resident."""
 
     forward = Target.forward
+    layer_masks = Target.layer_masks
     kv_row_shape = Target.kv_row_shape
 
     def __init__(self, c: TargetConfig, tap_ids: tuple[int, ...], weights, like: StreamedTarget | None = None,
