@@ -167,7 +167,9 @@ def check_target_tensors(folder: str | Path, c) -> dict[str, tuple[str, tuple]]:
     """check_tensors of a target folder against its family's tensors, the family's ignored prefixes skipped."""
     from dflash2 import families
 
-    return check_tensors(folder, family_tensor_shapes(c), families.by_name(c.family).ignored)
+    fam = families.by_name(c.family)
+    return check_tensors(folder, family_tensor_shapes(c), fam.ignored,
+                         fam.tensor_dtypes(c) if fam.tensor_dtypes else None)
 
 
 def _block_shapes(p, H, I, q, kv, hd, qk_norm, attn_bias, mlp_bias) -> dict:
@@ -212,8 +214,9 @@ _TOLERATED = {"lm_head.weight"}
 
 
 def check_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]],
-                  ignored: tuple[str, ...] = ()) -> dict[str, tuple[str, tuple]]:
-    """ignored: name prefixes that are not the model (a family's, e.g. an in-checkpoint MTP head)."""
+                  ignored: tuple[str, ...] = (), dtypes: dict[str, str] | None = None) -> dict[str, tuple[str, tuple]]:
+    """ignored: name prefixes that are not the model (a family's, e.g. an in-checkpoint MTP head); dtypes: the
+    tensors that are not float, with their safetensors dtype (a family's tensor_dtypes: MXFP4's U8 bytes)."""
     found = read_headers(folder)
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(n for n in set(found) - set(expected) if n not in _TOLERATED and not n.startswith(ignored))
@@ -221,9 +224,12 @@ def check_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]],
                  if tuple(found[n][1]) != tuple(expected[n])]
     if missing or unexpected or misshaped:
         raise TensorSetError(str(folder), missing, unexpected, misshaped)
-    ints = [f"{n} ({found[n][0]})" for n in sorted(expected) if found[n][0] not in FLOAT_DTYPES]
+    dtypes = dtypes or {}
+    ints = [f"{n} ({found[n][0]})" for n in sorted(expected)
+            if (found[n][0] != dtypes[n] if n in dtypes else found[n][0] not in FLOAT_DTYPES)]
     if ints:  # casting integer weights to float would silently export a different model
-        raise CheckpointError(folder, "weights", f"float tensors ({', '.join(FLOAT_DTYPES)})",
+        declared = f"; {', '.join(sorted(set(dtypes.values())))} where the family declares it" if dtypes else ""
+        raise CheckpointError(folder, "weights", f"float tensors ({', '.join(FLOAT_DTYPES)}){declared}",
                               f"{len(ints)} of another dtype: {', '.join(ints[:4])}")
     return found
 

@@ -69,6 +69,9 @@ class TargetFamily:
     # raw config.json dict -> tensors a checkpoint holds that are not the target (under `ignored`: a vision tower),
     # written by the tiny maker so that `hf_class` loads its checkpoint whole; None: none
     extra_tensors: Callable[[dict], dict[str, tuple[int, ...]]] | None = None
+    # config -> {tensor name: safetensors dtype} of the tensors that are not float (MXFP4 blocks / scales: "U8");
+    # the checkpoint check refuses an integer tensor anywhere else. None: every tensor float
+    tensor_dtypes: Callable[[Any], dict[str, str]] | None = None
 
     @property
     def exportable(self) -> bool:
