@@ -206,7 +206,10 @@ def drafter_tensor_shapes(c: DrafterConfig, target_hidden: int) -> dict[str, tup
         shapes.update({"candidate_selector.hidden_projection.weight": (r, H),
                        "candidate_selector.predecessor_codebook": (V, r),
                        "candidate_selector.successor_codebook": (V, r)})
-    return shapes
+    from dflash2.drafter_formats import ALIASES  # a format's own names for some tensors (Meta's encoder.fc)
+
+    alias = ALIASES.get(c.format, {})
+    return {alias.get(k, k): s for k, s in shapes.items()}
 
 
 # HF checkpoints of tied models sometimes still carry lm_head.weight; it is ignored, not an error.
