@@ -78,7 +78,8 @@ def test_config_is_read_as_transformers_builds_it(tmp_path_factory):
     hf, ref, _ = pair("untied", tmp_path_factory)
     c, t = ref.config, hf.config.text_config
     assert c.layer_types == tuple(t.layer_types) and c.layer_rope == tuple(bool(x) for x in t.layer_rope_theta)
-    assert c.layer_types.count("full_attention") == 2 and c.layer_rope == (True,) * 3 + (False,) + (True,) * 3 + (False,)
+    assert c.layer_types.count("full_attention") == 2
+    assert c.layer_rope == (True,) * 3 + (False,) + (True,) * 3 + (False,)
     assert (c.sliding_window, c.image_token_id, c.video_token_id) == (WINDOW, IMAGE, VIDEO)
     assert (c.qk_scale_factor, c.output_multiplier, c.final_logit_softcapping) == \
         (t.qk_scale_factor, t.output_multiplier, t.final_logit_softcapping)
@@ -191,6 +192,7 @@ def test_the_30b_defaults():
     c = families.by_name("muse_glimmer").read_config(Path("/absent/config.json"), {
         "architectures": ["MuseGlimmerForConditionalGeneration"], "text_config": {}}, "x")
     assert c.num_layers == 52 and c.layer_types.count("sliding_attention") == 39
-    assert c.layer_types[-1] == "full_attention" and c.layer_rope == tuple(t == "sliding_attention" for t in c.layer_types)
+    assert c.layer_types[-1] == "full_attention"
+    assert c.layer_rope == tuple(t == "sliding_attention" for t in c.layer_types)
     assert (c.vocab_size, c.hidden_size, c.num_heads, c.num_kv_heads, c.sliding_window) == (202048, 6656, 32, 2, 2048)
     assert (c.image_token_id, c.video_token_id, c.tie_word_embeddings) == (200092, 200091, False)

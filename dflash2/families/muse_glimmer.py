@@ -1,4 +1,4 @@
-"""The Muse-Glimmer family (transformers `muse_glimmer`, MuseGlimmerForConditionalGeneration), its text path. Torch-free.
+"""The Muse-Glimmer family (transformers `muse_glimmer`, MuseGlimmerForConditionalGeneration), text path. Torch-free.
 
 A wrapper config (`text_config` holds the language model; the vision tower, adapter and projection are not the
 text target and are skipped by name). Dense attention layers, each with one KV state, differing from Llama in:
@@ -192,16 +192,19 @@ def vision_tensor_shapes(raw: dict) -> dict[str, tuple[int, ...]]:
     dflash2, written by the tiny maker so that transformers loads its checkpoint without a missing tensor."""
     v, H = raw["vision_config"], raw["text_config"]["hidden_size"]
     D, I, proj = v["hidden_size"], v["intermediate_size"], raw["projector_hidden_size"]
-    out = {"model.vision_projection.weight": (H, proj), "model.vision_adapter.fc1.weight": (proj, raw["out_hidden_size"]),
+    patch, positions = v["patch_temporal"] * 3 * v["patch_size"] ** 2, v["pos_emb_height"] * v["pos_emb_width"]
+    out = {"model.vision_projection.weight": (H, proj),
+           "model.vision_adapter.fc1.weight": (proj, raw["out_hidden_size"]),
            "model.vision_adapter.fc2.weight": (proj, proj),
-           "model.vision_tower.patch_embedder.patch_embedding.weight": (D, v["patch_temporal"] * 3 * v["patch_size"] ** 2),
-           "model.vision_tower.patch_embedder.position_embedding_table.weight": (v["pos_emb_height"] * v["pos_emb_width"], D)}
+           "model.vision_tower.patch_embedder.patch_embedding.weight": (D, patch),
+           "model.vision_tower.patch_embedder.position_embedding_table.weight": (positions, D)}
     for n in ("ln_pre", "ln_post"):
         out.update({f"model.vision_tower.{n}.weight": (D,), f"model.vision_tower.{n}.bias": (D,)})
     for i in range(v["num_hidden_layers"]):
         p = f"model.vision_tower.layers.{i}."
         for n, shape in (("attn.q_proj", (D, D)), ("attn.k_proj", (D, D)), ("attn.v_proj", (D, D)),
-                         ("attn.proj", (D, D)), ("mlp.fc1", (I, D)), ("mlp.fc2", (D, I)), ("norm1", (D,)), ("norm2", (D,))):
+                         ("attn.proj", (D, D)), ("mlp.fc1", (I, D)), ("mlp.fc2", (D, I)), ("norm1", (D,)),
+                         ("norm2", (D,))):
             out.update({p + n + ".weight": shape, p + n + ".bias": shape[:1]})
     return out
 
