@@ -122,3 +122,119 @@ def test_speculative_verify_through_the_graph_is_lossless_at_every_accepted_coun
         r += 1
     assert emitted[:count] == truth[:count] and seen == set(range(S + 1))
     assert past.shape[0] > 4 * WINDOW
+
+
+# --- through dflash2-export and the runtime (the family's `plain` templates) ---
+
+E2E_BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny Muse-Glimmer pair as dflash2-make-tiny writes it (window 8, NoPE full layers, the image / video ids the
+    last two of the vocabulary) with a DFlash2 drafter, exported fp32 through the standard-op templates."""
+    from dflash2 import tiny
+    from dflash2.export.api import export
+
+    root = tmp_path_factory.mktemp("muse_export")
+    target = tiny.make_target(root / "target", family="muse_glimmer")
+    drafter = tiny.make_drafter(root / "drafter", target, version=2, block_size=E2E_BLOCK)
+    m = export(drafter, target, root / "out", max_seq_len=160, quiet=True)
+    return m, root / "out", target
+
+
+def test_export_is_validated_and_row_invariant(exported):
+    m, _, _ = exported
+    assert all(v.ok for v in m.validation.values()), m.validation
+    rows = m.validation["target.rows"]
+    assert not rows.skipped and rows.steps["rows"] > 0 and rows.steps["differing"] == 0
+    assert m.kv.target_attention == "plain"
+
+
+def test_speculative_decoding_through_the_exported_graphs_is_lossless_past_the_window(exported):
+    """The runtime's greedy ids (prompt 12 > window 8, 64 tokens) equal transformers' generate; speculative decoding
+    with every accepted count 0..S (planned drafts) and with the pair's own drafter gives the same ids."""
+    from transformers import MuseGlimmerForConditionalGeneration
+
+    from dflash2.runtime.api import Runtime
+    from dflash2.speculative import generate
+    from tests.test_qwen3_5_export import PROMPT, PlannedDrafts
+
+    _, out, target = exported
+    rt = Runtime(out)
+    rt.manifest.eos_token_ids = []
+    truth = rt.generate(PROMPT, 64, speculative=False).ids
+    hf = MuseGlimmerForConditionalGeneration.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert truth == want[0, len(PROMPT):].tolist() and len(PROMPT) > WINDOW
+    s = PlannedDrafts(rt.manifest, rt.session.backend, truth, plan=list(range(E2E_BLOCK)) + [3, 0])
+    g = generate(s, PROMPT, 64)
+    assert g.ids == truth and set(g.stats.accepted) >= set(range(E2E_BLOCK))
+    assert rt.generate(PROMPT, 64).ids == truth  # the pair's own drafter
+
+
+def test_the_plan_refuses_what_the_templates_do_not_do(exported, tmp_path):
+    """Standard-op templates only, checked in fp32: fp16 / bf16 and every quantization refused before anything is
+    written, naming the family."""
+    from dflash2.errors import Dflash2Error
+    from dflash2.export.api import export
+    from dflash2.export.plan import QuantFlags
+
+    _, out, target = exported
+    drafter = target.parent / "drafter"
+    with pytest.raises(Dflash2Error, match=r"--dtype: expected float32 for MuseGlimmerForConditionalGeneration"):
+        export(drafter, target, tmp_path / "a", dtype="float16", quiet=True)
+    with pytest.raises(Dflash2Error, match=r"--quantize int4: not yet for MuseGlimmerForConditionalGeneration"):
+        export(drafter, target, tmp_path / "b", quiet=True, quantize=QuantFlags(method="int4"))
+    with pytest.raises(Dflash2Error, match="fused-op templates"):
+        export(drafter, target, tmp_path / "c", quiet=True, target_attention="gqa")
+    assert not list(tmp_path.iterdir())
+
+
+def test_streamed_reference_equals_the_loaded_one(exported):
+    """The layer-streamed reference the export validates real sizes against is the loaded one, bitwise."""
+    from dflash2.checkpoint import Weights
+    from dflash2.config import load_target_config
+    from dflash2.reference.muse_glimmer import StreamedMuseGlimmerTarget
+    from dflash2.reference.streamed import streamed_target
+
+    _, _, target = exported
+    tc = load_target_config(target)
+    taps = (1, 2)
+    whole, streamed = load_target(target, taps, config=tc), streamed_target(tc, taps, Weights(target))
+    assert isinstance(streamed, StreamedMuseGlimmerTarget)
+    ids = torch.tensor([5, 382, 9, 383] + list(range(20, 36)))  # the image / video ids (382, 383) among them
+    with torch.no_grad():
+        for x, y in zip(whole(ids, torch.zeros(0, *whole.kv_row_shape())),
+                        streamed(ids, torch.zeros(0, *whole.kv_row_shape()))):
+            assert torch.equal(x, y)
+
+
+def test_past_the_budget_a_truncated_build_is_validated_against_the_streamed_reference(exported, tmp_path,
+                                                                                        monkeypatch):
+    from dflash2.export import stages
+    from dflash2.export.api import export
+
+    _, _, target = exported
+    monkeypatch.setattr(stages, "WHOLE_GRAPH_BYTES", 0)
+    m = export(target.parent / "drafter", target, tmp_path / "t", max_seq_len=160, quiet=True)
+    for name in ("target.truncated", "target.truncated.trt"):
+        assert m.validation[name].ok and not m.validation[name].skipped, name
+    assert m.validation["target"].skipped
+
+
+def test_the_trainer_refuses_it_in_one_line_before_anything_is_written(exported, tmp_path):
+    from dflash2.errors import CheckpointError
+    from dflash2.train.api import run_training
+    from dflash2.train.options import TrainOptions
+
+    _, _, target = exported
+    with pytest.raises(CheckpointError) as e:
+        run_training(TrainOptions(target=target, out=tmp_path / "drafter", corpus=[tmp_path / "corpus"], steps=1))
+    msg = str(e.value)
+    assert "architectures: expected one of ['LlamaForCausalLM'" in msg and "'MuseGlimmerForConditionalGeneration'" \
+        in msg and "muse_glimmer, sliding-window / NoPE gated attention: reference and export only; training not " \
+        "yet supported" in msg and "\n" not in msg
+    assert not (tmp_path / "drafter").exists() and not (tmp_path / "corpus").exists()

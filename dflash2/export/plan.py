@@ -288,9 +288,17 @@ def _family_rules(tc, dtype: str, quantize) -> None:
                           f"{fam.description}), found {dtype!r} (the experts' block is built from templates only)")
     if fam.name in families.DENSE:
         return
+    what = f"{tc.arch} ({fam.name}, {fam.description})"
+    if "fused" not in fam.templates:  # standard-op templates only (Muse-Glimmer so far): checked fp32, unquantized
+        if dtype != "float32":
+            raise OutputError(f"--dtype: expected float32 for {what}, found {dtype!r} (its standard-op templates "
+                              f"are checked in float32 only so far)")
+        if quantize is not None:
+            raise OutputError(f"--quantize {quantize.method}: not yet for {what} (standard-op templates only, "
+                              f"float32)")
+        return
     from dflash2.export import qwen3_5 as hybrid
 
-    what = f"{tc.arch} ({fam.name}, {fam.description})"
     if dtype not in hybrid.DTYPES:
         raise OutputError(f"--dtype: expected one of {list(hybrid.DTYPES)} for {what}, found {dtype!r} (its layer "
                           f"templates are float32 only so far)")

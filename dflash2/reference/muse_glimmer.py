@@ -123,3 +123,48 @@ def load_target(folder: str | Path, tap_ids: tuple[int, ...] = (), dtype: torch.
     model = MuseGlimmerTarget(c, tap_ids)
     load_hf_state_dict(model, ckpt.load_tensors(folder, set(expected)), where=str(folder))
     return model.to(dtype).eval()
+
+
+class StreamedMuseGlimmerTarget(MuseGlimmerTarget):
+    """MuseGlimmerTarget's interface with dflash2.reference.streamed's memory: the embedding and LM head StreamedRows
+    (read a slice at a time), one layer resident (read from the checkpoint when it runs), the final norm loaded.
+    The same forward: it reads its weights through embed / iter_layers / project."""
+
+    def __init__(self, c: MuseGlimmerConfig, tap_ids: tuple[int, ...], weights, like=None,
+                 dtype: torch.dtype = torch.float32):
+        from dflash2.reference.streamed import _tensor
+        from dflash2.reference.vocab import StreamedRows
+
+        Fp32Rope.__init__(self)
+        self.config, self.tap_ids, self.src = c, tuple(tap_ids), weights
+        self.dtype = like.dtype if like is not None else dtype
+        if like is not None:
+            self.embed_rows, self.head_rows, self.norm = like.embed_rows, like.head_rows, like.norm
+        else:
+            self.embed_rows = StreamedRows(weights, "embed_tokens.weight", self.dtype)
+            self.head_rows = self.embed_rows if c.tie_word_embeddings else \
+                StreamedRows(weights, "lm_head.weight", self.dtype)
+            self.norm = FinalNorm(c.hidden_size, c.rms_norm_eps)
+            self.norm.weight = nn.Parameter(_tensor(weights, "norm.weight").to(self.dtype), requires_grad=False)
+        self.lm_head = None
+        self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
+        self.register_buffer("media_ids", torch.tensor(c.remapped_ids, dtype=torch.long), persistent=False)
+        with torch.device("meta"):  # one template per layer (NoPE or not): shapes only, never given tensors
+            self._layers = [MuseGlimmerLayer(c, i).requires_grad_(False) for i in range(c.num_layers)]
+
+    @property
+    def head_weight(self):
+        return self.head_rows
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = torch.where(torch.isin(ids, self.media_ids), torch.zeros_like(ids), ids)
+        return scaleless_rms(self.embed_rows.rows(ids), self.config.rms_norm_eps)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        T = self.config.final_logit_softcapping
+        return torch.tanh(self.head_rows.project(h) * self.config.output_multiplier / T) * T
+
+    def iter_layers(self):
+        from dflash2.reference.streamed import _stream
+
+        return _stream(self._layers, self.src, self.dtype)

@@ -156,6 +156,10 @@ class StreamedQwen35MoeTarget(StreamedQwen35Target):
 
 def streamed_target(tc, tap_ids, weights, like=None, dtype: torch.dtype = torch.float32):
     """The layer-streamed reference of any family's target config (dense: StreamedTarget)."""
+    if tc.family == "muse_glimmer":
+        from dflash2.reference.muse_glimmer import StreamedMuseGlimmerTarget
+
+        return StreamedMuseGlimmerTarget(tc, tuple(tap_ids), weights, like=like, dtype=dtype)
     cls = StreamedTarget if tc.family in DENSE else \
         StreamedQwen35MoeTarget if tc.family == "qwen3_5_moe" else StreamedQwen35Target
     return cls(tc, tuple(tap_ids), weights, like=like, dtype=dtype)

@@ -57,8 +57,9 @@ def _run_training(a: TrainOptions) -> dict | None:
     check_options(a)
     import torch
 
-    from dflash2 import draft_vocab
+    from dflash2 import draft_vocab, families
     from dflash2.config import distinct_target_layer_ids, load_target_config
+    from dflash2.errors import CheckpointError
     from dflash2.folders import check_filled_in_place, check_train_folders
     from dflash2.train.data import corpus_complete, corpus_prompts, generate_corpus, load_corpus
     from dflash2.train.trainer import TrainConfig, train
@@ -72,6 +73,11 @@ def _run_training(a: TrainOptions) -> dict | None:
     for c in a.corpus or [a.out.parent / "corpus"]:  # a folder of shards without its corpus.json is an input
         check_filled_in_place(c, "--corpus", "corpus.json", "a corpus")
     tc = load_target_config(a.target)
+    fam = families.by_name(tc.family)
+    if not fam.trainable:  # exportable, but its training path is not checked yet: one line, before anything runs
+        trainable = sorted(x for f in families.FAMILIES if f.exportable and f.trainable for x in f.archs)
+        raise CheckpointError(a.target / "config.json", "architectures", f"one of {trainable}", repr(tc.arch),
+                              fam.not_trainable)
     for flag, v in (("--mask-token-id", a.mask_token_id), ("--draft-vocab", a.draft_vocab)):
         if v is not None and v >= tc.vocab_size + (flag == "--draft-vocab"):
             raise Dflash2Error(f"{flag}: expected {'<' if flag == '--mask-token-id' else '<='} the target's "
