@@ -15,7 +15,7 @@ node and initializer but the prologue (plain._prefix / plain._fixed). Muse-Glimm
   ring buffer of docs/families/plan_muse_glimmer_gpt_oss.md section 3.2 is a later step);
 - logits = T * tanh(lm_head(y) * output_multiplier / T) in fp32, the argmax over the capped logits.
 Outputs as plain.build: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V].
-Not yet hooked into dflash2-export: the family has no `templates` entry (docs/families/muse_glimmer.md).
+The family's `plain` templates (dflash2.families.muse_glimmer); fp32 only so far (docs/families/muse_glimmer.md).
 """
 
 from __future__ import annotations
