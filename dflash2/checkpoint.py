@@ -268,8 +268,19 @@ _NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int
 CHUNK_BYTES = 64 << 20  # a tensor is widened / checked this many source bytes at a time
 
 
+def _format_names() -> dict[str, str]:
+    from dflash2.drafter_formats import ALIASES
+
+    return {ours: theirs for aliases in ALIASES.values() for ours, theirs in aliases.items()}
+
+
+_FORMAT_NAMES = _format_names()  # dflash2's drafter tensor name -> another format's (looked up when ours is absent)
+
+
 class Weights:
-    """name -> fp32 numpy array, read from a safetensors folder on demand (module docstring)."""
+    """name -> fp32 numpy array, read from a safetensors folder on demand (module docstring). Names are the reference
+    modules': a target's `model.` / `model.language_model.` prefix and a drafter format's own names are looked up
+    behind them."""
 
     def __init__(self, folder: str | Path, prefixes: tuple[str, ...] = ("", "model.", "model.language_model.")):
         self.folder, self.prefixes = Path(folder), prefixes
@@ -284,10 +295,13 @@ class Weights:
         for p in self.prefixes:
             if p + name in self.where:
                 return p + name
+        alias = _FORMAT_NAMES.get(name)  # a drafter format's own name for it (Meta's encoder.fc.weight)
+        if alias in self.where:
+            return alias
         raise KeyError(f"{self.folder}: no tensor {name!r} (looked for {[p + name for p in self.prefixes]})")
 
     def __contains__(self, name: str) -> bool:
-        return any(p + name in self.where for p in self.prefixes)
+        return any(p + name in self.where for p in self.prefixes) or _FORMAT_NAMES.get(name) in self.where
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.where[self._key(name)][2])

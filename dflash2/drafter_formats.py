@@ -12,7 +12,8 @@ Meta's assistant is a DFlash v1 drafter (dflash2.reference.drafter.Drafter, vers
   "sliding_attention" does not mean causal here, unlike vLLM's rule for z-lab's configs);
 - tensors: `encoder.fc.weight` / `encoder.output_norm_enc.weight` for dflash2's `fc.weight` / `hidden_norm.weight`
   (ALIASES; the rest are dflash2's v1 names).
-Export and training read z-lab's format only for now (`require_zlab`).
+The export reads both (Weights finds a format's names behind dflash2's; the drafter graph takes the per-layer
+(causal, window) pairs); `dflash2-train --init-weights` reads z-lab's only (`require_zlab`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ mask_token_id / target_layer_ids, the target's layer count and vocabulary), its 
 encoder.output_norm_enc), its inclusive bidirectional window; per round, the drafter's logits against transformers'
 own DFlash loop (`generate(..., assistant_model=..., speculation_type="dflash")`) on a tiny Muse-Glimmer pair whose
 prompt and context are longer than the window; z-lab's `<` window rule and a causal reading shown to disagree;
-refusals naming the field; export refusing the format in one line."""
+refusals naming the field. Through dflash2-export and the runtime: tests/test_meta_assistant_export.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ transformers = pytest.importorskip("transformers")
 from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel  # noqa: E402
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator  # noqa: E402
 
-from dflash2 import families, tiny  # noqa: E402
 from dflash2.checkpoint import check_tensors, drafter_tensor_shapes  # noqa: E402
 from dflash2.config import load_drafter_config  # noqa: E402
 from dflash2.drafter_formats import META, for_target  # noqa: E402
@@ -197,18 +196,3 @@ def test_taps_and_mask_are_checked_against_the_target(change, field, tmp_path, t
     dc = load_drafter_config(_saved(tmp_path, **change))
     with pytest.raises(CheckpointError, match=rf"config\.json: {field}: expected .*the target's"):
         for_target(dc, ref.config, tmp_path)
-
-
-def test_export_refuses_metas_format_in_one_line(tmp_path):
-    """A Meta-format drafter for an exportable (Llama) target: refused before anything is written, naming it."""
-    from dflash2.export.plan import check_inputs
-
-    target = tiny.make_target(tmp_path / "target", family="llama", vocab_size=300)
-    folder = _saved(tmp_path / "drafter" if (tmp_path / "drafter").mkdir() is None else None,
-                    target_layer_ids=[1, 2], mask_token_id=3)
-    with pytest.raises(CheckpointError) as e:
-        check_inputs(folder, target, tmp_path / "out", "float32", None, False, False)
-    assert "architectures: expected DFlashDraftModel or DFlash2DraftModel, found 'MuseGlimmerAssistantModel'" in \
-        str(e.value) and "export not yet supported" in str(e.value) and "\n" not in str(e.value)
-    assert not (tmp_path / "out").exists()
-    assert families.by_name("llama").exportable

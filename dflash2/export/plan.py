@@ -18,7 +18,7 @@ from pathlib import Path
 from dflash2 import draft_vocab, dtypes, families
 from dflash2.config import (DrafterConfig, TargetConfig, check_pair, check_tokenizer_files, check_tokenizer_vocab,
                             load_drafter_config, load_target_config, tokenizer_id_count)
-from dflash2.drafter_formats import require_zlab
+from dflash2.drafter_formats import for_target
 from dflash2.errors import Dflash2Error
 from dflash2.export import gqa, plain, qdq, stages
 from dflash2.export import quantize as qz
@@ -190,8 +190,8 @@ def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dty
         raise OutputError(f"--dtype: expected one of {list(dtypes.GRAPH_DTYPES)}, found {dtype!r}")
     check_output(out, force, {"--model": drafter_dir, "--target": target_dir})
     dc, tc = load_drafter_config(drafter_dir, draft_block), load_target_config(target_dir)
-    require_zlab(dc, drafter_dir, "export")  # Meta's assistant: its tensor names and window rule not in the graphs yet
     check_pair(dc, tc, drafter_dir, target_dir)
+    dc = for_target(dc, tc, drafter_dir)  # Meta's assistant: the target's layer count and vocabulary filled in
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     check_tokenizer_files(target_dir)
     from dflash2.sampling import defaults_from

@@ -59,6 +59,7 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
     """Validate both configs and their agreement before any weight loads (block_size: load_drafter_config's)."""
     dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
+    dc = for_target(dc, tc, drafter_dir)
     ckpt.check_target_tensors(target_dir, tc)
     ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
     target = load_target(target_dir, dc.target_layer_ids, dtype, tc)
@@ -87,6 +88,7 @@ def _checked_streamed(drafter_dir, target_dir, block_size: int | None = None
     Returns (drafter config, target config, the drafter's tensor shapes)."""
     dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
+    dc = for_target(dc, tc, drafter_dir)
     target_shapes, expected = ckpt.family_tensor_shapes(tc), ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
     ckpt.check_target_tensors(target_dir, tc)
     ckpt.check_tensors(drafter_dir, expected)

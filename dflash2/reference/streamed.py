@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dflash2.config import DrafterConfig, TargetConfig
+from dflash2.drafter_formats import ALIASES
 from dflash2.families import DENSE
 from dflash2.reference.layers import Fp32Rope, RMSNorm, rope_inv_freq
 from dflash2.reference.drafter import Drafter
@@ -87,7 +88,8 @@ class StreamedDrafter(Drafter):
         self.requires_grad_(False)
         self.src = weights
         self.inv_freq = rope_inv_freq(c.rope, c.head_dim)  # (made on meta above)
-        resident = {n: _tensor(weights, n).to(self.dtype) for n in names if not n.startswith("layers.")}
+        own = {v: k for k, v in ALIASES.get(c.format, {}).items()}  # a format's names (Meta's encoder.*) -> ours
+        resident = {own.get(n, n): _tensor(weights, n).to(self.dtype) for n in names if not n.startswith("layers.")}
         missing, unexpected = self.load_state_dict(resident, strict=False, assign=True)
         left = [k for k in missing if not k.startswith("layers.")]
         if left or unexpected:
