@@ -286,3 +286,37 @@ def test_export_and_training_refuse_it_in_one_line(tmp_path):
         run_training(TrainOptions(target=target, out=tmp_path / "trained", corpus=[tmp_path / "corpus"], steps=1))
     assert why in str(e.value) and "'MuseGlimmerForConditionalGeneration'" not in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "target"]
+
+
+def test_mxfp4_converts_block_exactly_to_int8():
+    """The int8 form a CPU export writes (codes in [-12, 12], one fp32 scale per 32): code * scale is the decode,
+    bitwise, whatever the bytes."""
+    from dflash2.reference.gpt_oss import mxfp4_to_int8
+
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (3, 8, 4), dtype=torch.uint8, generator=g)
+    codes, scale = mxfp4_to_int8(blocks, scales)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) == 12 and scale.shape == (3, 8, 4)
+    back = (codes.float().view(3, 8, 4, 32) * scale[..., None]).reshape(3, 8, 128).transpose(1, 2)
+    assert torch.equal(back, decode_mxfp4(blocks, scales))
+
+
+def test_make_tiny_writes_an_mxfp4_checkpoint_transformers_reads(tmp_path):
+    """tiny.make_target(extra={"quantization_config": {"quant_method": "mxfp4"}}): U8 blocks / scales where the family
+    declares them; transformers dequantizes them to the reference's weights and computes its logits."""
+    from dflash2 import tiny
+
+    folder = tiny.make_target(tmp_path / "t", family="gpt_oss", intermediate_size=64,
+                              extra={"quantization_config": {"quant_method": "mxfp4"}})
+    fam, c = families.load(folder)
+    assert c.expert_format == "mxfp4"
+    check_target_tensors(folder, c)
+    ref = load_target(folder, config=c)
+    hf = GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert torch.equal(hf.model.layers[1].mlp.experts.down_proj, ref.layers[1].mlp.experts.down_proj)
+    ids = prompt(3 * WINDOW)
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0]
+        got = run(ref, ids)[0]
+    assert (want - got).abs().max().item() < TOL * max(1.0, want.abs().max().item())

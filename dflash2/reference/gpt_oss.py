@@ -13,7 +13,8 @@ parts, each checked against transformers 5.25's modeling_gpt_oss.py:
   accumulated with index_add_, as transformers' loop.
 MXFP4 checkpoints (families.gpt_oss: `_blocks` / `_scales`) are decoded exactly (a 16-entry table times a power of
 two: every value representable in fp32 and bf16) to the reference's dtype when loaded; decode_mxfp4 is that
-decode, quantize_mxfp4 its nearest-value inverse (tiny checkpoints, tests).
+decode, quantize_mxfp4 its nearest-value inverse (tiny checkpoints, tests), mxfp4_to_int8 the block-exact int8 form
+a later export writes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     codes = torch.stack([b & 15, b >> 4], dim=-1).reshape(E, n_out, nb, MXFP4_BLOCK)  # [E, out, in/32, 32]
     w = torch.ldexp(FP4[codes], (scales.long() - 127)[..., None].to(torch.int32))
     return w.reshape(E, n_out, nb * MXFP4_BLOCK).transpose(1, 2).contiguous()
+
+
+def mxfp4_to_int8(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 -> blockwise int8, exactly (the form ONNX Runtime's CPU QMoE int8 runs, docs/families/gpt_oss.md):
+    blocks uint8 [E, out, in/32, 16], scales uint8 [E, out, in/32] -> (codes int8 [E, out, in] in [-12, 12],
+    scales fp32 [E, out, in/32]) with codes * scale == decode_mxfp4 per block of 32: every E2M1 value is a multiple
+    of 0.5 up to 6, so code = 2 * value and scale = 2^(s - 128)."""
+    E, n_out, nb, _ = blocks.shape
+    b = blocks.long()
+    codes = torch.stack([b & 15, b >> 4], dim=-1).reshape(E, n_out, nb * MXFP4_BLOCK)
+    return (2 * FP4[codes]).to(torch.int8), torch.ldexp(torch.ones(()), (scales.long() - 128).to(torch.int32))
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
