@@ -92,8 +92,11 @@ def _init(shapes: dict[str, tuple[int, ...]], seed: int, embed_std: float = 1.0,
 def _mxfp4_bytes(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
     """Random MXFP4 blocks (any two E2M1 codes a byte) and scales near 2^-2 (values up to about 1.5)."""
     g = torch.Generator().manual_seed(seed + 7)
-    return {name: (torch.randint(0, 256, shape, generator=g) if name.endswith("_blocks") else
-                   torch.randint(123, 127, shape, generator=g)).to(torch.uint8) for name, shape in sorted(shapes.items())}
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        low, high = (0, 256) if name.endswith("_blocks") else (123, 127)
+        out[name] = torch.randint(low, high, shape, generator=g).to(torch.uint8)
+    return out
 
 
 def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
