@@ -167,7 +167,9 @@ def check_target_tensors(folder: str | Path, c) -> dict[str, tuple[str, tuple]]:
     """check_tensors of a target folder against its family's tensors, the family's ignored prefixes skipped."""
     from dflash2 import families
 
-    return check_tensors(folder, family_tensor_shapes(c), families.by_name(c.family).ignored)
+    fam = families.by_name(c.family)
+    return check_tensors(folder, family_tensor_shapes(c), fam.ignored,
+                         fam.tensor_dtypes(c) if fam.tensor_dtypes else None)
 
 
 def _block_shapes(p, H, I, q, kv, hd, qk_norm, attn_bias, mlp_bias) -> dict:
@@ -204,7 +206,10 @@ def drafter_tensor_shapes(c: DrafterConfig, target_hidden: int) -> dict[str, tup
         shapes.update({"candidate_selector.hidden_projection.weight": (r, H),
                        "candidate_selector.predecessor_codebook": (V, r),
                        "candidate_selector.successor_codebook": (V, r)})
-    return shapes
+    from dflash2.drafter_formats import ALIASES  # a format's own names for some tensors (Meta's encoder.fc)
+
+    alias = ALIASES.get(c.format, {})
+    return {alias.get(k, k): s for k, s in shapes.items()}
 
 
 # HF checkpoints of tied models sometimes still carry lm_head.weight; it is ignored, not an error.
@@ -212,8 +217,9 @@ _TOLERATED = {"lm_head.weight"}
 
 
 def check_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]],
-                  ignored: tuple[str, ...] = ()) -> dict[str, tuple[str, tuple]]:
-    """ignored: name prefixes that are not the model (a family's, e.g. an in-checkpoint MTP head)."""
+                  ignored: tuple[str, ...] = (), dtypes: dict[str, str] | None = None) -> dict[str, tuple[str, tuple]]:
+    """ignored: name prefixes that are not the model (a family's, e.g. an in-checkpoint MTP head); dtypes: the
+    tensors that are not float, with their safetensors dtype (a family's tensor_dtypes: MXFP4's U8 bytes)."""
     found = read_headers(folder)
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(n for n in set(found) - set(expected) if n not in _TOLERATED and not n.startswith(ignored))
@@ -221,9 +227,12 @@ def check_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]],
                  if tuple(found[n][1]) != tuple(expected[n])]
     if missing or unexpected or misshaped:
         raise TensorSetError(str(folder), missing, unexpected, misshaped)
-    ints = [f"{n} ({found[n][0]})" for n in sorted(expected) if found[n][0] not in FLOAT_DTYPES]
+    dtypes = dtypes or {}
+    ints = [f"{n} ({found[n][0]})" for n in sorted(expected)
+            if (found[n][0] != dtypes[n] if n in dtypes else found[n][0] not in FLOAT_DTYPES)]
     if ints:  # casting integer weights to float would silently export a different model
-        raise CheckpointError(folder, "weights", f"float tensors ({', '.join(FLOAT_DTYPES)})",
+        declared = f"; {', '.join(sorted(set(dtypes.values())))} where the family declares it" if dtypes else ""
+        raise CheckpointError(folder, "weights", f"float tensors ({', '.join(FLOAT_DTYPES)}){declared}",
                               f"{len(ints)} of another dtype: {', '.join(ints[:4])}")
     return found
 
@@ -259,8 +268,19 @@ _NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int
 CHUNK_BYTES = 64 << 20  # a tensor is widened / checked this many source bytes at a time
 
 
+def _format_names() -> dict[str, str]:
+    from dflash2.drafter_formats import ALIASES
+
+    return {ours: theirs for aliases in ALIASES.values() for ours, theirs in aliases.items()}
+
+
+_FORMAT_NAMES = _format_names()  # dflash2's drafter tensor name -> another format's (looked up when ours is absent)
+
+
 class Weights:
-    """name -> fp32 numpy array, read from a safetensors folder on demand (module docstring)."""
+    """name -> fp32 numpy array, read from a safetensors folder on demand (module docstring). Names are the reference
+    modules': a target's `model.` / `model.language_model.` prefix and a drafter format's own names are looked up
+    behind them."""
 
     def __init__(self, folder: str | Path, prefixes: tuple[str, ...] = ("", "model.", "model.language_model.")):
         self.folder, self.prefixes = Path(folder), prefixes
@@ -275,10 +295,13 @@ class Weights:
         for p in self.prefixes:
             if p + name in self.where:
                 return p + name
+        alias = _FORMAT_NAMES.get(name)  # a drafter format's own name for it (Meta's encoder.fc.weight)
+        if alias in self.where:
+            return alias
         raise KeyError(f"{self.folder}: no tensor {name!r} (looked for {[p + name for p in self.prefixes]})")
 
     def __contains__(self, name: str) -> bool:
-        return any(p + name in self.where for p in self.prefixes)
+        return any(p + name in self.where for p in self.prefixes) or _FORMAT_NAMES.get(name) in self.where
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.where[self._key(name)][2])

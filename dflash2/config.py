@@ -12,7 +12,8 @@ from dflash2.errors import CheckpointError, Dflash2Error
 from dflash2.folders import OutputError
 from dflash2.inputs import parse_json
 
-DRAFTER_ARCHS = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
+# architecture -> version; MuseGlimmerAssistantModel is Meta's DFlash (v1) format (dflash2.drafter_formats)
+DRAFTER_ARCHS = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2, "MuseGlimmerAssistantModel": 1}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -61,12 +62,12 @@ class DrafterConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    vocab_size: int
+    vocab_size: int | None  # None: the target's (Meta's format; drafter_formats.for_target fills it)
     rms_norm_eps: float
     rope: RopeConfig
     attention_bias: bool
     block_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None: the target's (Meta's format)
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     layer_causal: tuple[bool, ...]
@@ -80,6 +81,8 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     trained_block_size: int | None = None  # the block its config.json says it was trained for (None: block_size);
     # more than block_size where an export drafts fewer rows (`dflash2-export --draft-block`): the manifest says so
+    format: str = "zlab"  # the checkpoint's layout: "zlab" (DFlashDraftModel / DFlash2DraftModel) or
+    # "meta-assistant" (MuseGlimmerAssistantModel: its own config fields and tensor names, dflash2.drafter_formats)
 
     @property
     def num_drafts(self) -> int:  # S
@@ -363,6 +366,10 @@ def load_drafter_config(folder: str | Path, block_size: int | None = None) -> Dr
     `dflash2-export --draft-block`, docs/export.md."""
     path, raw = read_config(folder)
     arch = _architecture(path, raw, DRAFTER_ARCHS)
+    from dflash2 import drafter_formats  # imports this module: read lazily
+
+    if arch == drafter_formats.META_ARCH:
+        return drafter_formats.read_meta_assistant(path, raw, arch, block_size)
     version = DRAFTER_ARCHS[arch]
     dc = _object(path, raw, "dflash_config")
     # dflash_config entries win over top-level ones (z-lab's _draft_value)
@@ -423,14 +430,18 @@ def load_drafter_config(folder: str | Path, block_size: int | None = None) -> Dr
 
 def check_pair(drafter: DrafterConfig, target: TargetConfig, drafter_dir: str | Path, target_dir: str | Path) -> None:
     """The drafter uses the target's embedding, LM head and hidden states: sizes must agree. Neither
-    file is blamed: either may be the one that changed."""
+    file is blamed: either may be the one that changed. A format that leaves fields to the target (Meta's) has its
+    taps and mask id checked against the target's (drafter_formats.for_target)."""
     pairs = [("hidden_size", drafter.hidden_size, "hidden_size", target.hidden_size),
              ("vocab_size", drafter.vocab_size, "vocab_size", target.vocab_size),
              ("num_target_layers", drafter.num_target_layers, "num_hidden_layers", target.num_layers)]
     for dfield, dval, tfield, tval in pairs:
-        if dval != tval:
+        if dval is not None and dval != tval:  # None: a field the drafter's format takes from the target
             raise PairError(Path(drafter_dir) / "config.json", dfield, dval, Path(target_dir) / "config.json",
                             tfield, tval)
+    from dflash2.drafter_formats import for_target
+
+    for_target(drafter, target, drafter_dir)
 
 
 class PairError(CheckpointError):

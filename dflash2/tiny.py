@@ -89,6 +89,16 @@ def _init(shapes: dict[str, tuple[int, ...]], seed: int, embed_std: float = 1.0,
     return out
 
 
+def _mxfp4_bytes(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Random MXFP4 blocks (any two E2M1 codes a byte) and scales near 2^-2 (values up to about 1.5)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        low, high = (0, 256) if name.endswith("_blocks") else (123, 127)
+        out[name] = torch.randint(low, high, shape, generator=g).to(torch.uint8)
+    return out
+
+
 def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
     if shards <= 1:
         _save(tensors, folder / "model.safetensors", "the weights")
@@ -132,7 +142,10 @@ def make_target(folder: str | Path, family: str = "llama", vocab_size: int = 384
     write_text(folder / "generation_config.json", json.dumps({"eos_token_id": eos, "do_sample": False}),
                 "the generation config")
     fam, c = families.load(folder)
-    tensors = {k: v.to(dtype) for k, v in _init(fam.tensor_shapes(c), seed).items()}
+    shapes = {**(fam.extra_tensors(config) if fam.extra_tensors else {}), **fam.tensor_shapes(c)}
+    declared = fam.tensor_dtypes(c) if fam.tensor_dtypes else {}  # integer tensors: gpt-oss's MXFP4 bytes
+    tensors = {k: v.to(dtype) for k, v in _init({k: s for k, s in shapes.items() if k not in declared}, seed).items()}
+    tensors.update(_mxfp4_bytes({k: shapes[k] for k in declared}, seed))
     write_safetensors(folder, tensors, shards)
     return folder
 

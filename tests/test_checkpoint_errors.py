@@ -46,7 +46,8 @@ CASES = {
     "target_arch": (lambda d, t: edit(t, architectures=["GPT2LMHeadModel"]),
                     r"target.*architectures: expected one of .*LlamaForCausalLM.*found 'GPT2LMHeadModel'"),
     "drafter_arch": (lambda d, t: edit(d, architectures=["EagleModel"]),
-                     r"drafter.*architectures: expected one of \['DFlash2DraftModel', 'DFlashDraftModel'\]"),
+                     r"drafter.*architectures: expected one of \['DFlash2DraftModel', 'DFlashDraftModel', "
+                     r"'MuseGlimmerAssistantModel'\]"),
     "missing_field": (lambda d, t: edit(t, hidden_size=None), r"hidden_size: expected an integer, found the field missing"),
     "hidden_mismatch": (lambda d, t: edit(d, hidden_size=48, head_dim=12),
                         r"drafter hidden_size 48 != target hidden_size 64 \(drafter .*drafter/config.json, target .*target/config"),

@@ -18,6 +18,7 @@ from pathlib import Path
 from dflash2 import draft_vocab, dtypes, families
 from dflash2.config import (DrafterConfig, TargetConfig, check_pair, check_tokenizer_files, check_tokenizer_vocab,
                             load_drafter_config, load_target_config, tokenizer_id_count)
+from dflash2.drafter_formats import for_target
 from dflash2.errors import Dflash2Error
 from dflash2.export import gqa, plain, qdq, stages
 from dflash2.export import quantize as qz
@@ -190,6 +191,7 @@ def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dty
     check_output(out, force, {"--model": drafter_dir, "--target": target_dir})
     dc, tc = load_drafter_config(drafter_dir, draft_block), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
+    dc = for_target(dc, tc, drafter_dir)  # Meta's assistant: the target's layer count and vocabulary filled in
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     check_tokenizer_files(target_dir)
     from dflash2.sampling import defaults_from
@@ -286,9 +288,17 @@ def _family_rules(tc, dtype: str, quantize) -> None:
                           f"{fam.description}), found {dtype!r} (the experts' block is built from templates only)")
     if fam.name in families.DENSE:
         return
+    what = f"{tc.arch} ({fam.name}, {fam.description})"
+    if "fused" not in fam.templates:  # standard-op templates only (Muse-Glimmer so far): checked fp32, unquantized
+        if dtype != "float32":
+            raise OutputError(f"--dtype: expected float32 for {what}, found {dtype!r} (its standard-op templates "
+                              f"are checked in float32 only so far)")
+        if quantize is not None:
+            raise OutputError(f"--quantize {quantize.method}: not yet for {what} (standard-op templates only, "
+                              f"float32)")
+        return
     from dflash2.export import qwen3_5 as hybrid
 
-    what = f"{tc.arch} ({fam.name}, {fam.description})"
     if dtype not in hybrid.DTYPES:
         raise OutputError(f"--dtype: expected one of {list(hybrid.DTYPES)} for {what}, found {dtype!r} (its layer "
                           f"templates are float32 only so far)")

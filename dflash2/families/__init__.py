@@ -1,7 +1,9 @@
 """Target families: one module each, registered here (torch-free; the runtime may import it).
 
 `dense.py` (Llama, Qwen3), `qwen3_5.py` (Qwen3.5 / 3.6 / 3.8 dense hybrid Gated DeltaNet), `qwen3_moe.py` and
-`qwen3_5_moe.py` (their mixture-of-experts variants). A family's config reader, state kinds, tap points and
+`qwen3_5_moe.py` (their mixture-of-experts variants), `muse_glimmer.py` (Muse-Glimmer's text path:
+sliding-window / NoPE gated attention) and `gpt_oss.py` (gpt-oss: sliding windows, sinks, MoE, MXFP4);
+reference only. A family's config reader, state kinds, tap points and
 tiny-checkpoint config live in its module; its PyTorch reference and its ONNX layer templates are named there by
 import path and live in the stages that own them (dflash2/reference/, dflash2/export/). Adding a family: write its module, add it to FAMILIES (docs/architecture.md, "Target families").
 """
@@ -10,11 +12,13 @@ from __future__ import annotations
 
 from dflash2.families.base import OP_SETS, STATE_KINDS, StateKind, TargetFamily, TinyShape, resolve
 from dflash2.families.dense import LLAMA, QWEN3
+from dflash2.families.gpt_oss import GPT_OSS
+from dflash2.families.muse_glimmer import MUSE_GLIMMER
 from dflash2.families.qwen3_5 import QWEN3_5
 from dflash2.families.qwen3_5_moe import QWEN3_5_MOE
 from dflash2.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: tuple[TargetFamily, ...] = (LLAMA, QWEN3, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE)
+FAMILIES: tuple[TargetFamily, ...] = (LLAMA, QWEN3, QWEN3_5, QWEN3_MOE, QWEN3_5_MOE, MUSE_GLIMMER, GPT_OSS)
 # the families of dflash2.reference.target (Target / StreamedTarget) and the dense graph builders (gqa.py,
 # plain.py): one KV state kind, attention layers; Qwen3-MoE is Qwen3 with a per-layer MLP (dflash2.reference.moe)
 DENSE = (LLAMA.name, QWEN3.name, QWEN3_MOE.name)

@@ -66,6 +66,14 @@ class TargetFamily:
     templates: Mapping[str, str] = field(default_factory=dict)
     # checkpoint tensor-name prefixes that are not the target (an MTP head, a vision tower): skipped, not refused
     ignored: tuple[str, ...] = ()
+    # raw config.json dict -> tensors a checkpoint holds that are not the target (under `ignored`: a vision tower),
+    # written by the tiny maker so that `hf_class` loads its checkpoint whole; None: none
+    extra_tensors: Callable[[dict], dict[str, tuple[int, ...]]] | None = None
+    # config -> {tensor name: safetensors dtype} of the tensors that are not float (MXFP4 blocks / scales: "U8");
+    # the checkpoint check refuses an integer tensor anywhere else. None: every tensor float
+    tensor_dtypes: Callable[[Any], dict[str, str]] | None = None
+    # dflash2-train takes its targets (False: exportable, but the training path is not checked for it yet)
+    trainable: bool = True
 
     @property
     def exportable(self) -> bool:
@@ -76,6 +84,11 @@ class TargetFamily:
         """Why dflash2-export / dflash2-train refuse a family without templates (the hint of their one line)."""
         return (f"{self.name}, {self.description}: reference and tiny checkpoints only; export and training not "
                 f"yet supported")
+
+    @property
+    def not_trainable(self) -> str:
+        """Why dflash2-train refuses an exportable family whose training is not checked yet."""
+        return f"{self.name}, {self.description}: reference and export only; training not yet supported"
 
     def tap_points(self, config) -> tuple[int, ...]:
         """The layers whose OUTPUT a drafter may tap (HF hidden_states[i + 1]): every layer, for every family

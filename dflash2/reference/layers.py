@@ -39,7 +39,29 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
         inv = torch.where(medium, smoothed, scaled)
+    elif rope.type == "yarn":  # transformers' _compute_yarn_parameters (a gpt-oss YarnRope, dflash2.families.gpt_oss)
+        inv = yarn_inv_freq(rope, head_dim)
     return inv
+
+
+def yarn_inv_freq(rope, dim: int) -> torch.Tensor:
+    """[dim/2] YaRN inverse frequencies: interpolated (/ factor) below the correction range, extrapolated above it,
+    a linear ramp between; the attention factor (rope.attention_factor) scales cos and sin apart."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+
+    def correction_dim(rotations):
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / \
+            (2 * math.log(rope.theta))
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the extrapolated share
+    return interpolated * (1 - keep) + extrapolated * keep
 
 
 class Fp32Rope(nn.Module):
@@ -68,8 +90,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :].to(x.dtype) + rotated * sin[:, None, :].to(x.dtype)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [n, nh, hd], k/v [T, kv, hd], visible [n, T] bool -> [n, nh*hd]. GQA by reshape, MatMul only."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, nh, hd], k/v [T, kv, hd], visible [n, T] bool -> [n, nh*hd]. GQA by reshape, MatMul only.
+    sinks [nh] (gpt-oss): one more logit per head in the softmax's denominator, with no value row."""
     n, nh, hd = q.shape
     kv = k.shape[1]
     g = nh // kv
@@ -77,7 +101,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     scores = torch.matmul(qh, k.permute(1, 2, 0)) * hd ** -0.5  # [kv, g*n, T]
     scores = scores.view(kv, g, n, -1).float()
     scores = scores.masked_fill(~visible, torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(kv, g * n, -1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # head h = kv index * g + group index, as the reshape above lays the heads out
+        col = sinks.float().view(kv, g, 1, 1).expand(kv, g, n, 1)
+        probs = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
+    probs = probs.to(v.dtype).view(kv, g * n, -1)
     out = torch.matmul(probs, v.transpose(0, 1))  # [kv, g*n, hd]
     return out.view(nh, n, hd).transpose(0, 1).reshape(n, nh * hd)
 

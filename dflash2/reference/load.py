@@ -11,6 +11,7 @@ from dflash2 import draft_vocab, families
 from dflash2.families import DENSE
 from dflash2.config import (DrafterConfig, TargetConfig, check_pair, load_drafter_config,
                             load_target_config)
+from dflash2.drafter_formats import ALIASES, for_target
 from dflash2.reference.drafter import Drafter
 from dflash2.reference.streamed import StreamedDrafter, StreamedTarget, streamed_target
 from dflash2.reference.target import Target
@@ -33,7 +34,7 @@ def load_target(folder: str | Path, tap_ids: tuple[int, ...] = (), dtype: torch.
 def load_drafter(folder: str | Path, target: Target, dtype: torch.dtype = torch.float32,
                  config: DrafterConfig | None = None, use_draft_vocab: bool = True) -> Drafter:
     """With `use_draft_vocab`, the folder's draft_vocab.json (if any) restricts what it proposes."""
-    c = config or load_drafter_config(folder)
+    c = for_target(config or load_drafter_config(folder), target.config, folder)  # Meta's: the target's V, L
     ckpt.check_tensors(folder, ckpt.drafter_tensor_shapes(c, target.config.hidden_size))
     return _drafter(folder, c, target.embed_tokens.weight.detach(), target.head_weight.detach(),
                     target.config.hidden_size, dtype, use_draft_vocab)
@@ -44,6 +45,8 @@ def _drafter(folder, c: DrafterConfig, embed: torch.Tensor, head: torch.Tensor, 
     """The drafter loaded whole around the target's embedding / LM head tensors (its tensors already checked)."""
     ids = draft_vocab.read(folder, c.vocab_size, draft_vocab.min_size(c)) if use_draft_vocab else None
     tensors = ckpt.load_tensors(folder, set(ckpt.drafter_tensor_shapes(c, hidden)))
+    names = {v: k for k, v in ALIASES.get(c.format, {}).items()}  # the format's names -> the module's
+    tensors = {names.get(k, k): v for k, v in tensors.items()}
     model = Drafter(c, embed, head, hidden)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     model = model.to(dtype).eval()
@@ -56,6 +59,7 @@ def load_pair(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtyp
     """Validate both configs and their agreement before any weight loads (block_size: load_drafter_config's)."""
     dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
+    dc = for_target(dc, tc, drafter_dir)
     ckpt.check_target_tensors(target_dir, tc)
     ckpt.check_tensors(drafter_dir, ckpt.drafter_tensor_shapes(dc, tc.hidden_size))
     target = load_target(target_dir, dc.target_layer_ids, dtype, tc)
@@ -84,6 +88,7 @@ def _checked_streamed(drafter_dir, target_dir, block_size: int | None = None
     Returns (drafter config, target config, the drafter's tensor shapes)."""
     dc, tc = load_drafter_config(drafter_dir, block_size), load_target_config(target_dir)
     check_pair(dc, tc, drafter_dir, target_dir)
+    dc = for_target(dc, tc, drafter_dir)
     target_shapes, expected = ckpt.family_tensor_shapes(tc), ckpt.drafter_tensor_shapes(dc, tc.hidden_size)
     ckpt.check_target_tensors(target_dir, tc)
     ckpt.check_tensors(drafter_dir, expected)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dflash2.config import DrafterConfig, TargetConfig
+from dflash2.drafter_formats import ALIASES
 from dflash2.families import DENSE
 from dflash2.reference.layers import Fp32Rope, RMSNorm, rope_inv_freq
 from dflash2.reference.drafter import Drafter
@@ -36,6 +37,7 @@ class StreamedTarget(Fp32Rope):
     """Target's interface (forward, embed, project, head_weight, kv_row_shape, config, tap_ids), one layer resident."""
 
     forward = Target.forward
+    layer_masks = Target.layer_masks
     kv_row_shape = Target.kv_row_shape
 
     def __init__(self, c: TargetConfig, tap_ids: tuple[int, ...], weights, like: StreamedTarget | None = None,
@@ -86,7 +88,8 @@ class StreamedDrafter(Drafter):
         self.requires_grad_(False)
         self.src = weights
         self.inv_freq = rope_inv_freq(c.rope, c.head_dim)  # (made on meta above)
-        resident = {n: _tensor(weights, n).to(self.dtype) for n in names if not n.startswith("layers.")}
+        own = {v: k for k, v in ALIASES.get(c.format, {}).items()}  # a format's names (Meta's encoder.*) -> ours
+        resident = {own.get(n, n): _tensor(weights, n).to(self.dtype) for n in names if not n.startswith("layers.")}
         missing, unexpected = self.load_state_dict(resident, strict=False, assign=True)
         left = [k for k in missing if not k.startswith("layers.")]
         if left or unexpected:
@@ -155,6 +158,10 @@ class StreamedQwen35MoeTarget(StreamedQwen35Target):
 
 def streamed_target(tc, tap_ids, weights, like=None, dtype: torch.dtype = torch.float32):
     """The layer-streamed reference of any family's target config (dense: StreamedTarget)."""
+    if tc.family == "muse_glimmer":
+        from dflash2.reference.muse_glimmer import StreamedMuseGlimmerTarget
+
+        return StreamedMuseGlimmerTarget(tc, tuple(tap_ids), weights, like=like, dtype=dtype)
     cls = StreamedTarget if tc.family in DENSE else \
         StreamedQwen35MoeTarget if tc.family == "qwen3_5_moe" else StreamedQwen35Target
     return cls(tc, tuple(tap_ids), weights, like=like, dtype=dtype)

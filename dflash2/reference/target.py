@@ -62,6 +62,11 @@ class Target(Fp32Rope):
         its embed / project read the vocabulary matrices a slice at a time)."""
         return iter(self.layers)
 
+    def layer_masks(self, pos: torch.Tensor, k_pos: torch.Tensor) -> list[torch.Tensor]:
+        """pos [n] (the queries'), k_pos [P+n] (the keys') -> per layer the visible keys [n, P+n]: causal on every
+        layer here (a family with sliding-window layers narrows its own, dflash2.reference.muse_glimmer)."""
+        return [k_pos[None, :] <= pos[:, None]] * self.config.num_layers
+
     def kv_row_shape(self) -> tuple[int, int, int, int]:
         c = self.config
         return (c.num_layers, 2, c.num_kv_heads, c.head_dim)
@@ -78,11 +83,11 @@ class Target(Fp32Rope):
             k_pos = torch.cat([torch.where(rows < start, rows, stale), start + torch.arange(n)])
         pos = torch.arange(n) + start  # [n]
         cos, sin = rope_cos_sin(pos, self.inv_freq)
-        visible = k_pos[None, :] <= pos[:, None]  # [n, P+n] causal
+        masks = self.layer_masks(pos, k_pos)  # per layer [n, P+n] bool
         h = self.embed(input_ids)  # [n, H]
         taps, new_kv = {}, []
         for i, layer in enumerate(self.iter_layers()):
-            h, kv = layer(h, past_kv[:, i, 0], past_kv[:, i, 1], cos, sin, visible)
+            h, kv = layer(h, past_kv[:, i, 0], past_kv[:, i, 1], cos, sin, masks[i])
             new_kv.append(kv)
             if i in self.tap_ids:
                 taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])

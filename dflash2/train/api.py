@@ -57,8 +57,9 @@ def _run_training(a: TrainOptions) -> dict | None:
     check_options(a)
     import torch
 
-    from dflash2 import draft_vocab
-    from dflash2.config import distinct_target_layer_ids, load_target_config
+    from dflash2 import draft_vocab, families
+    from dflash2.config import distinct_target_layer_ids, load_target_config, read_config
+    from dflash2.errors import CheckpointError
     from dflash2.folders import check_filled_in_place, check_train_folders
     from dflash2.train.data import corpus_complete, corpus_prompts, generate_corpus, load_corpus
     from dflash2.train.trainer import TrainConfig, train
@@ -71,7 +72,15 @@ def _run_training(a: TrainOptions) -> dict | None:
     check_train_folders(a.target, a.out, a.corpus or [a.out.parent / "corpus"])  # before anything is read
     for c in a.corpus or [a.out.parent / "corpus"]:  # a folder of shards without its corpus.json is an input
         check_filled_in_place(c, "--corpus", "corpus.json", "a corpus")
-    tc = load_target_config(a.target)
+    path, raw = read_config(a.target)
+    archs = raw.get("architectures")
+    fam = families.by_arch(archs[0]) if isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str) \
+        else None
+    if fam is not None and not (fam.exportable and fam.trainable):  # a known family that does not train (yet)
+        trainable = sorted(x for f in families.FAMILIES if f.exportable and f.trainable for x in f.archs)
+        raise CheckpointError(path, "architectures", f"one of {trainable}", repr(archs[0]),
+                              fam.not_exportable if not fam.exportable else fam.not_trainable)
+    tc = load_target_config(a.target)  # every other refusal (an unknown architecture, a bad field) as the export's
     for flag, v in (("--mask-token-id", a.mask_token_id), ("--draft-vocab", a.draft_vocab)):
         if v is not None and v >= tc.vocab_size + (flag == "--draft-vocab"):
             raise Dflash2Error(f"{flag}: expected {'<' if flag == '--mask-token-id' else '<='} the target's "

@@ -10,6 +10,7 @@ import torch
 
 from dflash2.checkpoint import load_tensors
 from dflash2.config import load_drafter_config
+from dflash2.drafter_formats import require_zlab
 from dflash2.errors import Dflash2Error
 from dflash2.reference.drafter import Drafter
 
@@ -18,6 +19,7 @@ def warm_start(d: Drafter, folder: Path, log_mult: torch.nn.Parameter) -> None:
     """Weights (and the learned unary scale) of an existing drafter with the same shapes, or with fewer layers or
     a lower selector rank: then the drafter grows (`_grow_layers`, `_grow_rank`), starting as exactly the smaller one."""
     src = load_drafter_config(folder)
+    require_zlab(src, folder, "--init-weights from it")  # its encoder.* names are not the trainer's
     if src.version != d.config.version:  # a DFlash v1 drafter has no selector to start one from (or grow)
         raise Dflash2Error(f"{folder}: --init-weights expected a DFlash{d.config.version} drafter like this run's, "
                            f"found a DFlash{src.version} one (config.json architectures)")

@@ -1,0 +1,160 @@
+"""The Muse-Glimmer text target in standard ONNX ops, both flavours (plain.py's pattern and interface).
+
+What dflash2.reference.muse_glimmer.MuseGlimmerTarget computes, written from the weights tensor by tensor, opset-17
+ops only, one pass making the portable graph (KV binding "prefix": `past_kv` the valid rows) and the TensorRT
+flavour (binding "fixed": the whole `kv_cache` + `past_len`, stale rows moved after every query); they share every
+node and initializer but the prologue (plain._prefix / plain._fixed). Muse-Glimmer's parts:
+- the image / video placeholder ids -> 0 before the embedding Gather (every step, generated ids included), the
+  weightless RMSNorm after it;
+- per layer one MatMul for q | k | v | gate; the scaleless QK norm (q times qk_scale_factor); rotary only on the
+  layers whose layer_rope_theta is non-zero (NoPE: none); attention output times sigmoid(gate);
+- the zero-centred sandwich norms with their weights as 1 + w (computed in fp32 at export, as transformers does at
+  run time), post-attention / post-feedforward at post_norm_eps;
+- sliding-window layers: the causal mask narrowed to q - k < sliding_window, over the same full KV rows (every
+  layer keeps every row: correct, but a sliding layer's memory is not bounded by its window yet; the compacting
+  ring buffer of docs/families/plan_muse_glimmer_gpt_oss.md section 3.2 is a later step);
+- logits = T * tanh(lm_head(y) * output_multiplier / T) in fp32, the argmax over the capped logits.
+Outputs as plain.build: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V].
+The family's `plain` templates (dflash2.families.muse_glimmer); fp32 only so far (docs/families/muse_glimmer.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from dflash2.export import signature as N
+from dflash2.export.plain import F32, _fixed, _prefix
+from dflash2.export.templates import Builder, StandardOps
+
+DTYPES = ("float32", "float16")
+
+
+def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
+          progress=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(portable, TensorRT flavour); c: a MuseGlimmerConfig, dc: the drafter's config, src / dsrc: weights under the
+    reference modules' names (dflash2.export.weights), data: a DataFile or None (inline), progress(i, L)."""
+    np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
+    onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
+    nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
+    g, B, eps, post = nh // kv, dc.block_size, float(c.rms_norm_eps), float(c.post_norm_eps)
+    tap_ids = tuple(dc.target_layer_ids)
+    b = Builder(data, dtype=np_dt)
+    ops = StandardOps(b, c.rope, hd, eps)
+    ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])
+
+    def matrix(name: str) -> str:
+        return b.chunked(name, src.row_chunks(name), src.shape(name))
+
+    def centred(name: str) -> np.ndarray:  # (1 + w) in fp32, as MuseGlimmerTextCenteredRMSNorm
+        return 1.0 + src.get(name).astype(np.float32)
+
+    n = b.op("Shape", [N.INPUT_IDS], "n")[0]
+    n0 = b.op("Squeeze", [n, ax0], "n.scalar", outputs=["n.scalar"])[0]
+    b.op("Range", [b.const("zero", 0), n0, b.const("one", 1)], "steps", outputs=["steps"])  # [n]
+    prologue_at = len(b.nodes)  # each flavour's prologue: start, pos [n] int64, k_pos [T] int64
+    pos = "pos"
+    rot = ops.at(pos, "rope")  # [n, 1, hd] each (read by the rotary layers only)
+    k_row, q_col = (b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0], b.op("Unsqueeze", [pos, ax1], "pos.col")[0])
+    causal = b.op("LessOrEqual", [k_row, q_col], "visible")[0]  # [n, T] bool
+    masks = {None: causal}
+    for w in sorted({x for x in c.layer_windows if x is not None}):  # q - k < window (transformers' sliding mask)
+        near = b.op("Less", [b.op("Sub", [q_col, k_row], f"window{w}.distance")[0], b.const(f"window{w}", w)],
+                    f"window{w}.near")[0]
+        masks[w] = b.op("And", [causal, near], f"window{w}.visible")[0]
+    four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
+    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
+    scale = b.const("attn.scale", [hd ** -0.5], np_dt)
+    qk_scale = b.const("qk_scale", [c.qk_scale_factor], np_dt)
+    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
+
+    ids = b.op("Cast", [N.INPUT_IDS], "ids.i64", to=TensorProto.INT64)[0]
+    media = [b.op("Equal", [ids, b.const(f"media.{m}", m)], f"media.{m}.hit")[0] for m in c.remapped_ids]
+    if media:  # image / video placeholders embed as id 0
+        hit = media[0] if len(media) == 1 else b.op("Or", media, "media.hit")[0]
+        ids = b.op("Where", [hit, b.const("id0", 0), ids], "ids.remapped")[0]
+    h = b.op("Gather", [matrix("embed_tokens.weight"), ids], "embed.raw", axis=0)[0]  # [n, H]
+    h = ops.norm(h, None, "embed")  # weightless
+    taps, new_kv = {}, []
+    for i in range(L):
+        p, a = f"layers.{i}", f"layers.{i}.self_attn"
+        if progress is not None:
+            progress(i, L)
+        u = ops.norm(h, centred(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
+        proj = b.linear(u, f"{p}.qkvg_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj", f"{a}.gate_proj"])
+        q, k, v, gate = b.op("Split", [proj, b.const(f"{p}.qkvg_sizes", [nh * hd, kv * hd, kv * hd, nh * hd])],
+                             f"{p}.qkvg", outputs=4, axis=-1)
+        q = b.op("Reshape", [q, b.const(f"{p}.q_heads", [-1, nh, hd])], f"{p}.q_heads")[0]  # [n, nh, hd]
+        k = b.op("Reshape", [k, b.const(f"{p}.k_heads", [-1, kv, hd])], f"{p}.k_heads")[0]  # [n, kv, hd]
+        v = b.op("Reshape", [v, b.const(f"{p}.v_heads", [-1, kv, hd])], f"{p}.v_heads")[0]
+        q = b.op("Mul", [ops.norm(q, None, f"{p}.q_norm"), qk_scale], f"{p}.q_scaled")[0]  # scaleless QK norm
+        k = ops.norm(k, None, f"{p}.k_norm")
+        if c.layer_rope[i]:  # NoPE layers: no rotary
+            q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")
+        layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", i)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
+        pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0]
+                  for j, nm in ((0, "k"), (1, "v")))  # [P, kv, hd]
+        keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
+        vals = b.op("Concat", [pv, v], f"{p}.values", axis=0)[0]
+        qh = b.op("Reshape", [b.op("Transpose", [q], f"{p}.q_t", perm=[1, 0, 2])[0],
+                              b.const(f"{p}.q_groups", [kv, -1, hd])], f"{p}.q_groups")[0]  # [kv, g n, hd]
+        s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]
+        s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
+        s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
+        s = b.op("Where", [masks[c.layer_windows[i]], ops.f32(s, f"{p}.scores"), neg], f"{p}.masked")[0]
+        probs = ops.back(b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], f"{p}.probs")
+        probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
+        o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
+        o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
+                 f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
+        o = b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]  # [n, nh*hd]
+        o = b.op("Mul", [o, b.op("Sigmoid", [gate], f"{p}.gate")[0]], f"{p}.gated")[0]
+        o = b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])
+        o = ops.norm(o, centred(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm", eps=post)
+        h = b.op("Add", [h, o], f"{p}.attn_residual")[0]
+        u = ops.norm(h, centred(f"{p}.pre_feedforward_layernorm.weight"), f"{p}.pre_feedforward_layernorm")
+        m = f"{p}.mlp"
+        gate_mlp, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
+                                      b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
+                            outputs=2, axis=-1)
+        act = b.op("Mul", [gate_mlp, b.op("Sigmoid", [gate_mlp], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
+        mlp = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])
+        mlp = ops.norm(mlp, centred(f"{p}.post_feedforward_layernorm.weight"), f"{p}.post_feedforward_layernorm",
+                       eps=post)
+        h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
+        kv_i = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
+                    f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
+        new_kv.append(b.op("Unsqueeze", [kv_i, ax1], f"{p}.new_kv.layer")[0])  # [n, 1, 2, kv, hd]
+        if i in tap_ids:
+            taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
+    b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
+    y = ops.norm(h, src.get("norm.weight"), "norm")  # the final norm: plain w
+    head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
+    raw = ops.f32(b.head(y, head, "lm_head"), "logits.raw")  # [n, V] fp32
+    T = float(c.final_logit_softcapping)
+    logits = b.op("Mul", [b.op("Tanh", [b.op("Div", [
+        b.op("Mul", [raw, b.const("output_multiplier", [c.output_multiplier], np.float32)], "logits.mult")[0],
+        b.const("softcap", [T], np.float32)], "logits.over_cap")[0]], "logits.tanh")[0], "softcap"], "logits.capped")[0]
+    next_ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
+    b.op("Cast", [next_ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
+    b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), ax0], N.LOGITS, outputs=[N.LOGITS])
+    tap_rows = [taps[t] for t in tap_ids]
+    t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]  # [n, n_taps H]
+    if fuse_context:  # drafter.context: hidden_norm(fc(taps))
+        t = ops.norm(b.linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
+                     eps=float(dc.rms_norm_eps))
+    b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
+
+    ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
+    row = [L, 2, kv, hd]
+    outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
+               helper.make_tensor_value_info(N.CONTEXT, onnx_dt, ["n", ctx_width]),
+               helper.make_tensor_value_info(N.NEW_KV, onnx_dt, ["n", *row]),
+               helper.make_tensor_value_info(N.LOGITS, F32, [f"Min(n, {B})", c.vocab_size])]
+    ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
+    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, onnx_dt, ["past", *row])]
+    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, onnx_dt, ["cap", *row]),
+             helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
+    return (b.model("dflash2_muse_glimmer_target", past, outputs, prologue_at=prologue_at, prologue=_prefix()),
+            b.model("dflash2_muse_glimmer_target_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed()))
