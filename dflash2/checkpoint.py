@@ -324,6 +324,8 @@ class Weights:
         bad = []
         for name in names:
             key = self._key(name)
+            if self.where[key][1] not in FLOAT_DTYPES:  # an integer tensor a family declares (MXFP4's bytes)
+                continue
             nan = inf = 0
             for rows in self._row_slices(name, CHUNK_BYTES):
                 out = self._read(name, rows)[0]
@@ -332,6 +334,18 @@ class Weights:
             if nan or inf:
                 bad.append(f"{key} in {self.where[key][0].name} ({nan} NaN, {inf} inf)")
         return bad
+
+    def raw(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """A tensor (or consecutive rows of its first axis) as the bytes' own integer dtype (U8 / I8: the MXFP4
+        blocks and scales a family declares), not widened."""
+        key = self._key(name)
+        f, dtype, shape, offset = self.where[key]
+        np_dtype = np.dtype(_NUMPY[dtype])
+        start, stop, _ = (rows or slice(None)).indices(shape[0])
+        row = int(np.prod(shape[1:], dtype=np.int64)) * np_dtype.itemsize
+        with open(f, "rb") as fh:
+            buf = os.pread(fh.fileno(), (stop - start) * row, offset + start * row)
+        return np.frombuffer(buf, np_dtype).reshape(stop - start, *shape[1:]).copy()
 
     def _read(self, name: str, rows: slice | None):
         key = self._key(name)

@@ -14,7 +14,8 @@ as MXFP4 instead: `<name>_blocks` uint8 [E, out, in/32, 16] (two E2M1 codes a by
 `<name>_scales` uint8 [E, out, in/32] (a power of two, 2^(s - 127), per 32 values), in [out, in] orientation;
 `tensor_dtypes` declares them so the checkpoint check accepts those integer tensors and no other.
 
-The reference is dflash2.reference.gpt_oss; no export templates yet. docs/families/gpt_oss.md.
+The reference is dflash2.reference.gpt_oss; the standard-op templates (fp32) dflash2.export.gpt_oss.
+docs/families/gpt_oss.md.
 """
 
 from __future__ import annotations
@@ -254,4 +255,5 @@ GPT_OSS = TargetFamily(
     name="gpt_oss", archs=(ARCH,), description="sliding-window mixture of experts with attention sinks",
     read_config=read_gpt_oss_config, layer_states=_layer_states, tensor_shapes=tensor_shapes,
     tiny_config=tiny_config, hf_class=ARCH, reference="dflash2.reference.gpt_oss:load_target",
-    tensor_dtypes=tensor_dtypes)
+    tensor_dtypes=tensor_dtypes, templates={"plain": "dflash2.export.gpt_oss:build"},
+    trainable=False)  # the corpus, teacher and fresh-drafter paths are not checked for it yet

@@ -182,3 +182,80 @@ def load_target(folder: str | Path, tap_ids: tuple[int, ...] = (), dtype: torch.
     state = hf_state_dict(ckpt.load_tensors(folder, set(expected)))
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return model.to(dtype).eval()
+
+
+class DecodedExperts:
+    """A weight source (dflash2.checkpoint.Weights' interface) over an MXFP4 checkpoint answering the float expert
+    names: `...mlp.experts.gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H] decoded from `<name>_blocks` /
+    `<name>_scales` (decode_mxfp4, exact) for the rows asked only (rows = experts: one expert in memory when the
+    export writes them one at a time). Every other name passes through; a float checkpoint's names as they are."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def __getattr__(self, name: str):  # the rest of the source's interface (folder, non_finite, ...) as it is
+        if name == "src":
+            raise AttributeError(name)
+        return getattr(self.src, name)
+
+    def _mxfp4(self, name: str) -> bool:
+        return name not in self.src and f"{name}_blocks" in self.src
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.src or self._mxfp4(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if not self._mxfp4(name):
+            return tuple(self.src.shape(name))
+        E, n_out, nb, _ = self.src.shape(f"{name}_blocks")
+        return (E, nb * MXFP4_BLOCK, n_out)
+
+    def get(self, name: str, rows: slice | None = None):
+        if not self._mxfp4(name):
+            return self.src.get(name, rows)
+        blocks, scales = (torch.from_numpy(self.src.raw(f"{name}_{part}", rows)) for part in ("blocks", "scales"))
+        return decode_mxfp4(blocks, scales).numpy()  # [e, in, out] fp32
+
+
+class StreamedGptOssTarget(GptOssTarget):
+    """GptOssTarget's interface with dflash2.reference.streamed's memory: the embedding and LM head StreamedRows
+    (read a slice at a time), one layer resident (read from the checkpoint when it runs, MXFP4 experts decoded as
+    read: DecodedExperts), the final norm loaded. The same forward: it reads its weights through embed / iter_layers
+    / project (Target's)."""
+
+    def __init__(self, c: GptOssConfig, tap_ids: tuple[int, ...], weights, like=None,
+                 dtype: torch.dtype = torch.float32):
+        from dflash2.reference.streamed import _tensor
+        from dflash2.reference.vocab import StreamedRows
+
+        Fp32Rope.__init__(self)
+        self.config, self.tap_ids, self.src = c, tuple(tap_ids), DecodedExperts(weights)
+        self.dtype = like.dtype if like is not None else dtype
+        if like is not None:
+            self.embed_rows, self.head_rows, self.norm = like.embed_rows, like.head_rows, like.norm
+        else:
+            self.embed_rows = StreamedRows(weights, "embed_tokens.weight", self.dtype)
+            self.head_rows = self.embed_rows if c.tie_word_embeddings else \
+                StreamedRows(weights, "lm_head.weight", self.dtype)
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.norm.weight = nn.Parameter(_tensor(weights, "norm.weight").to(self.dtype), requires_grad=False)
+        self.lm_head = None
+        self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
+        with torch.device("meta"):  # one template for every layer (the windows are masks): shapes only
+            template = GptOssLayer(c).requires_grad_(False)
+        self._layers = [template] * c.num_layers
+
+    @property
+    def head_weight(self):
+        return self.head_rows
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_rows.rows(ids)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head_rows.project(h)
+
+    def iter_layers(self):
+        from dflash2.reference.streamed import _stream
+
+        return _stream(self._layers, self.src, self.dtype)

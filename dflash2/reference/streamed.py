@@ -162,6 +162,10 @@ def streamed_target(tc, tap_ids, weights, like=None, dtype: torch.dtype = torch.
         from dflash2.reference.muse_glimmer import StreamedMuseGlimmerTarget
 
         return StreamedMuseGlimmerTarget(tc, tuple(tap_ids), weights, like=like, dtype=dtype)
+    if tc.family == "gpt_oss":
+        from dflash2.reference.gpt_oss import StreamedGptOssTarget
+
+        return StreamedGptOssTarget(tc, tuple(tap_ids), weights, like=like, dtype=dtype)
     cls = StreamedTarget if tc.family in DENSE else \
         StreamedQwen35MoeTarget if tc.family == "qwen3_5_moe" else StreamedQwen35Target
     return cls(tc, tuple(tap_ids), weights, like=like, dtype=dtype)

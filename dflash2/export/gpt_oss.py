@@ -1,0 +1,190 @@
+"""The gpt-oss target in standard ONNX ops, both flavours (plain.py's pattern and interface).
+
+What dflash2.reference.gpt_oss.GptOssTarget computes, written from the weights tensor by tensor, opset-17 ops only,
+one pass making the portable graph (KV binding "prefix": `past_kv` the valid rows) and the TensorRT flavour (binding
+"fixed": the whole `kv_cache` + `past_len`, stale rows moved after every query); they share every node and
+initializer but the prologue (plain._prefix / plain._fixed). gpt-oss's parts:
+- attention: one MatMul for q | k | v with their biases, o_proj with its bias; YaRN rotary (the reference's inv_freq
+  as a constant, cos and sin both times the rope's attention factor, as GptOssLayer scales them);
+- the sinks: one learnt logit per head joins the softmax as an extra score column (no value row), dropped after it;
+- sliding layers: the causal mask narrowed to q - k < sliding_window over the same full KV rows (correct, but a
+  sliding layer's memory is not bounded by its window yet: the ring buffer of docs/families/plan_muse_glimmer_
+  gpt_oss.md section 3.2 is a later step);
+- the mixture of experts in the all-experts form (export/moe.py's standard() idea, gpt-oss's routing and experts):
+  router logits with the bias (never quantized), TopK of the LOGITS, softmax over the k kept, scattered into a dense
+  [n, E] routing matrix (zeros elsewhere); every expert as one batched MatMul [E, n, 2I] = u @ gate_up_proj[e] +
+  bias (its columns interleaved: gate even, up odd), the clamped SwiGLU (gate = min(g, limit), up = clip(u, -limit,
+  limit), (up + 1) * gate * sigmoid(alpha * gate)), @ down_proj[e] + bias, times the expert's routing weight, summed
+  over the experts. Every expert runs on every row (E/k times the routed FLOPs; a zero weight removes its term, the
+  clamp keeps every term finite); the batched MatMul is row-invariant as the dense one is.
+- MXFP4 expert weights are decoded exactly as read (reference.gpt_oss.DecodedExperts), one expert at a time into the
+  data file (Builder.chunked).
+Outputs as plain.build: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V] fp32.
+The family's `plain` templates (dflash2.families.gpt_oss); fp32 only so far (docs/families/gpt_oss.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from dflash2.export import signature as N
+from dflash2.export.plain import F32, _fixed, _prefix
+from dflash2.export.templates import Builder, StandardOps
+from dflash2.reference.gpt_oss import DecodedExperts
+
+DTYPES = ("float32",)
+
+
+def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
+          progress=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(portable, TensorRT flavour); c: a GptOssConfig, dc: the drafter's config, src / dsrc: weights under the
+    reference modules' names (dflash2.export.weights; an MXFP4 checkpoint's experts decoded as read), data: a
+    DataFile or None (inline), progress(i, L)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"gpt-oss templates: float32 only, not {dtype}")
+    src = DecodedExperts(src)
+    nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
+    g, B, eps = nh // kv, dc.block_size, float(c.rms_norm_eps)
+    tap_ids = tuple(dc.target_layer_ids)
+    b = Builder(data, dtype=np.float32)
+    ops = StandardOps(b, c.rope, hd, eps)  # rope_inv_freq: YaRN's frequencies for a "yarn" rope
+    ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])
+
+    def matrix(name: str) -> str:
+        return b.chunked(name, src.row_chunks(name), src.shape(name))
+
+    n = b.op("Shape", [N.INPUT_IDS], "n")[0]
+    n0 = b.op("Squeeze", [n, ax0], "n.scalar", outputs=["n.scalar"])[0]
+    b.op("Range", [b.const("zero", 0), n0, b.const("one", 1)], "steps", outputs=["steps"])  # [n]
+    prologue_at = len(b.nodes)  # each flavour's prologue: start, pos [n] int64, k_pos [T] int64
+    pos = "pos"
+    factor = b.const("rope.attention_factor", [c.rope.attention_factor], np.float32)
+    rot = tuple(b.op("Mul", [r, factor], f"rope.{nm}.yarn")[0]
+                for r, nm in zip(ops.at(pos, "rope"), ("cos", "sin")))  # [n, 1, hd] each
+    k_row, q_col = (b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0], b.op("Unsqueeze", [pos, ax1], "pos.col")[0])
+    causal = b.op("LessOrEqual", [k_row, q_col], "visible")[0]  # [n, T] bool
+    masks = {None: causal}
+    for w in sorted({x for x in c.layer_windows if x is not None}):  # q - k < window (transformers' sliding mask)
+        near = b.op("Less", [b.op("Sub", [q_col, k_row], f"window{w}.distance")[0], b.const(f"window{w}", w)],
+                    f"window{w}.near")[0]
+        masks[w] = b.op("And", [causal, near], f"window{w}.visible")[0]
+    four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
+    sink_shape = b.op("Concat", [b.const("kv_g.sink", [kv, g]), n, b.const("one.sink", [1])], "sink.shape",
+                      axis=0)[0]  # [kv, g, n, 1]
+    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
+    scale = b.const("attn.scale", [hd ** -0.5], np.float32)
+    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
+    drop_last = [b.const("first", [0]), b.const("but_last", [-1]), b.const("last_axis", [-1])]
+
+    h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
+    taps, new_kv = {}, []
+    for i in range(L):
+        p, a = f"layers.{i}", f"layers.{i}.self_attn"
+        if progress is not None:
+            progress(i, L)
+        u = ops.norm(h, src.get(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
+        qkv = b.linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])  # + biases
+        q, k, v = b.op("Split", [qkv, b.const(f"{p}.qkv_sizes", [nh * hd, kv * hd, kv * hd])], f"{p}.qkv",
+                       outputs=3, axis=-1)
+        q = b.op("Reshape", [q, b.const(f"{p}.q_heads", [-1, nh, hd])], f"{p}.q_heads")[0]  # [n, nh, hd]
+        k = b.op("Reshape", [k, b.const(f"{p}.k_heads", [-1, kv, hd])], f"{p}.k_heads")[0]  # [n, kv, hd]
+        v = b.op("Reshape", [v, b.const(f"{p}.v_heads", [-1, kv, hd])], f"{p}.v_heads")[0]
+        q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")
+        layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", i)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
+        pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0]
+                  for j, nm in ((0, "k"), (1, "v")))  # [P, kv, hd]
+        keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
+        vals = b.op("Concat", [pv, v], f"{p}.values", axis=0)[0]
+        qh = b.op("Reshape", [b.op("Transpose", [q], f"{p}.q_t", perm=[1, 0, 2])[0],
+                              b.const(f"{p}.q_groups", [kv, -1, hd])], f"{p}.q_groups")[0]  # [kv, g n, hd]
+        s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]
+        s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
+        s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
+        s = b.op("Where", [masks[c.layer_windows[i]], s, neg], f"{p}.masked")[0]
+        # head h = kv index * g + group index (the reshape above): the sinks [nh] as [kv, g, 1, 1], one column more
+        sink = b.fw(f"{a}.sinks", src.get(f"{a}.sinks").reshape(kv, g, 1, 1))
+        col = b.op("Expand", [sink, sink_shape], f"{p}.sink_col")[0]  # [kv, g, n, 1]
+        s = b.op("Concat", [s, col], f"{p}.with_sink", axis=-1)[0]  # [kv, g, n, T + 1]
+        probs = b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0]
+        probs = b.op("Slice", [probs, *drop_last], f"{p}.sink_dropped")[0]  # [kv, g, n, T]
+        probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
+        o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
+        o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
+                 f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
+        o = b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]  # [n, nh*hd]
+        h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
+        u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
+        h = b.op("Add", [h, experts(b, u, src, c, f"{p}.mlp")], f"{p}.mlp_residual")[0]
+        kv_i = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
+                    f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
+        new_kv.append(b.op("Unsqueeze", [kv_i, ax1], f"{p}.new_kv.layer")[0])  # [n, 1, 2, kv, hd]
+        if i in tap_ids:
+            taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
+    b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
+    y = ops.norm(h, src.get("norm.weight"), "norm")
+    head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
+    logits = b.head(y, head, "lm_head")  # [n, V] fp32
+    next_ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
+    b.op("Cast", [next_ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
+    b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), ax0], N.LOGITS, outputs=[N.LOGITS])
+    tap_rows = [taps[t] for t in tap_ids]
+    t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]  # [n, n_taps H]
+    if fuse_context:  # drafter.context: hidden_norm(fc(taps))
+        t = ops.norm(b.linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
+                     eps=float(dc.rms_norm_eps))
+    b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
+
+    ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
+    row = [L, 2, kv, hd]
+    outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
+               helper.make_tensor_value_info(N.CONTEXT, F32, ["n", ctx_width]),
+               helper.make_tensor_value_info(N.NEW_KV, F32, ["n", *row]),
+               helper.make_tensor_value_info(N.LOGITS, F32, [f"Min(n, {B})", c.vocab_size])]
+    ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
+    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, F32, ["past", *row])]
+    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, F32, ["cap", *row]),
+             helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
+    return (b.model("dflash2_gpt_oss_target", past, outputs, prologue_at=prologue_at, prologue=_prefix()),
+            b.model("dflash2_gpt_oss_target_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed()))
+
+
+def experts(b: Builder, u: str, src, c, m: str) -> str:
+    """u [n, H] -> the mixture of experts' output [n, H] in the all-experts form (module docstring); m: the block's
+    prefix (`layers.{i}.mlp`). The expert weights [E, ...] are written one expert at a time (Builder.chunked)."""
+    E, H, I, k = c.num_experts, c.hidden_size, c.intermediate_size, c.num_experts_per_tok
+    x = f"{m}.experts"
+    logits = b.linear(u, f"{m}.router", src, [f"{m}.router"], quantize=False)  # [n, E] + bias
+    top, idx = b.op("TopK", [logits, b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2, axis=-1)  # [n, k]: of logits
+    top = b.op("Softmax", [top], f"{m}.softmax", axis=-1)[0]  # over the k kept
+    zero = helper.make_tensor("value", TensorProto.FLOAT, [1], [0])
+    zeros = b.op("ConstantOfShape", [b.op("Shape", [logits], f"{m}.router.shape")[0]], f"{m}.zeros", value=zero)[0]
+    weights = b.op("ScatterElements", [zeros, idx, top], f"{m}.weights", axis=1)[0]  # [n, E]: 0 where not kept
+    weights = b.op("Unsqueeze", [b.op("Transpose", [weights], f"{m}.weights_t", perm=[1, 0])[0],
+                                 b.const(f"{m}.last", [-1])], f"{m}.weights3")[0]  # [E, n, 1]
+
+    def per_expert(name: str):  # [1, in, out] each: one expert in memory (decoded as read where MXFP4)
+        return (src.get(f"{x}.{name}", slice(e, e + 1)) for e in range(E))
+
+    gate_up = b.chunked(f"{x}.gate_up_proj", per_expert("gate_up_proj"), (E, H, 2 * I))
+    gu = b.op("MatMul", [u, gate_up], f"{x}.gate_up")[0]  # [E, n, 2I] (u broadcast over the experts)
+    gu = b.op("Add", [gu, b.fw(f"{x}.gate_up_bias", src.get(f"{x}.gate_up_proj_bias")[:, None, :])],
+              f"{x}.gate_up.bias")[0]
+    gu = b.op("Reshape", [gu, b.const(f"{x}.pairs", [E, -1, I, 2])], f"{x}.pairs")[0]  # [E, n, I, 2]: gate, up
+    gate, up = b.op("Split", [gu], f"{x}.gate_up.split", outputs=2, axis=-1)  # [E, n, I, 1] each
+    limit = float(c.swiglu_limit)
+    gate = b.op("Min", [gate, b.const(f"{x}.limit", [limit], np.float32)], f"{x}.gate.clamp")[0]  # from above only
+    up = b.op("Clip", [up, b.const(f"{x}.low", -limit, np.float32), b.const(f"{x}.high", limit, np.float32)],
+              f"{x}.up.clamp")[0]
+    glu = b.op("Mul", [gate, b.op("Sigmoid", [b.op("Mul", [gate, b.const(f"{x}.alpha", [c.swiglu_alpha],
+                                                                         np.float32)], f"{x}.alpha_gate")[0]],
+                                  f"{x}.sigmoid")[0]], f"{x}.glu")[0]
+    act = b.op("Mul", [b.op("Add", [up, b.const(f"{x}.one", [1.0], np.float32)], f"{x}.up1")[0], glu],
+               f"{x}.act")[0]
+    act = b.op("Reshape", [act, b.const(f"{x}.act_shape", [E, -1, I])], f"{x}.act3")[0]  # [E, n, I]
+    down = b.chunked(f"{x}.down_proj", per_expert("down_proj"), (E, I, H))
+    y = b.op("MatMul", [act, down], f"{x}.down")[0]  # [E, n, H]
+    y = b.op("Add", [y, b.fw(f"{x}.down_bias", src.get(f"{x}.down_proj_bias")[:, None, :])], f"{x}.down.bias")[0]
+    y = b.op("Mul", [y, weights], f"{x}.routed")[0]  # [E, n, H]: zero for the experts a row does not route to
+    return b.op("ReduceSum", [y, b.const(f"{x}.sum_axis", [0])], f"{x}.sum", keepdims=0)[0]  # [n, H]
