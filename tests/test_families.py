@@ -34,7 +34,7 @@ def test_every_architecture_is_claimed_once_and_names_are_unique():
     assert len(NAMES) == len(set(NAMES))
     assert families.exportable_archs() == ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM",
                                            "Qwen3_5ForConditionalGeneration", "Qwen3MoeForCausalLM",
-                                           "MuseGlimmerForConditionalGeneration")  # dense first
+                                           "MuseGlimmerForConditionalGeneration", "GptOssForCausalLM")  # dense first
     for f in families.FAMILIES:
         assert all(families.by_arch(a) is f for a in f.archs)
         assert families.by_name(f.name) is f
@@ -111,8 +111,8 @@ def test_exportable_families_read_through_load_target_config(tiny_targets, name)
 
 def test_unknown_architecture_names_what_is_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(CheckpointError, match=r"architectures: expected one of \['LlamaForCausalLM', "
-                                              r"'MuseGlimmerForConditionalGeneration', "
+    with pytest.raises(CheckpointError, match=r"architectures: expected one of \['GptOssForCausalLM', "
+                                              r"'LlamaForCausalLM', 'MuseGlimmerForConditionalGeneration', "
                                               r"'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', 'Qwen3_5ForCausalLM', "
                                               r"'Qwen3_5ForConditionalGeneration'\], found 'GPT2LMHeadModel' "
                                               r"\(unsupported"):
@@ -150,8 +150,8 @@ def test_export_refuses_a_family_without_templates_before_writing(tmp_path, monk
     with pytest.raises(CheckpointError) as e:
         export(drafter, target, out, quiet=True)
     assert "'Qwen3_5ForCausalLM' (qwen3_5, hybrid Gated DeltaNet: reference and tiny checkpoints only; export" \
-           in str(e.value) and "['LlamaForCausalLM', 'MuseGlimmerForConditionalGeneration', 'Qwen3ForCausalLM', " \
-           "'Qwen3MoeForCausalLM']" in str(e.value), \
+           in str(e.value) and "['GptOssForCausalLM', 'LlamaForCausalLM', 'MuseGlimmerForConditionalGeneration', " \
+           "'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM']" in str(e.value), \
         str(e.value)
     assert not out.exists() and not list(tmp_path.glob("out*"))
 

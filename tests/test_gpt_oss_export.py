@@ -146,3 +146,109 @@ def test_the_sinks_and_the_clamp_are_in_the_graph(tmp_path_factory):
         model = graph.build(c, dc, src, None, fuse_context=False)[0]
         s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         assert np.abs(step(s, ids.numpy(), empty(ref))[N.LOGITS] - base).max() > 1e-2
+
+
+# --- through dflash2-export and the runtime (the family's `plain` templates) ---
+
+E2E_BLOCK = 8
+MXFP4 = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+
+
+@pytest.fixture(scope="module", params=["float", "mxfp4"])
+def exported(request, tmp_path_factory):
+    """A tiny gpt-oss pair as dflash2-make-tiny writes it (window 8, 4 experts top-2, YaRN; float experts or MXFP4
+    bytes) with a DFlash2 drafter, exported fp32 through the standard-op templates."""
+    from dflash2 import tiny
+    from dflash2.export.api import export
+
+    root = tmp_path_factory.mktemp(f"gpt_oss_export_{request.param}")
+    target = tiny.make_target(root / "target", family="gpt_oss", extra=MXFP4 if request.param == "mxfp4" else None)
+    drafter = tiny.make_drafter(root / "drafter", target, version=2, block_size=E2E_BLOCK)
+    m = export(drafter, target, root / "out", max_seq_len=160, quiet=True)
+    return m, root / "out", target
+
+
+def test_export_is_validated_and_row_invariant(exported):
+    m, _, target = exported
+    assert all(v.ok for v in m.validation.values()), m.validation
+    rows = m.validation["target.rows"]
+    assert not rows.skipped and rows.steps["rows"] > 0 and rows.steps["differing"] == 0
+    assert m.kv.target_attention == "plain"
+
+
+def test_speculative_decoding_through_the_exported_graphs_is_lossless_past_the_window(exported):
+    """The runtime's greedy ids (prompt 12 > window 8, 64 tokens) equal transformers' generate (which dequantizes
+    the MXFP4 experts itself); speculative decoding with every accepted count 0..S (planned drafts) and with the
+    pair's own drafter gives the same ids."""
+    from transformers import GptOssForCausalLM
+
+    from dflash2.runtime.api import Runtime
+    from dflash2.speculative import generate
+    from tests.test_qwen3_5_export import PROMPT, PlannedDrafts
+
+    _, out, target = exported
+    rt = Runtime(out)
+    rt.manifest.eos_token_ids = []
+    truth = rt.generate(PROMPT, 64, speculative=False).ids
+    hf = GptOssForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert truth == want[0, len(PROMPT):].tolist() and len(PROMPT) > WINDOW and len(set(truth)) > 8
+    s = PlannedDrafts(rt.manifest, rt.session.backend, truth, plan=list(range(E2E_BLOCK)) + [3, 0])
+    g = generate(s, PROMPT, 64)
+    assert g.ids == truth and set(g.stats.accepted) >= set(range(E2E_BLOCK))
+    assert rt.generate(PROMPT, 64).ids == truth  # the pair's own drafter
+
+
+def test_the_plan_refuses_what_the_templates_do_not_do(exported, tmp_path):
+    """Standard-op templates only, checked in fp32: fp16 and every quantization refused before anything is written,
+    naming the family."""
+    from dflash2.errors import Dflash2Error
+    from dflash2.export.api import export
+    from dflash2.export.plan import QuantFlags
+
+    _, _, target = exported
+    drafter = target.parent / "drafter"
+    with pytest.raises(Dflash2Error, match=r"--dtype: expected float32 for GptOssForCausalLM"):
+        export(drafter, target, tmp_path / "a", dtype="float16", quiet=True)
+    for method in ("int4", "int8"):
+        with pytest.raises(Dflash2Error, match=rf"--quantize {method}: not yet for GptOssForCausalLM"):
+            export(drafter, target, tmp_path / method, quiet=True, quantize=QuantFlags(method=method))
+    with pytest.raises(Dflash2Error, match="fused-op templates"):
+        export(drafter, target, tmp_path / "c", quiet=True, target_attention="gqa")
+    assert not list(tmp_path.iterdir())
+
+
+def test_streamed_reference_equals_the_loaded_one(exported):
+    """The layer-streamed reference the export validates against (MXFP4 experts decoded as read) is the loaded one,
+    bitwise."""
+    from dflash2.checkpoint import Weights
+    from dflash2.config import load_target_config
+    from dflash2.reference.gpt_oss import StreamedGptOssTarget, load_target
+    from dflash2.reference.streamed import streamed_target
+
+    _, _, target = exported
+    tc = load_target_config(target)
+    taps = (1, 2)
+    whole, streamed = load_target(target, taps, config=tc), streamed_target(tc, taps, Weights(target))
+    assert isinstance(streamed, StreamedGptOssTarget)
+    ids = torch.arange(3, 3 + 3 * WINDOW)
+    with torch.no_grad():
+        for x, y in zip(whole(ids, torch.zeros(0, *whole.kv_row_shape())),
+                        streamed(ids, torch.zeros(0, *whole.kv_row_shape()))):
+            assert torch.equal(x, y)
+
+
+def test_past_the_budget_a_truncated_build_is_validated_against_the_streamed_reference(exported, tmp_path,
+                                                                                        monkeypatch):
+    from dflash2.export import stages
+    from dflash2.export.api import export
+
+    _, _, target = exported
+    monkeypatch.setattr(stages, "WHOLE_GRAPH_BYTES", 0)
+    m = export(target.parent / "drafter", target, tmp_path / "t", max_seq_len=160, quiet=True)
+    for name in ("target.truncated", "target.truncated.trt"):
+        assert m.validation[name].ok and not m.validation[name].skipped, name
+    assert m.validation["target"].skipped

@@ -6,17 +6,19 @@ one pass making the portable graph (KV binding "prefix": `past_kv` the valid row
 initializer but the prologue (plain._prefix / plain._fixed). gpt-oss's parts:
 - attention: one MatMul for q | k | v with their biases, o_proj with its bias; YaRN rotary (the reference's inv_freq
   as a constant, cos and sin both times the rope's attention factor, as GptOssLayer scales them);
-- the sinks: one learnt logit per head joins the softmax as an extra score column (no value row), dropped after it;
+- the sinks: one learnt logit per head joins the softmax as an extra score column (no value row), dropped after it
+  (the first column: row invariance, below);
 - sliding layers: the causal mask narrowed to q - k < sliding_window over the same full KV rows (correct, but a
   sliding layer's memory is not bounded by its window yet: the ring buffer of docs/families/plan_muse_glimmer_
   gpt_oss.md section 3.2 is a later step);
 - the mixture of experts in the all-experts form (export/moe.py's standard() idea, gpt-oss's routing and experts):
   router logits with the bias (never quantized), TopK of the LOGITS, softmax over the k kept, scattered into a dense
-  [n, E] routing matrix (zeros elsewhere); every expert as one batched MatMul [E, n, 2I] = u @ gate_up_proj[e] +
-  bias (its columns interleaved: gate even, up odd), the clamped SwiGLU (gate = min(g, limit), up = clip(u, -limit,
-  limit), (up + 1) * gate * sigmoid(alpha * gate)), @ down_proj[e] + bias, times the expert's routing weight, summed
-  over the experts. Every expert runs on every row (E/k times the routed FLOPs; a zero weight removes its term, the
-  clamp keeps every term finite); the batched MatMul is row-invariant as the dense one is.
+  [n, E] routing matrix (zeros elsewhere); every expert's gate|up = u @ gate_up_proj[e] + bias (one MatMul per
+  expert, columns interleaved: gate even, up odd), the clamped SwiGLU (gate = min(g, limit), up = clip(u, -limit,
+  limit), (up + 1) * gate * sigmoid(alpha * gate)) times the expert's routing weight, one down MatMul [E I, H]
+  summing over the experts, plus routing weights [n, E] @ the down biases [E, H]. Every expert runs on every row
+  (E/k times the routed FLOPs; a zero weight removes its term, the clamp keeps every term finite); 2-D MatMuls only,
+  row-invariant as the dense MLP;
 - MXFP4 expert weights are decoded exactly as read (reference.gpt_oss.DecodedExperts), one expert at a time into the
   data file (Builder.chunked).
 Outputs as plain.build: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V] fp32.
@@ -76,7 +78,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
     scale = b.const("attn.scale", [hd ** -0.5], np.float32)
     kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
-    drop_last = [b.const("first", [0]), b.const("but_last", [-1]), b.const("last_axis", [-1])]
+    drop_first = [b.const("second", [1]), b.const("to_end.cols", [2**62]), b.const("last_axis", [-1])]
 
     h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
     taps, new_kv = {}, []
@@ -103,12 +105,14 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
         s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
         s = b.op("Where", [masks[c.layer_windows[i]], s, neg], f"{p}.masked")[0]
-        # head h = kv index * g + group index (the reshape above): the sinks [nh] as [kv, g, 1, 1], one column more
+        # head h = kv index * g + group index (the reshape above): the sinks [nh] as [kv, g, 1, 1], one column more,
+        # FIRST: a k-row verify has masked columns after a row's last key that a 1-row decode has not; with the sink
+        # after them it would sit in another SIMD lane of the softmax's sum (measured not row-invariant, ~1e-7)
         sink = b.fw(f"{a}.sinks", src.get(f"{a}.sinks").reshape(kv, g, 1, 1))
         col = b.op("Expand", [sink, sink_shape], f"{p}.sink_col")[0]  # [kv, g, n, 1]
-        s = b.op("Concat", [s, col], f"{p}.with_sink", axis=-1)[0]  # [kv, g, n, T + 1]
+        s = b.op("Concat", [col, s], f"{p}.with_sink", axis=-1)[0]  # [kv, g, n, 1 + T]
         probs = b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0]
-        probs = b.op("Slice", [probs, *drop_last], f"{p}.sink_dropped")[0]  # [kv, g, n, T]
+        probs = b.op("Slice", [probs, *drop_first], f"{p}.sink_dropped")[0]  # [kv, g, n, T]
         probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
         o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
         o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
@@ -161,18 +165,18 @@ def experts(b: Builder, u: str, src, c, m: str) -> str:
     zero = helper.make_tensor("value", TensorProto.FLOAT, [1], [0])
     zeros = b.op("ConstantOfShape", [b.op("Shape", [logits], f"{m}.router.shape")[0]], f"{m}.zeros", value=zero)[0]
     weights = b.op("ScatterElements", [zeros, idx, top], f"{m}.weights", axis=1)[0]  # [n, E]: 0 where not kept
-    weights = b.op("Unsqueeze", [b.op("Transpose", [weights], f"{m}.weights_t", perm=[1, 0])[0],
-                                 b.const(f"{m}.last", [-1])], f"{m}.weights3")[0]  # [E, n, 1]
-
-    def per_expert(name: str):  # [1, in, out] each: one expert in memory (decoded as read where MXFP4)
-        return (src.get(f"{x}.{name}", slice(e, e + 1)) for e in range(E))
-
-    gate_up = b.chunked(f"{x}.gate_up_proj", per_expert("gate_up_proj"), (E, H, 2 * I))
-    gu = b.op("MatMul", [u, gate_up], f"{x}.gate_up")[0]  # [E, n, 2I] (u broadcast over the experts)
-    gu = b.op("Add", [gu, b.fw(f"{x}.gate_up_bias", src.get(f"{x}.gate_up_proj_bias")[:, None, :])],
-              f"{x}.gate_up.bias")[0]
-    gu = b.op("Reshape", [gu, b.const(f"{x}.pairs", [E, -1, I, 2])], f"{x}.pairs")[0]  # [E, n, I, 2]: gate, up
-    gate, up = b.op("Split", [gu], f"{x}.gate_up.split", outputs=2, axis=-1)  # [E, n, I, 1] each
+    w3 = b.op("Unsqueeze", [weights, b.const(f"{m}.last", [-1])], f"{m}.weights3")[0]  # [n, E, 1]
+    # every expert's gate|up as its own [n, H] @ [H, 2I] MatMul (one expert's weights in memory as they are written),
+    # joined along the columns; then export/moe.py standard()'s form: 2-D MatMuls only, row-invariant as the dense MLP
+    gu = []
+    for e in range(E):
+        w = b.fw(f"{x}.{e}.gate_up_proj", src.get(f"{x}.gate_up_proj", slice(e, e + 1))[0])  # [H, 2I]
+        y = b.op("MatMul", [u, w], f"{x}.{e}.gate_up")[0]
+        gu.append(b.op("Add", [y, b.fw(f"{x}.{e}.gate_up_bias", src.get(f"{x}.gate_up_proj_bias")[e])],
+                       f"{x}.{e}.gate_up.bias")[0])  # [n, 2I]
+    gu = b.op("Concat", gu, f"{x}.gate_up", axis=-1)[0]  # [n, E 2I]
+    gu = b.op("Reshape", [gu, b.const(f"{x}.pairs", [-1, E, I, 2])], f"{x}.pairs")[0]  # [n, E, I, 2]: gate, up
+    gate, up = b.op("Split", [gu], f"{x}.gate_up.split", outputs=2, axis=-1)  # [n, E, I, 1] each
     limit = float(c.swiglu_limit)
     gate = b.op("Min", [gate, b.const(f"{x}.limit", [limit], np.float32)], f"{x}.gate.clamp")[0]  # from above only
     up = b.op("Clip", [up, b.const(f"{x}.low", -limit, np.float32), b.const(f"{x}.high", limit, np.float32)],
@@ -182,9 +186,13 @@ def experts(b: Builder, u: str, src, c, m: str) -> str:
                                   f"{x}.sigmoid")[0]], f"{x}.glu")[0]
     act = b.op("Mul", [b.op("Add", [up, b.const(f"{x}.one", [1.0], np.float32)], f"{x}.up1")[0], glu],
                f"{x}.act")[0]
-    act = b.op("Reshape", [act, b.const(f"{x}.act_shape", [E, -1, I])], f"{x}.act3")[0]  # [E, n, I]
-    down = b.chunked(f"{x}.down_proj", per_expert("down_proj"), (E, I, H))
-    y = b.op("MatMul", [act, down], f"{x}.down")[0]  # [E, n, H]
-    y = b.op("Add", [y, b.fw(f"{x}.down_bias", src.get(f"{x}.down_proj_bias")[:, None, :])], f"{x}.down.bias")[0]
-    y = b.op("Mul", [y, weights], f"{x}.routed")[0]  # [E, n, H]: zero for the experts a row does not route to
-    return b.op("ReduceSum", [y, b.const(f"{x}.sum_axis", [0])], f"{x}.sum", keepdims=0)[0]  # [n, H]
+    act = b.op("Reshape", [act, b.const(f"{x}.act_shape", [-1, E, I])], f"{x}.act3")[0]  # [n, E, I]
+    act = b.op("Reshape", [b.op("Mul", [act, w3], f"{x}.routed")[0], b.const(f"{x}.act_flat", [-1, E * I])],
+               f"{x}.act_flat")[0]  # [n, E I]: zero for the experts a row does not route to
+    # one down MatMul [E I, H] sums over the experts (written an expert's [I, H] rows at a time); the biases
+    # weighted by the routing: weights [n, E] @ down biases [E, H]
+    down = b.chunked(f"{x}.down_proj", (src.get(f"{x}.down_proj", slice(e, e + 1))[0] for e in range(E)),
+                     (E * I, H))
+    y = b.op("MatMul", [act, down], f"{x}.down")[0]  # [n, H]
+    bias = b.op("MatMul", [weights, b.fw(f"{x}.down_bias", src.get(f"{x}.down_proj_bias"))], f"{x}.down.bias")[0]
+    return b.op("Add", [y, bias], f"{x}.out")[0]  # [n, H]
