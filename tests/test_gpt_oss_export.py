@@ -252,3 +252,84 @@ def test_past_the_budget_a_truncated_build_is_validated_against_the_streamed_ref
     for name in ("target.truncated", "target.truncated.trt"):
         assert m.validation[name].ok and not m.validation[name].skipped, name
     assert m.validation["target"].skipped
+
+
+# --- the experts on QMoE int8, the MXFP4 bytes converted block-exactly (export/gpt_oss_qmoe.py) ---
+
+def _q8(t: torch.Tensor) -> torch.Tensor:
+    """int8 per 32 values, symmetric (amax / 127): what QMoE int8 does to its activations."""
+    blocks = t.reshape(*t.shape[:-1], -1, 32)
+    s = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+    return (torch.round(blocks / s) * s).reshape(t.shape)
+
+
+def test_qmoe_int8_is_the_reference_block_with_int8_activations(tmp_path):
+    """The QMoE int8 block alone, on a dflash2-make-tiny MXFP4 checkpoint (random biases and router bias), equals
+    the reference's experts with the activations (x and the SwiGLU output) rounded to int8 per 32 values, the
+    weights exact: so routing, the interleaved clamped SwiGLU, the +1 and both biases are wired as gpt-oss's."""
+    from onnx import TensorProto, helper
+
+    from dflash2 import tiny
+    from dflash2.checkpoint import Weights
+    from dflash2.export.gpt_oss_qmoe import int8_experts
+    from dflash2.export.templates import Builder
+    from dflash2.reference.gpt_oss import load_target
+
+    folder = tiny.make_target(tmp_path / "t", family="gpt_oss", extra=MXFP4)
+    ref = load_target(folder)
+    c, mlp = ref.config, ref.layers[1].mlp
+    assert float(mlp.experts.gate_up_proj_bias.abs().max()) > 0 and float(mlp.router.bias.abs().max()) > 0
+    b = Builder(None)
+    y = int8_experts(b, "u", Weights(folder), c, "layers.1.mlp")
+    u = helper.make_tensor_value_info("u", TensorProto.FLOAT, ["n", c.hidden_size])
+    g = helper.make_graph(b.nodes, "qmoe", [u], [helper.make_tensor_value_info(y, TensorProto.FLOAT, None)], b.inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    x = torch.randn(6, c.hidden_size, generator=torch.Generator().manual_seed(0)) * 4
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {
+        "u": x.numpy()})[0]
+    ex, want, exact = mlp.experts, torch.zeros_like(x), torch.zeros_like(x)
+    with torch.no_grad():
+        w, idx = mlp.route(x)
+        for r in range(x.shape[0]):
+            for j, e in enumerate(idx[r].tolist()):
+                for q, out in ((_q8, want), (lambda t: t, exact)):
+                    gu = q(x[r]) @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
+                    gate, up = gu[::2].clamp(max=ex.limit), gu[1::2].clamp(-ex.limit, ex.limit)
+                    a = (up + 1) * (gate * torch.sigmoid(gate * ex.alpha))
+                    out[r] += (q(a) @ ex.down_proj[e] + ex.down_proj_bias[e]) * w[r, j]
+        assert torch.allclose(exact, mlp(x), rtol=1e-5, atol=1e-3)  # the emulation without rounding: the reference
+    scale = float(want.abs().max())
+    d, d_exact = np.abs(got - want.numpy()).max() / scale, np.abs(got - exact.numpy()).max() / scale
+    print(f"QMoE int8 vs int8-activation emulation {d:.1e}, vs the fp32 block {d_exact:.1e} (of max {scale:.2f})")
+    assert d < 1e-4 < d_exact
+
+
+def test_qmoe_int8_target_is_row_invariant_and_its_agreement_is_printed(tmp_path_factory):
+    """The whole target with QMoE int8 experts (the MXFP4 pair, experts x25): a k-row verify gives each row
+    bitwise what 1-row decode steps give (lossless speculative decoding on it); its agreement with the fp32
+    reference printed (the int8 activations' cost, not the weights')."""
+    from dflash2.checkpoint import Weights
+
+    _, ref, folder = pair("mxfp4", tmp_path_factory)
+    dc = SimpleNamespace(block_size=BLOCK, target_layer_ids=TAPS)
+    model = graph.build(ref.config, dc, Weights(folder), None, fuse_context=False, experts_op="qmoe-int8")[0]
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    ids = prompt(3 * WINDOW, seed=6)
+    first = step(sess, ids.numpy(), empty(ref))
+    rows = step(sess, ids[:5].numpy(), first[N.NEW_KV])  # a 5-row verify after the prompt
+    past = first[N.NEW_KV]
+    for j in range(5):
+        one = step(sess, ids[j:j + 1].numpy(), past)
+        assert np.array_equal(one[N.NEW_KV], rows[N.NEW_KV][j:j + 1]) and one[N.NEXT_IDS][0] == rows[N.NEXT_IDS][j]
+        if j >= 5 - BLOCK:  # logits come for the last BLOCK rows only
+            assert np.array_equal(one[N.LOGITS][0], rows[N.LOGITS][j - 5 + BLOCK])
+        past = np.concatenate([past, one[N.NEW_KV]])
+    with torch.no_grad():
+        logits = ref(ids, torch.zeros(0, *ref.kv_row_shape()))[0]
+    d = np.abs(first[N.LOGITS] - logits[-BLOCK:].numpy()).max()
+    agree = float((first[N.NEXT_IDS] == logits.argmax(-1).numpy()).mean())
+    print(f"QMoE int8 target vs the fp32 reference: max |logit difference| {d:.3f} (logits up to "
+          f"{float(logits.abs().max()):.2f}), argmax agreement {agree:.0%} over {len(ids)} prompt rows")
+    assert d > 0 and agree > 0.3

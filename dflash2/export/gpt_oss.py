@@ -39,13 +39,17 @@ from dflash2.reference.gpt_oss import DecodedExperts
 DTYPES = ("float32",)
 
 
-def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
-          progress=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None, progress=None,
+          experts_op: str = "standard") -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(portable, TensorRT flavour); c: a GptOssConfig, dc: the drafter's config, src / dsrc: weights under the
     reference modules' names (dflash2.export.weights; an MXFP4 checkpoint's experts decoded as read), data: a
-    DataFile or None (inline), progress(i, L)."""
+    DataFile or None (inline), progress(i, L). experts_op "qmoe-int8": the experts through ONNX Runtime's QMoE int8
+    (export/gpt_oss_qmoe.py; MXFP4 checkpoints; the "TensorRT flavour" then only ONNX Runtime runs)."""
     if dtype not in DTYPES:
         raise ValueError(f"gpt-oss templates: float32 only, not {dtype}")
+    if experts_op not in ("standard", "qmoe-int8"):
+        raise ValueError(f"gpt-oss templates: experts_op standard or qmoe-int8, not {experts_op}")
+    raw = src
     src = DecodedExperts(src)
     nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
     g, B, eps = nh // kv, dc.block_size, float(c.rms_norm_eps)
@@ -120,7 +124,13 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         o = b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]  # [n, nh*hd]
         h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
         u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
-        h = b.op("Add", [h, experts(b, u, src, c, f"{p}.mlp")], f"{p}.mlp_residual")[0]
+        if experts_op == "qmoe-int8":
+            from dflash2.export.gpt_oss_qmoe import int8_experts
+
+            mlp = int8_experts(b, u, raw, c, f"{p}.mlp")
+        else:
+            mlp = experts(b, u, src, c, f"{p}.mlp")
+        h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
         kv_i = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
                     f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
         new_kv.append(b.op("Unsqueeze", [kv_i, ax1], f"{p}.new_kv.layer")[0])  # [n, 1, 2, kv, hd]
@@ -150,8 +160,11 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, F32, ["past", *row])]
     cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, F32, ["cap", *row]),
              helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
-    return (b.model("dflash2_gpt_oss_target", past, outputs, prologue_at=prologue_at, prologue=_prefix()),
-            b.model("dflash2_gpt_oss_target_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed()))
+    domains = (("com.microsoft", 1),) if experts_op == "qmoe-int8" else ()
+    return (b.model("dflash2_gpt_oss_target", past, outputs, prologue_at=prologue_at, prologue=_prefix(),
+                    domains=domains),
+            b.model("dflash2_gpt_oss_target_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed(),
+                    domains=domains))
 
 
 def experts(b: Builder, u: str, src, c, m: str) -> str:
