@@ -289,7 +289,7 @@ def _family_rules(tc, dtype: str, quantize) -> None:
     if fam.name in families.DENSE:
         return
     what = f"{tc.arch} ({fam.name}, {fam.description})"
-    if "fused" not in fam.templates:  # standard-op templates only (Muse-Glimmer so far): checked fp32, unquantized
+    if "fused" not in fam.templates:  # standard-op templates only (Muse-Glimmer, gpt-oss): checked fp32, unquantized
         if dtype != "float32":
             raise OutputError(f"--dtype: expected float32 for {what}, found {dtype!r} (its standard-op templates "
                               f"are checked in float32 only so far)")
