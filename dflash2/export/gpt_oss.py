@@ -169,7 +169,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
 
 def experts(b: Builder, u: str, src, c, m: str) -> str:
     """u [n, H] -> the mixture of experts' output [n, H] in the all-experts form (module docstring); m: the block's
-    prefix (`layers.{i}.mlp`). The expert weights [E, ...] are written one expert at a time (Builder.chunked)."""
+    prefix (`layers.{i}.mlp`). The expert weights are written one expert at a time (gate|up: an initializer per
+    expert; down: Builder.chunked)."""
     E, H, I, k = c.num_experts, c.hidden_size, c.intermediate_size, c.num_experts_per_tok
     x = f"{m}.experts"
     logits = b.linear(u, f"{m}.router", src, [f"{m}.router"], quantize=False)  # [n, E] + bias
