@@ -61,7 +61,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
 
 def export_plan(plan: ExportPlan) -> mf.ExportManifest:
     """The export a resolved plan describes (plan_export checked it); returns the manifest written."""
-    progress = Progress(plan.steps, plan.quiet)
+    progress = Progress(plan.steps, plan.quiet, release=True)  # each step starts from what is held, not the last peak
     drafter_dir, target_dir, out = plan.drafter_dir, plan.target_dir, plan.out
     with progress.step("loading and checking the checkpoints"):
         torch_dtype = dtypes.torch_dtype(plan.dtype)
