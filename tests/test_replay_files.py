@@ -72,3 +72,20 @@ def test_chunked_comparison_equals_one_piece(monkeypatch):
             one = np.abs(x.astype(np.float64) - want)
         assert np.array_equal(numerics.max_abs_difference(x, want), one.max(), equal_nan=True)
     assert whole["got"].ok and not whole["bad"].ok
+
+
+def test_file_backed_parameters_keep_their_values(tmp_path):
+    """dflash2.export.filebacked: large parameters mapped from a temporary file, the same values and outputs."""
+    import torch
+
+    from dflash2.export.filebacked import file_backed
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 3)).requires_grad_(False)
+    x = torch.randn(4, 64)
+    want, before = m(x), {k: v.clone() for k, v in m.state_dict().items()}
+    moved = file_backed(m, tmp_path, min_bytes=64 * 32 * 4)  # the first weight only
+    assert moved == ["0.weight"]
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+    assert torch.equal(m(x), want)
+    assert not list(tmp_path.iterdir())  # the file is unlinked: nothing left behind

@@ -24,6 +24,7 @@ from dflash2.export.graphs import GraphSpec
 from dflash2.export.replay import ReplayWriter
 from dflash2.export.validate import np_of, reference_outputs
 from dflash2.numerics import max_abs_difference
+from dflash2.progress import release_freed
 from dflash2.onnxrt import open_session
 
 LOGITS = "dflash2_logits"
@@ -65,10 +66,12 @@ def measure(spec: GraphSpec, path: Path, save_dir: Path | None = None) -> tuple[
     save_dir: also write the feeds and reference outputs as Polygraphy files (`dflash2-compare` replays them).
     One feed at a time (its reference, replay files' part, run and comparison; dflash2.export.validate says why)."""
     feeds = spec.feeds()
+    release_freed()  # the feeds' reference passes (per-row states) freed: their heap back to the OS
     probe = _with_logits(path) if spec.name == "target" else None
     failures, report = [], {}
     try:
-        sess = open_session(probe or path)
+        # the session generation opens (prepacked weights, every fusion: the kernels that run), without the arena
+        sess = open_session(probe or path, arena=False)
         names = list(spec.outputs) + ([LOGITS] if probe else [])
         with ReplayWriter(save_dir, spec.name) if save_dir is not None else nullcontext() as replay:
             for step, feed in enumerate(feeds):
@@ -78,6 +81,7 @@ def measure(spec: GraphSpec, path: Path, save_dir: Path | None = None) -> tuple[
                 g = dict(zip(names, sess.run(names, {k: np_of(v) for k, v in feed.items()})))
                 failures += _compared(spec, step, feed, g, ref, ref_logits if probe else None, report)
                 del g, ref, ref_logits
+                release_freed()
     finally:
         if probe is not None:
             probe.unlink(missing_ok=True)

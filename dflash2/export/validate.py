@@ -22,6 +22,7 @@ from dflash2.export import signature as N
 from dflash2.export.replay import ReplayWriter
 from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES, argmax_agreement, compare_floats, ids_within
 from dflash2.onnxrt import open_session, run
+from dflash2.progress import release_freed
 
 
 def np_of(t: torch.Tensor) -> np.ndarray:
@@ -92,6 +93,7 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
     others validate under the runtime's own session options."""
     name = name or spec.name
     feeds = spec.feeds()
+    release_freed()  # the feeds' reference passes freed: their heap back to the OS before the session's
     providers = providers_for(dtype)
     sess = None
     if providers is not None and selector_drafts is not None:
@@ -124,6 +126,7 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
             failures += f
             report[f"step{step}"] = r
             del got, ref
+            release_freed()
     if sess is None:
         return [], {"skipped": "ONNX Runtime's CPU provider has no bfloat16 kernels; validate with "
                                "`dflash2-compare --engines` on a GPU"}
