@@ -22,7 +22,7 @@ from dflash2.export import signature as N
 from dflash2 import manifest as mf
 from dflash2.export.graphs import GraphSpec
 from dflash2.export.replay import ReplayWriter
-from dflash2.export.validate import np_of, reference_outputs
+from dflash2.export.validate import np_of, own_storage, reference_outputs
 from dflash2.numerics import max_abs_difference
 from dflash2.progress import release_freed
 from dflash2.onnxrt import open_session
@@ -65,7 +65,7 @@ def measure(spec: GraphSpec, path: Path, save_dir: Path | None = None) -> tuple[
     """(failures, per-step report, summary) of the quantized graph at `path` against the PyTorch reference.
     save_dir: also write the feeds and reference outputs as Polygraphy files (`dflash2-compare` replays them).
     One feed at a time (its reference, replay files' part, run and comparison; dflash2.export.validate says why)."""
-    feeds = spec.feeds()
+    feeds = own_storage(spec.feeds())
     release_freed()  # the feeds' reference passes (per-row states) freed: their heap back to the OS
     probe = _with_logits(path) if spec.name == "target" else None
     failures, report = [], {}

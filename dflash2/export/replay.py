@@ -5,7 +5,7 @@ Polygraphy's own writer (save_json, RunResults.save) builds the whole file as on
 np.save bytes, their base64, and the JSON around them, all in memory at once, for every feed together. A
 hybrid target's per-row recurrent states are ~300 MB per feed at Qwen3.5-0.8B's shape, and that writer held
 several GB (the reference file alone is ~0.9 GB). `ReplayWriter` writes the same bytes as Polygraphy's writer
-(json.dumps with Polygraphy's encoders and its indent; tests/test_replay_files.py compares them), streaming each
+(json.dumps with Polygraphy's encoders and its indent; tests/test_validation_memory.py compares them), streaming each
 array's base64 in pieces and each feed as it comes: a feed's arrays are the most it holds.
 """
 

@@ -37,6 +37,17 @@ def graph_array(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+def own_storage(feeds: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Each feed tensor that is a view into a larger tensor copied out on its own (the same values): a hybrid
+    target's feeds carry states committed from a reference step's per-row states, views that kept every row of
+    that step alive (~300 MB a feed at Qwen3.5-0.8B's shape) for the whole validation."""
+    def own(t):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            return t.clone()
+        return t
+    return [{k: own(v) for k, v in f.items()} for f in feeds]
+
+
 def reference_outputs(spec: GraphSpec, feeds: list[dict[str, torch.Tensor]]) -> list[dict[str, np.ndarray]]:
     out = []
     with torch.no_grad():
@@ -92,7 +103,7 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
     weights_in_place: the streamed export stages' bounded-memory session (dflash2.onnxrt.open_session); the
     others validate under the runtime's own session options."""
     name = name or spec.name
-    feeds = spec.feeds()
+    feeds = own_storage(spec.feeds())
     release_freed()  # the feeds' reference passes freed: their heap back to the OS before the session's
     providers = providers_for(dtype)
     sess = None

@@ -1,4 +1,5 @@
-"""The streamed Polygraphy replay files (dflash2.export.replay) are byte for byte Polygraphy's own."""
+"""The bounded-memory validation: the streamed Polygraphy replay files (dflash2.export.replay) byte for byte
+Polygraphy's own, comparisons in slices, file-backed parameters, feeds on their own storage."""
 
 import numpy as np
 import pytest
@@ -89,3 +90,16 @@ def test_file_backed_parameters_keep_their_values(tmp_path):
     assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
     assert torch.equal(m(x), want)
     assert not list(tmp_path.iterdir())  # the file is unlinked: nothing left behind
+
+
+def test_own_storage_copies_views_out():
+    """validate.own_storage: a feed's view into a larger tensor becomes a tensor of its own, equal values."""
+    import torch
+
+    from dflash2.export.validate import own_storage
+
+    big = torch.arange(1000.0).reshape(10, 100)
+    whole = torch.arange(5, dtype=torch.int32)
+    [f] = own_storage([{"state": big[3], "ids": whole}])
+    assert torch.equal(f["state"], big[3]) and f["state"].untyped_storage().nbytes() == 100 * 4
+    assert f["ids"] is whole  # already its own: not copied
