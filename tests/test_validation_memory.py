@@ -103,3 +103,25 @@ def test_own_storage_copies_views_out():
     [f] = own_storage([{"state": big[3], "ids": whole}])
     assert torch.equal(f["state"], big[3]) and f["state"].untyped_storage().nbytes() == 100 * 4
     assert f["ids"] is whole  # already its own: not copied
+
+
+def test_traced_module_weights_are_freed_after_the_trace():
+    """trace._forget_rewriter_matches: onnxscript's rewrite rules no longer hold the traced module's weights (the
+    selector's file-backed codebooks stayed mapped into the row check)."""
+    import gc
+    import warnings
+    import weakref
+
+    import torch
+
+    from dflash2.export.trace import _forget_rewriter_matches
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    w = weakref.ref(m[0].weight)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(m, (torch.zeros(3, 8),), dynamo=True, optimize=True, verbose=False)
+    del program, m
+    _forget_rewriter_matches()
+    gc.collect()
+    assert w() is None
