@@ -43,11 +43,11 @@ def _with_logits(path: Path) -> Path | None:
     return out
 
 
-def _reference(spec: GraphSpec, feed) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-    """The reference outputs of one feed, and for the target its [n, V] logits caught on the way (one reference
-    pass instead of two; a streamed target reads its layers once per pass)."""
+def _reference(spec: GraphSpec, feed, logits: bool) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """The reference outputs of one feed, and with `logits` the target's [n, V] logits caught on the way (one
+    reference pass instead of two; a streamed target reads its layers once per pass)."""
     target = getattr(spec.module, "target", None)
-    if spec.name != "target" or not isinstance(target, torch.nn.Module):
+    if not logits or spec.name != "target" or not isinstance(target, torch.nn.Module):
         return reference_outputs(spec, [feed])[0], None
     captured: list[np.ndarray] = []
     hook = target.register_forward_hook(lambda m, args, out: captured.append(np_of(out[0].float())))
@@ -75,11 +75,11 @@ def measure(spec: GraphSpec, path: Path, save_dir: Path | None = None) -> tuple[
         names = list(spec.outputs) + ([LOGITS] if probe else [])
         with ReplayWriter(save_dir, spec.name) if save_dir is not None else nullcontext() as replay:
             for step, feed in enumerate(feeds):
-                ref, ref_logits = _reference(spec, feed)
+                ref, ref_logits = _reference(spec, feed, probe is not None)
                 if replay is not None:
                     replay.add({k: np_of(v) for k, v in feed.items()}, ref)
                 g = dict(zip(names, sess.run(names, {k: np_of(v) for k, v in feed.items()})))
-                failures += _compared(spec, step, feed, g, ref, ref_logits if probe else None, report)
+                failures += _compared(spec, step, feed, g, ref, ref_logits, report)
                 del g, ref, ref_logits
                 release_freed()
     finally:
