@@ -16,13 +16,15 @@ from dflash2.errors import Dflash2Error
 
 
 def open_session(path: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int | None = None,
-                 spin: bool | None = None, weights_in_place: bool = False):
+                 spin: bool | None = None, weights_in_place: bool = False, arena: bool = True):
     """An InferenceSession over `path` (external data and model-local functions resolved by ORT).
     spin: intra-op thread spinning (None keeps ORT's default); a load failure names the file.
     weights_in_place: no prepacked, constant-folded or fused copies of the weights (export validation of fp graphs:
     the session then reads them where ONNX Runtime maps the data file. Measured on a 4-layer Qwen3-0.6B-shaped
     build: peak 0.90 GiB against 1.45 with both, whose tied head costs a folded transposed copy and a packed
-    one; both rewrites are copies, the results differ by GEMM rounding only, 1.8e-4 on logits of std ~30)."""
+    one; both rewrites are copies, the results differ by GEMM rounding only, 1.8e-4 on logits of std ~30).
+    arena: False gives intermediate tensors back when freed instead of keeping ORT's CPU arena at its peak (the
+    int4 deviation of a hybrid target, whose per-row recurrent states are ~300 MB a step at Qwen3.5-0.8B's shape)."""
     import onnxruntime as ort
     from onnxruntime.capi import onnxruntime_pybind11_state as state
 
@@ -39,6 +41,8 @@ def open_session(path: str | Path, providers: Sequence[str] = ("CPUExecutionProv
         # 4.3 GB fp16 drafter of a Qwen3-8B pair, 0.06 GiB at the basic level), and the CPU arena keeps every fp32
         # copy the fp16 MatMuls are run on; validation checks the graph as written, not ORT's rewrites of it
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        opts.enable_cpu_mem_arena = False
+    if not arena:  # the kernels and their weights as ever; only where ORT puts the intermediate tensors differs
         opts.enable_cpu_mem_arena = False
     try:
         return ort.InferenceSession(str(path), opts, providers=list(providers),

@@ -8,8 +8,9 @@ from contextlib import contextmanager
 
 
 class Progress:
-    def __init__(self, total: int, quiet: bool = False, stream=None):
-        self.total, self.quiet, self.i = total, quiet, 0
+    def __init__(self, total: int, quiet: bool = False, stream=None, release: bool = False):
+        """release: after each step, hand the memory it freed back to the OS (release_freed; the export's peaks)."""
+        self.total, self.quiet, self.i, self.release = total, quiet, 0, release
         self.stream = stream or sys.stderr
         self.start = time.perf_counter()
 
@@ -22,6 +23,8 @@ class Progress:
             print(f"[{self.i}/{self.total}] {what} ...", file=self.stream, flush=True)
         step = _Step(self, f"[{self.i}/{self.total}] {what}", t0)
         yield step
+        if self.release:
+            release_freed()
         if not self.quiet:
             print(f"[{self.i}/{self.total}] {what}: {step.outcome} in {time.perf_counter() - t0:.1f} s",
                   file=self.stream, flush=True)
@@ -48,3 +51,19 @@ class _Step:
         eta = (now - self.t0) / i * (n - i)
         print(f"{self.label}: layer {i}/{n}, {now - self.t0:.0f} s, about {eta:.0f} s left",
               file=self.progress.stream, flush=True)
+
+
+def release_freed() -> None:
+    """Unreachable objects collected, and the heap pages glibc keeps after a free handed back to the OS
+    (malloc_trim). Freed arrays of a step stay resident otherwise: glibc serves allocations past its mmap threshold
+    from the heap once that threshold has grown, and keeps the freed top of the heap, so the next step starts
+    from the last one's peak. Nothing is freed that is still referenced; elsewhere than glibc, a no-op."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl without it)
+        pass

@@ -19,7 +19,7 @@ from dflash2.export.plan import (DEFAULT_MAX_SEQ_LEN, ExportPlan, QuantFlags, ch
 from dflash2.export.quantize import Quantization
 from dflash2.export.validate import raise_if_failed
 from dflash2.folders import OutputError, copy_present, keep_failed, replace_folder, temp_folder  # noqa: F401
-from dflash2.progress import Progress
+from dflash2.progress import Progress, release_freed
 from dflash2.reference.load import load_pair, load_streamed_pair
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -61,7 +61,7 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
 
 def export_plan(plan: ExportPlan) -> mf.ExportManifest:
     """The export a resolved plan describes (plan_export checked it); returns the manifest written."""
-    progress = Progress(plan.steps, plan.quiet)
+    progress = Progress(plan.steps, plan.quiet, release=True)  # each step starts from what is held, not the last peak
     drafter_dir, target_dir, out = plan.drafter_dir, plan.target_dir, plan.out
     with progress.step("loading and checking the checkpoints"):
         torch_dtype = dtypes.torch_dtype(plan.dtype)
@@ -69,6 +69,10 @@ def export_plan(plan: ExportPlan) -> mf.ExportManifest:
             # layer at a time
             target, drafter = load_streamed_pair(drafter_dir, target_dir, use_draft_vocab=not plan.full_vocab,
                                                  dtype=torch_dtype, block_size=plan.draft_block)
+            from dflash2.export.filebacked import file_backed
+
+            # the selector's vocabulary-sized codebooks paged in as read, not held through the target's stages
+            file_backed(drafter, Path(out).parent if Path(out).parent.is_dir() else None)
         else:  # bfloat16: traced from the loaded modules
             target, drafter = load_pair(drafter_dir, target_dir, torch_dtype, use_draft_vocab=not plan.full_vocab,
                                         block_size=plan.draft_block)
@@ -83,6 +87,8 @@ def export_plan(plan: ExportPlan) -> mf.ExportManifest:
         with progress.step("tokenizer, manifest"):
             manifest.tokenizer = mf.Tokenizer(copy_present(Path(target_dir), list(TOKENIZER_FILES), tmp))
             mf.write(tmp, manifest)
+        del target, drafter  # the references: not needed past here, and the selector's file-backed codebooks
+        release_freed()  # (paged in by its stages) unmapped before the row check's sessions open
         manifest.validation[ROWS] = rows = _row_invariance(tmp, manifest, progress)
         mf.reseal(tmp, manifest)  # the record joins the manifest; no file but manifest.json changed
         if rows.failures:  # kept for inspection, not runnable: its manifest under another name

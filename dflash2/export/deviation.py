@@ -11,6 +11,7 @@ of the graph that shares the external data; the copy is deleted afterwards).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,10 @@ import torch
 from dflash2.export import signature as N
 from dflash2 import manifest as mf
 from dflash2.export.graphs import GraphSpec
-from dflash2.export.validate import np_of, reference_outputs, save_polygraphy
+from dflash2.export.replay import ReplayWriter
+from dflash2.export.validate import np_of, own_storage, reference_outputs
+from dflash2.numerics import max_abs_difference
+from dflash2.progress import release_freed
 from dflash2.onnxrt import open_session
 
 LOGITS = "dflash2_logits"
@@ -39,71 +43,78 @@ def _with_logits(path: Path) -> Path | None:
     return out
 
 
-def _reference_logits(spec: GraphSpec, feeds: list[dict[str, torch.Tensor]]) -> list[np.ndarray]:
-    with torch.no_grad():
-        return [np_of(spec.module.target_logits(f)) for f in feeds]
-
-
-def _references(spec: GraphSpec, feeds) -> tuple[list[dict[str, np.ndarray]], list[np.ndarray]]:
-    """The reference outputs of every feed, and the target's [n, V] logits of each, caught on the way (one
-    reference pass instead of two)."""
+def _reference(spec: GraphSpec, feed, logits: bool) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """The reference outputs of one feed, and with `logits` the target's [n, V] logits caught on the way (one
+    reference pass instead of two; a streamed target reads its layers once per pass)."""
     target = getattr(spec.module, "target", None)
+    if not logits or spec.name != "target" or not isinstance(target, torch.nn.Module):
+        return reference_outputs(spec, [feed])[0], None
     captured: list[np.ndarray] = []
-    if spec.name != "target" or not isinstance(target, torch.nn.Module):
-        return reference_outputs(spec, feeds), captured
     hook = target.register_forward_hook(lambda m, args, out: captured.append(np_of(out[0].float())))
     try:
-        refs = reference_outputs(spec, feeds)
+        ref = reference_outputs(spec, [feed])[0]
     finally:
         hook.remove()
-    return refs, captured
+    if len(captured) != 1:
+        with torch.no_grad():
+            captured = [np_of(spec.module.target_logits(feed))]
+    return ref, captured[0]
 
 
 def measure(spec: GraphSpec, path: Path, save_dir: Path | None = None) -> tuple[list[str], dict, mf.Deviation]:
     """(failures, per-step report, summary) of the quantized graph at `path` against the PyTorch reference.
-    save_dir: also write the feeds and reference outputs as Polygraphy files (`dflash2-compare` replays them)."""
-    feeds = spec.feeds()
-    refs, captured = _references(spec, feeds)
-    if save_dir is not None:
-        save_polygraphy(save_dir, spec.name, [{k: np_of(v) for k, v in f.items()} for f in feeds], refs)
-    np_feeds = [{k: np_of(v) for k, v in f.items()} for f in feeds]
+    save_dir: also write the feeds and reference outputs as Polygraphy files (`dflash2-compare` replays them).
+    One feed at a time (its reference, replay files' part, run and comparison; dflash2.export.validate says why)."""
+    feeds = own_storage(spec.feeds())
+    release_freed()  # the feeds' reference passes (per-row states) freed: their heap back to the OS
     probe = _with_logits(path) if spec.name == "target" else None
+    failures, report = [], {}
     try:
-        sess = open_session(probe or path)
+        # the session generation opens (prepacked weights, every fusion: the kernels that run), without the arena
+        sess = open_session(probe or path, arena=False)
         names = list(spec.outputs) + ([LOGITS] if probe else [])
-        got = [dict(zip(names, sess.run(names, f))) for f in np_feeds]
+        with ReplayWriter(save_dir, spec.name) if save_dir is not None else nullcontext() as replay:
+            for step, feed in enumerate(feeds):
+                ref, ref_logits = _reference(spec, feed, probe is not None)
+                if replay is not None:
+                    replay.add({k: np_of(v) for k, v in feed.items()}, ref)
+                g = dict(zip(names, sess.run(names, {k: np_of(v) for k, v in feed.items()})))
+                failures += _compared(spec, step, feed, g, ref, ref_logits, report)
+                del g, ref, ref_logits
+                release_freed()
     finally:
         if probe is not None:
             probe.unlink(missing_ok=True)
-    failures, report = [], {}
-    ref_logits = None
-    if probe:  # the reference pass already computed every row's logits (a streamed target reads its layers once)
-        ref_logits = captured if len(captured) == len(feeds) else _reference_logits(spec, feeds)
-    for step, (g, r) in enumerate(zip(got, refs)):
-        row = {}
-        for name, want in r.items():
-            out = g[name]
-            if spec.trim is not None:
-                out, want = spec.trim(name, out, feeds[step]), spec.trim(name, want, feeds[step])
-            if out.shape != want.shape:
-                failures.append(f"{spec.name}.{name} (step {step}, quantized): shape {list(out.shape)} != "
-                                f"reference {list(want.shape)}")
-                continue
-            if np.issubdtype(want.dtype, np.integer):
-                row[name] = {"agreement": float((out == want).mean()), "total": int(want.size)}
-                continue
-            if not np.all(np.isfinite(out)):
-                failures.append(f"{spec.name}.{name} (step {step}, quantized): non-finite values")
-                continue
-            row[name] = {"max_abs": float(np.abs(out.astype(np.float64) - want).max()) if out.size else 0.0}
-        if ref_logits is not None:
-            err = np.abs(g[LOGITS].astype(np.float64) - ref_logits[step])
-            row[N.LOGITS] = {"max_abs": float(err.max()), "mean_abs": float(err.mean())}
-        report[f"step{step}"] = row
     dev = mf.Deviation(judged="deviation from fp32")
     if spec.name == "target" and not failures:
         ids = [report[s][N.NEXT_IDS] for s in report]
         dev.top1_agreement = sum(i["agreement"] * i["total"] for i in ids) / sum(i["total"] for i in ids)
-        if ref_logits is not None:
+        if probe is not None:
             dev.max_logit_error = max(report[s][N.LOGITS]["max_abs"] for s in report)
     return failures, report, dev
+
+
+def _compared(spec: GraphSpec, step: int, feed, g: dict, r: dict, ref_logits: np.ndarray | None,
+              report: dict) -> list[str]:
+    """One feed's outputs against its reference: report[f"step{step}"] filled, the failures returned."""
+    failures, row = [], {}
+    for name, want in r.items():
+        out = g[name]
+        if spec.trim is not None:
+            out, want = spec.trim(name, out, feed), spec.trim(name, want, feed)
+        if out.shape != want.shape:
+            failures.append(f"{spec.name}.{name} (step {step}, quantized): shape {list(out.shape)} != "
+                            f"reference {list(want.shape)}")
+            continue
+        if np.issubdtype(want.dtype, np.integer):
+            row[name] = {"agreement": float((out == want).mean()), "total": int(want.size)}
+            continue
+        if not np.all(np.isfinite(out)):
+            failures.append(f"{spec.name}.{name} (step {step}, quantized): non-finite values")
+            continue
+        row[name] = {"max_abs": max_abs_difference(out, want)}
+    if ref_logits is not None:
+        err = np.abs(g[LOGITS].astype(np.float64) - ref_logits)
+        row[N.LOGITS] = {"max_abs": float(err.max()), "mean_abs": float(err.mean())}
+    report[f"step{step}"] = row
+    return failures

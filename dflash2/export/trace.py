@@ -54,7 +54,30 @@ def trace(spec: GraphSpec, max_seq_len: int) -> onnx.ModelProto:
             custom_translation_table={torch.ops.dflash2.select_path.default: _select_path_onnx})
     model = program.model_proto
     model.producer_name = "dflash2"
+    del program
+    _forget_rewriter_matches()
     return model
+
+
+def _forget_rewriter_matches() -> None:
+    """onnxscript's module-level rewrite rules (run by torch.onnx.export's optimize pass) keep the state of their
+    last match: the traced graph's nodes, and through its initializers the traced module's own weight tensors,
+    stay referenced until the next export. For the selector that kept its two vocabulary-sized codebooks (485 MB
+    at Qwen3.5's vocabulary, file-backed for the export: dflash2.export.filebacked) mapped through the row check.
+    Each matcher's own reset (what it calls before every match) and the graph it last matched in (set by every
+    match) drop that state; where an onnxscript version has no such method, nothing is done."""
+    try:
+        from onnxscript.rewriter import _DEFAULT_REWRITE_RULES
+    except ImportError:
+        return
+    for rule in _DEFAULT_REWRITE_RULES:
+        matcher = getattr(rule, "_matcher", None)
+        if not callable(getattr(matcher, "_init_match", None)):
+            continue
+        matcher._init_match(0)
+        for name in ("_graph", "_tracer"):  # set anew by every match, like the state _init_match resets
+            if hasattr(matcher, name):
+                setattr(matcher, name, None)
 
 
 def flavour_files(name: str, has_tensorrt: bool) -> dict[str, str]:

@@ -8,7 +8,7 @@ replays the check.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +19,10 @@ from dflash2 import dtypes
 from dflash2.errors import ValidationError
 from dflash2.export.graphs import GraphSpec
 from dflash2.export import signature as N
+from dflash2.export.replay import ReplayWriter
 from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES, argmax_agreement, compare_floats, ids_within
 from dflash2.onnxrt import open_session, run
+from dflash2.progress import release_freed
 
 
 def np_of(t: torch.Tensor) -> np.ndarray:
@@ -33,6 +35,17 @@ def graph_array(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.detach().contiguous().view(torch.int16).numpy().view(dtypes.numpy_dtype("bfloat16"))
     return t.detach().numpy()
+
+
+def own_storage(feeds: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Each feed tensor that is a view into a larger tensor copied out on its own (the same values): a hybrid
+    target's feeds carry states committed from a reference step's per-row states, views that kept every row of
+    that step alive (~300 MB a feed at Qwen3.5-0.8B's shape) for the whole validation."""
+    def own(t):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            return t.clone()
+        return t
+    return [{k: own(v) for k, v in f.items()} for f in feeds]
 
 
 def reference_outputs(spec: GraphSpec, feeds: list[dict[str, torch.Tensor]]) -> list[dict[str, np.ndarray]]:
@@ -90,34 +103,44 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
     weights_in_place: the streamed export stages' bounded-memory session (dflash2.onnxrt.open_session); the
     others validate under the runtime's own session options."""
     name = name or spec.name
-    feeds = spec.feeds()
-    refs = reference_outputs(spec, feeds)
-    if save_dir is not None:
-        save_polygraphy(save_dir, name, [{k: np_of(v) for k, v in f.items()} for f in feeds], refs)
+    feeds = own_storage(spec.feeds())
+    release_freed()  # the feeds' reference passes freed: their heap back to the OS before the session's
     providers = providers_for(dtype)
-    if providers is None:
-        return [], {"skipped": "ONNX Runtime's CPU provider has no bfloat16 kernels; validate with "
-                               "`dflash2-compare --engines` on a GPU"}
-    if selector_drafts is not None:
+    sess = None
+    if providers is not None and selector_drafts is not None:
         with _with_function(path, selector_drafts) as runnable:
             sess = open_session(runnable, providers, weights_in_place=weights_in_place)
-    else:
+    elif providers is not None:
         sess = open_session(path, providers, weights_in_place=weights_in_place)
     failures, report = [], {}
-    for step, (feed, ref) in enumerate(zip(feeds, refs)):
-        got = run(sess, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # fed in the graph's dtype
-        walked = _on_graph_candidates(spec, feed, got, dtype)
-        if walked is not None:
-            ref = walked[0]
-        if spec.trim is not None:
-            got = {k: spec.trim(k, v, feed) for k, v in got.items()}
-            ref = {k: spec.trim(k, v, feed) for k, v in ref.items()}
-        f, r = compare(name, got, ref, dtype, step)
-        if walked is not None:  # recorded: what was judged on the graph's own choices
-            r["walked_on_graph_candidates"] = True
-            r["positions_after_a_walk_tie"] = walked[1]
-        failures += f
-        report[f"step{step}"] = r
+    # one feed at a time: its reference, its replay files' part, its run and comparison, then the next (a hybrid
+    # target's outputs hold per-row recurrent states, ~300 MB a feed at Qwen3.5-0.8B's shape: every feed's reference
+    # and graph outputs at once held GBs)
+    with ReplayWriter(save_dir, name) if save_dir is not None else nullcontext() as replay:
+        for step, feed in enumerate(feeds):
+            ref = reference_outputs(spec, [feed])[0]
+            if replay is not None:
+                replay.add({k: np_of(v) for k, v in feed.items()}, ref)
+            if sess is None:
+                continue
+            got = run(sess, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # fed in the graph's dtype
+            walked = _on_graph_candidates(spec, feed, got, dtype)
+            if walked is not None:
+                ref = walked[0]
+            if spec.trim is not None:
+                got = {k: spec.trim(k, v, feed) for k, v in got.items()}
+                ref = {k: spec.trim(k, v, feed) for k, v in ref.items()}
+            f, r = compare(name, got, ref, dtype, step)
+            if walked is not None:  # recorded: what was judged on the graph's own choices
+                r["walked_on_graph_candidates"] = True
+                r["positions_after_a_walk_tie"] = walked[1]
+            failures += f
+            report[f"step{step}"] = r
+            del got, ref
+            release_freed()
+    if sess is None:
+        return [], {"skipped": "ONNX Runtime's CPU provider has no bfloat16 kernels; validate with "
+                               "`dflash2-compare --engines` on a GPU"}
     return failures, report
 
 
