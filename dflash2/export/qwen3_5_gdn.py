@@ -219,29 +219,16 @@ class Gdn:
         qkv, z, bb, aa = b.op("Split", [proj, b.const(f"{p}.gdn_sizes", [C, vd, Hv, Hv])], f"{p}.gdn_in", outputs=4,
                               axis=-1)
         # the causal conv over [conv_state ; the step's rows], row-major: window [K-1+n, C]
-        if self.fused:  # the conv state sequence-major, as CausalConvWithState's channels_last reads it
-            past3 = b.op("Transpose", [conv_in], f"{p}.conv_past_rows3", perm=[0, 2, 1])[0]  # [1, K-1, C]
-            past = b.op("Squeeze", [past3, sh.ax0], f"{p}.conv_past_rows")[0]  # [K-1, C]
-        else:
-            past = b.op("Transpose", [b.op("Squeeze", [conv_in, sh.ax0], f"{p}.conv_past")[0]],
-                        f"{p}.conv_past_rows", perm=[1, 0])[0]  # [K-1, C]
+        past = b.op("Transpose", [b.op("Squeeze", [conv_in, sh.ax0], f"{p}.conv_past")[0]], f"{p}.conv_past_rows",
+                    perm=[1, 0])[0]  # [K-1, C]
         window = b.op("Concat", [past, qkv], f"{p}.window", axis=0)[0]
         wconv = np.asarray(src.get(f"{a}.conv1d.weight"), np.float32)[:, 0, :]  # [C, K]
-        if self.fused:  # conv and silu as ONE node where the taps take 13 (Slice, Mul, Add per tap): each row's
-            # output is bitwise the same in a k-row call as in k chained 1-row calls (measured at C 6144, K 4,
-            # k 2..16; within 1e-6 of the taps' sum), so the row invariance holds
-            x = b.op("CausalConvWithState", [b.op("Unsqueeze", [qkv, sh.ax0], f"{p}.conv_in")[0],
-                                             b.fw(f"{p}.conv.weight", wconv[:, None, :]), "", past3],
-                     f"{p}.conv", outputs=2, domain="com.microsoft", activation="silu",
-                     channels_last=1)[0]  # [1, n, C] (its present_state unused: the Gather below keeps rows)
-            x = b.op("Squeeze", [x, sh.ax0], f"{p}.conv.silu")[0]  # [n, C]
-        else:
-            x = None
-            for t in range(K):  # reference causal_conv: the taps summed in order
-                rows = b.op("Slice", [window, *self.taps[t], sh.ax0], f"{p}.tap{t}.rows")[0]  # [n, C]
-                m = b.op("Mul", [rows, b.fw(f"{p}.conv.w{t}", wconv[:, t])], f"{p}.tap{t}")[0]
-                x = m if x is None else b.op("Add", [x, m], f"{p}.conv.sum{t}")[0]
-            x = f["silu"](x, f"{p}.conv.silu")
+        x = None
+        for t in range(K):  # reference causal_conv: the taps summed in order
+            rows = b.op("Slice", [window, *self.taps[t], sh.ax0], f"{p}.tap{t}.rows")[0]  # [n, C]
+            m = b.op("Mul", [rows, b.fw(f"{p}.conv.w{t}", wconv[:, t])], f"{p}.tap{t}")[0]
+            x = m if x is None else b.op("Add", [x, m], f"{p}.conv.sum{t}")[0]
+        x = f["silu"](x, f"{p}.conv.silu")
         # conv state after each of the last W' rows r: window rows r+1 .. r+K-1, as [C, K-1] (one Gather of the
         # shared row indices and a Transpose: the K-1 Slices, Unsqueezes and index Adds per layer they replace were
         # 13 of a decode step's ~60 nodes per GDN layer, each costing ONNX Runtime's per-node overhead)
@@ -249,16 +236,9 @@ class Gdn:
         b.op("Transpose", [rows], conv_out, outputs=[conv_out], perm=[0, 2, 1])  # [W', C, K-1]
         q, k, v = b.op("Split", [x, self.sizes_qkv], f"{p}.qkv", outputs=3, axis=-1)
         rep = f["repeat_heads"]
-        if self.fused:  # l2norm as one SimplifiedLayerNormalization: x / sqrt(sum(x^2) + 1e-6) is
-            # x / sqrt(mean(x^2) + 1e-6 / dk) * dk^-0.5, so weight dk^-0.5 (dk^-1 for q: its dk^-0.5 scale folded
-            # in) and eps 1e-6 / dk; one node for the reference's six and q's scale Mul, per row as before
-            l2 = lambda t, s, nm: f["norm"](t, np.full(dk, s, np.float32), nm, eps=1e-6 / dk)  # noqa: E731
-            q = rep(l2(f["heads"](q, Hk, dk, f"{p}.q_heads"), 1.0 / dk, f"{p}.q_l2"), f"{p}.q")  # [n, Hv, dk]
-            k = rep(l2(f["heads"](k, Hk, dk, f"{p}.k_heads"), dk ** -0.5, f"{p}.k_l2"), f"{p}.k")
-        else:
-            q = b.op("Mul", [f["l2norm"](rep(f["heads"](q, Hk, dk, f"{p}.q_heads"), f"{p}.q_rep"), f"{p}.q_l2"),
-                             b.const(f"{p}.q_scale", [dk ** -0.5], np.float32)], f"{p}.q")[0]  # [n, Hv, dk]
-            k = f["l2norm"](rep(f["heads"](k, Hk, dk, f"{p}.k_heads"), f"{p}.k_rep"), f"{p}.k")
+        q = b.op("Mul", [f["l2norm"](rep(f["heads"](q, Hk, dk, f"{p}.q_heads"), f"{p}.q_rep"), f"{p}.q_l2"),
+                         b.const(f"{p}.q_scale", [dk ** -0.5], np.float32)], f"{p}.q")[0]  # [n, Hv, dk]
+        k = f["l2norm"](rep(f["heads"](k, Hk, dk, f"{p}.k_heads"), f"{p}.k_rep"), f"{p}.k")
         v = f["heads"](v, Hv, dv, f"{p}.v")
         beta = b.op("Sigmoid", [bb], f"{p}.beta")[0]  # [n, Hv]
         neg_a = -np.exp(np.asarray(src.get(f"{a}.A_log"), np.float32))
