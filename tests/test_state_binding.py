@@ -288,6 +288,58 @@ def test_reset_and_buffers():
     assert len(s.named_buffers()) == 3 * len(PAST)
 
 
+def check_in_place(states: RowStates) -> tuple[int, int]:
+    """A decode's views: the current row, in and out. Returns it."""
+    cur = states.current
+    ins, outs = states.step(1, in_place=True)
+    assert list(outs) == PRESENT
+    for i, (vi, vo) in enumerate(zip(ins.values(), outs.values())):
+        assert where(states, vi, i) == where(states, vo, i) == cur and vi.ptr == vo.ptr and vo.shape == (1, *ROWS[i])
+    return cur
+
+
+@pytest.mark.parametrize("n", range(1, B + 1))
+def test_a_decode_writes_over_the_row_it_reads_and_rollback_still_reaches_every_row(n):
+    """After a commit of a of n verified rows, decodes write over the accepted row (nothing older is read again);
+    the next verify writes the other buffer, so each of its rows can still be committed."""
+    for a in range(1, n + 1):
+        s = row_states()
+        s.step(2)
+        s.commit(2, 2)  # A row 1
+        assert check_step(s, n) == 1
+        s.commit(a, n)
+        for _ in range(3):
+            assert check_in_place(s) == (1, a - 1)
+            s.commit(1, 1)
+            assert s.current == (1, a - 1)  # the row stays: its contents moved on
+        assert check_step(s, n) == 0  # a verify after decodes: the other buffer, any row committable
+        s.commit(a, n)
+        assert s.current == (0, a - 1)
+
+
+def test_a_decode_from_the_zero_state_writes_a_not_the_initial_row():
+    s = row_states()
+    ins, outs = s.step(1, in_place=True)
+    assert all(where(s, v, i) == (0, 0) for i, v in enumerate(outs.values()))
+    assert all(where(s, v, i) == (INITIAL, 0) for i, v in enumerate(ins.values()))
+    s.commit(1, 1)
+    assert s.current == (0, 0) and check_in_place(s) == (0, 0)
+
+
+def test_a_decode_written_in_place_cannot_be_discarded():
+    s = row_states()
+    s.step(3)
+    s.commit(2, 3)
+    s.step(1)  # not in place: may be discarded
+    s.commit(0, 1)
+    check_in_place(s)
+    with pytest.raises(Dflash2Error, match=r"recurrent state commit of 0 rows: expected a step that can be "
+                                           r"discarded, found a 1-row step written in place"):
+        s.commit(0, 1)
+    s.commit(1, 1)
+    assert s.current == (0, 1)
+
+
 # --- (c) a session over the toy hybrid target ---------------------------------------------------------------
 
 PROMPT = [3, 17, 4, 40, 22, 9, 11]  # longer than the window: prefill keeps the state after its last row
@@ -318,10 +370,12 @@ def test_decode_after_a_verify_sees_the_state_of_the_accepted_rows(toy):
             s.commit(a)
             state = want_after[a - 1]
             assert_state(s, state)
-            for tok in (13, 2):  # two decode steps: ping, then pong
+            at = s.states.current
+            for tok in (13, 2):  # two decode steps, each writing over the row it reads
                 (want_d,), (state,) = reference(state, [tok])
                 assert s.decode(tok).ids.tolist() == [want_d]
                 assert_state(s, state)
+                assert s.states.current == at
             checked += 1
     assert checked == B * (B + 1) // 2
 

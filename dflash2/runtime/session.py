@@ -162,7 +162,7 @@ class SpecSession:
                                 f"{self.block_size} = {need} exceeds max_seq_len {self.max_seq_len} "
                                 f"(re-export with a larger --max-seq-len)")
 
-    def _run_target(self, tokens: Sequence[int]) -> Verified:
+    def _run_target(self, tokens: Sequence[int], in_place: bool = False) -> Verified:
         n, c, kv, spare = len(tokens), self.pending, self.target_kv, self.target_kv.spare
         if self.pos + n + spare > self.max_seq_len:
             raise CapacityError(f"KV cache full: {self.pos} + {n}{' + 1' if spare else ''} > max_seq_len "
@@ -172,7 +172,7 @@ class SpecSession:
         rows = min(n, self.block_size)
         k_in, k_out = kv.step(self.pos, n)
         # a hybrid target: the state before the step in, the state after each of its last min(n, W) rows out
-        s_in, s_out = self.states.step(n) if self.states is not None else ({}, {})
+        s_in, s_out = self.states.step(n, in_place) if self.states is not None else ({}, {})
         self.last_rows = n
         staged = n <= self.block_size  # decode and verify steps: bound views that do not move (docstring)
         ctx = self.context_stage.rows(0, n) if staged else self.context.rows(c, c + n)
@@ -239,7 +239,7 @@ class SpecSession:
             self.states.commit(n, self.last_rows)
 
     def decode(self, token: int) -> Verified:
-        out = self._run_target([token])
+        out = self._run_target([token], in_place=True)  # always committed: its state may overwrite the one it read
         self.pos += 1
         if self.states is not None:
             self.states.commit(1, 1)

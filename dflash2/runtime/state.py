@@ -11,8 +11,13 @@ Why ping-pong: the binding keeps per state tensor two row buffers A and B [W, *r
 buffer that does not hold it; commit only moves the (buffer, row) pointer. The other design, a resident state
 that commit overwrites with row a - 1 of the step's output (ONNX Runtime GenAI's state_window, TensorRT Edge-LLM's
 intermediate_states), copies the whole state (every layer) once per round on the device; here nothing is copied,
-and the addresses a step binds are one of 2W + 1 fixed views (a decode step alternates between two: CUDA graphs
-replay). No torch: the runtime imports it.
+and the addresses a step binds are one of 2W + 1 fixed views. No torch: the runtime imports it.
+
+A decode (a 1-row step its caller always commits: `step(1, in_place=True)`) writes its state over the row it reads,
+as a resident state does: rollback never needs the state a decode read (after its commit only the row it wrote is
+read again; a later verify writes the other buffer as before), and writing over it keeps the 18 MB state of
+Qwen3.5-0.8B in the cache lines it was read from (LinearAttention alone: 0.11 -> 0.06 ms a call at Hv 16,
+128 x 128; docs/results, 2026-12-06). The zero initial row is never written: a decode from it writes A.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class RowStates:
     `current` = (k, row): where the state the next step reads lies.
         step(n)       -> (inputs {past name: the current 1-row view}, outputs {present name: rows [0, W') of the
                          buffer that does not hold current}); views are built once, nothing is allocated per step
+        step(1, in_place=True): outputs the current row itself (not when current is the zero initial row); the
+                         step must then be committed (commit(0, 1) is refused: its input was overwritten)
         commit(a, n)  a of the last step's n rows accepted: current = (the written buffer, a - 1 - (n - W'))
         reset()       current = the zero initial state
     """
@@ -61,27 +68,37 @@ class RowStates:
                     for k in range(3) for r in range(1 if k == INITIAL else W)}
         self._out = {(k, w): {p: b.rows(0, w) for p, b in zip(self.present, self.buffers[k])}
                      for k in range(2) for w in range(1, W + 1)}
+        self._same = {(k, r): {p: b.rows(r, r + 1) for p, b in zip(self.present, self.buffers[k])}
+                      for k in range(2) for r in range(W)}  # a decode's outputs: the row it reads
         self.reset()
 
     def reset(self) -> None:
         self.current = (INITIAL, 0)
         self._written: int | None = None  # the buffer the last step wrote (None: no step since the last commit)
         self._n = 0  # that step's rows
+        self._in_place = False  # that step wrote over the row current names
 
     def _target(self) -> int:
         """The buffer a step writes: A after the initial state, else the one current does not lie in."""
         k = self.current[0]
         return 0 if k == INITIAL else 1 - k
 
-    def step(self, n: int) -> tuple[dict, dict]:
-        """The views a target step of n rows binds (the caller must not edit the dicts: they are reused)."""
+    def step(self, n: int, in_place: bool = False) -> tuple[dict, dict]:
+        """The views a target step of n rows binds (the caller must not edit the dicts: they are reused).
+        in_place: a 1-row step that will be committed writes over the row it reads (class docstring)."""
+        self._n, self._in_place = n, in_place and n == 1 and self.current[0] != INITIAL
+        if self._in_place:
+            self._written = self.current[0]
+            return self._in[self.current], self._same[self.current]
         k = self._written = self._target()
-        self._n = n
         return self._in[self.current], self._out[(k, min(n, self.window))]
 
     def commit(self, a: int, n: int) -> None:
         """a of the last step's n rows accepted (0: the step is discarded, current stays)."""
         if a == 0:
+            if self._in_place and self._written is not None:
+                raise Dflash2Error("recurrent state commit of 0 rows: expected a step that can be discarded, found "
+                                   "a 1-row step written in place over the state it read (step(1, in_place=True))")
             return
         kept = min(n, self.window)
         r = a - 1 - (n - kept)  # the accepted row's index among the kept rows
@@ -92,7 +109,7 @@ class RowStates:
                     f"(window {self.window})")
             raise Dflash2Error(f"recurrent state commit of {a} rows: expected an accepted row whose state the target "
                                f"graph kept, found {what}")
-        self.current, self._written = (self._written, r), None
+        self.current, self._written = (self._written, self.current[1] if self._in_place else r), None
 
     def named_buffers(self) -> dict:
         """name -> buffer, for the session's address check (constant for the session)."""
