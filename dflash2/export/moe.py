@@ -2,7 +2,7 @@
 target is the dense Qwen3 target (plain.py, gqa.py) with this block on its sparse layers.
 
 Both add a shared expert where the config has one (Qwen3.5-MoE: sigmoid(x @ shared_expert_gate^T) * SwiGLU(x), beside
-the routed sum); the Qwen3.5-MoE graphs themselves are not written yet (docs/families/qwen3_moe.md).
+the routed sum): the Qwen3.5-MoE target is the Qwen3.5 hybrid (qwen3_5.py) with this block on every layer.
 
 standard(): opset-17 ops only (TensorRT parses it, any provider runs it), the all-experts form: the router's fp32
 softmax, TopK, the kept weights (renormalised when the config says so) scattered into a dense [n, E] routing matrix
