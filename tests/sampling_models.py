@@ -22,7 +22,7 @@ SHARED = 30.0  # + this on embedding dim 0: the target's normed hidden states le
 
 
 def sharp_export(root: Path, version: int, family: str = "qwen3") -> Path:
-    """A tiny target (Qwen3, or the Qwen3.5 hybrid) whose next-token distribution leans on one shared direction
+    """A tiny target (Qwen3, the Qwen3.5 hybrid or its MoE variant) whose next-token distribution leans on one shared direction
     (a few dozen 3-token sequences hold most of the mass at T = 1) + a DFlash / DFlash2 drafter that leans on the
     same direction (block 4: one round drafts tokens 2..4), exported for ONNX Runtime."""
     out = root / f"export-{family}-v{version}"
@@ -33,7 +33,7 @@ def sharp_export(root: Path, version: int, family: str = "qwen3") -> Path:
         tiny.make_target(target, family=family)
         w = load_file(str(target / "model.safetensors"))
         w["model.embed_tokens.weight"][:, 0] += SHARED
-        if family == "qwen3_5":  # zero-centred: the norm multiplies by 1 + w
+        if family.startswith("qwen3_5"):  # zero-centred: the norm multiplies by 1 + w
             w["model.norm.weight"][1:] = (1 + w["model.norm.weight"][1:]) * CONTEXT - 1
         else:
             w["model.norm.weight"][1:] *= CONTEXT  # the context still moves p, less than the shared direction

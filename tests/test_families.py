@@ -34,7 +34,8 @@ def test_every_architecture_is_claimed_once_and_names_are_unique():
     assert len(NAMES) == len(set(NAMES))
     assert families.exportable_archs() == ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM",
                                            "Qwen3_5ForConditionalGeneration", "Qwen3MoeForCausalLM",
-                                           "MuseGlimmerForConditionalGeneration", "GptOssForCausalLM")  # dense first
+                                           "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+                                           "MuseGlimmerForConditionalGeneration", "GptOssForCausalLM")
     for f in families.FAMILIES:
         assert all(families.by_arch(a) is f for a in f.archs)
         assert families.by_name(f.name) is f
@@ -114,7 +115,8 @@ def test_unknown_architecture_names_what_is_supported(tmp_path):
     with pytest.raises(CheckpointError, match=r"architectures: expected one of \['GptOssForCausalLM', "
                                               r"'LlamaForCausalLM', 'MuseGlimmerForConditionalGeneration', "
                                               r"'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', 'Qwen3_5ForCausalLM', "
-                                              r"'Qwen3_5ForConditionalGeneration'\], found 'GPT2LMHeadModel' "
+                                              r"'Qwen3_5ForConditionalGeneration', 'Qwen3_5MoeForCausalLM', "
+                                              r"'Qwen3_5MoeForConditionalGeneration'\], found 'GPT2LMHeadModel' "
                                               r"\(unsupported"):
         load_target_config(tmp_path)
 
@@ -149,10 +151,11 @@ def test_export_refuses_a_family_without_templates_before_writing(tmp_path, monk
     out = tmp_path / "out"
     with pytest.raises(CheckpointError) as e:
         export(drafter, target, out, quiet=True)
+    supported = "['GptOssForCausalLM', 'LlamaForCausalLM', 'MuseGlimmerForConditionalGeneration', " \
+                "'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', 'Qwen3_5MoeForCausalLM', " \
+                "'Qwen3_5MoeForConditionalGeneration']"
     assert "'Qwen3_5ForCausalLM' (qwen3_5, hybrid Gated DeltaNet: reference and tiny checkpoints only; export" \
-           in str(e.value) and "['GptOssForCausalLM', 'LlamaForCausalLM', 'MuseGlimmerForConditionalGeneration', " \
-           "'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM']" in str(e.value), \
-        str(e.value)
+           in str(e.value) and supported in str(e.value), str(e.value)
     assert not out.exists() and not list(tmp_path.glob("out*"))
 
 

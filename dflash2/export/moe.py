@@ -2,7 +2,7 @@
 target is the dense Qwen3 target (plain.py, gqa.py) with this block on its sparse layers.
 
 Both add a shared expert where the config has one (Qwen3.5-MoE: sigmoid(x @ shared_expert_gate^T) * SwiGLU(x), beside
-the routed sum); the Qwen3.5-MoE graphs themselves are not written yet (docs/families/qwen3_moe.md).
+the routed sum): the Qwen3.5-MoE target is the Qwen3.5 hybrid (qwen3_5.py) with this block on every layer.
 
 standard(): opset-17 ops only (TensorRT parses it, any provider runs it), the all-experts form: the router's fp32
 softmax, TopK, the kept weights (renormalised when the config says so) scattered into a dense [n, E] routing matrix
@@ -20,9 +20,11 @@ softmax and top-k from the logits (normalize_routing_weights = norm_topk_prob). 
 an expert's rows as one GEMM whose M is the number of rows routed to it, and M = 1 takes another path than M >= 2
 (measured ~1e-7 apart, tests/test_qwen3_moe_export.py); so the op is given every row twice ([x; x], 2n rows: every
 routed expert sees M >= 2) and the first n output rows are kept: measured bitwise row-invariant that way, at 1.3-1.7x
-the block's time. QMoE with int8 activations (int4 weights at accuracy level 4, the export's default, and every int8
-QMoE: ONNX Runtime has no fp32-activation kernel for 8-bit experts) measured row-invariant as it is, and gets each
-row once. (docs/families/qwen3_moe.md has the measurements; the export's row check runs on every export.)
+the block's time. QMoE also sums a row's k expert outputs in an order that depends on the step's other rows (k >= 3:
+~1e-8 apart), so it gets one row per (row, slot), routed to that one expert with weight 1, and the k weighted outputs
+are added here in slot order (_qmoe_slots); its int8-activation kernels (int4 weights at accuracy level 4, the
+export's default, and every int8 QMoE) need no doubling. (docs/families/qwen3_moe.md has the measurements; the
+export's row check runs on every export.)
 """
 
 from __future__ import annotations
@@ -102,42 +104,88 @@ def fused(b, u: str, src, c, m: str) -> str:
     E, H, I, k = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     rows = b.op("Reshape", [u, b.const(f"{m}.rows_shape", [-1, H])], f"{m}.rows")[0]  # [n, H]
     q = b.nbits
-    # fp32 activations (MoE; QMoE int4 below accuracy level 4) take the M = 1 path: every row twice, so every routed
-    # expert sees M >= 2. int8 activations (QMoE int4 at level 4, every int8 QMoE) measured row-invariant as they are.
-    twice = rows if q is not None and (q.bits == 8 or q.accuracy_level >= 4) else \
-        b.op("Concat", [rows, rows], f"{m}.twice", axis=0)[0]  # [n or 2n, H]
-    logits = b.linear(twice, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [2n, E]
-    attrs = dict(k=k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                 normalize_routing_weights=int(c.norm_topk_prob))
     fcs = (("fc1", lambda e: _fc1(src, m, e), (2 * I, H)),  # [N, K] per expert
            ("fc2", lambda e: src.get(f"{m}.experts.{e}.down_proj.weight"), (H, I)))
     if q is None:
+        # fp32 activations take the M = 1 path: every row twice, so every routed expert sees M >= 2
+        twice = b.op("Concat", [rows, rows], f"{m}.twice", axis=0)[0]  # [2n, H]
+        logits = b.linear(twice, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [2n, E]
         fc1, fc2 = (b.chunked(f"{m}.experts.{fc}", (get(e)[None] for e in range(E)), (E, *nk), np.float32)
                     for fc, get, nk in fcs)
-        y = b.op("MoE", [twice, logits, fc1, "", fc2], f"{m}.moe", domain="com.microsoft", **attrs)[0]
+        y = b.op("MoE", [twice, logits, fc1, "", fc2], f"{m}.moe", domain="com.microsoft",
+                 **_attrs(k, c.norm_topk_prob))[0]
+        n = b.op("Shape", [rows], f"{m}.n", start=0, end=1)[0]
+        y = b.op("Slice", [y, b.const(f"{m}.first", [0]), n, b.const(f"{m}.axis0", [0])], f"{m}.kept")[0]  # [n, H]
     else:
-        if q.dynamic:
-            raise ValueError("QMoE takes blockwise int4 / int8 expert weights, not dynamic int8")
-        inputs, zps = [twice, logits], []
-        for fc, get, (N, K) in fcs:
-            scales, zeros = [], []
-
-            def packed(get=get, N=N, scales=scales, zeros=zeros):
-                for e in range(E):
-                    pk, sc, zp = q.quantize(get(e).T)  # ONNX Runtime's block quantizer on the [K, N] weight
-                    scales.append(np.asarray(sc, np.float32).reshape(N, -1))  # [N, K / block]
-                    zeros.append(None if q.symmetric else np.asarray(zp).reshape(N, -1))
-                    yield np.asarray(pk).reshape(1, N, -1)  # [1, N, K * bits / 8]
-
-            inputs.append(b.chunked(f"{m}.experts.{fc}_Q{q.bits}", packed(), (E, N, K * q.bits // 8), np.uint8))
-            inputs += [b.weight(f"{m}.experts.{fc}_scales", np.stack(scales)), ""]  # (no bias)
-            zps.append("" if q.symmetric else b.weight(f"{m}.experts.{fc}_zero_points", np.stack(zeros)))
-        inputs += ["", "", ""] + zps  # no fc3 (gate|up are fused in fc1); then fc1 / fc2 zero points
-        if q.accuracy_level:
-            attrs["accuracy_level"] = q.accuracy_level
-        y = b.op("QMoE", inputs, f"{m}.qmoe", domain="com.microsoft", expert_weight_bits=q.bits,
-                 block_size=q.block_size, **attrs)[0]
-    n = b.op("Shape", [rows], f"{m}.n", start=0, end=1)[0]
-    y = b.op("Slice", [y, b.const(f"{m}.first", [0]), n, b.const(f"{m}.axis0", [0])], f"{m}.kept")[0]  # [n, H]
+        y = _qmoe_slots(b, rows, src, c, m, fcs)
     y = b.op("Reshape", [y, b.op("Shape", [u], f"{m}.in_shape")[0]], f"{m}.out")[0]  # u's shape: [1, n, H] or [n, H]
     return _with_shared(b, u, y, src, c, m)  # (ONNX Runtime's MoE has no shared expert: added beside it)
+
+
+def _attrs(k: int, norm: bool) -> dict:
+    """MoE / QMoE attributes: swiglu with alpha 1, beta 0, no clamp (silu(gate) * up) on interleaved gate|up rows."""
+    return dict(k=k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                normalize_routing_weights=int(norm))
+
+
+def _qmoe_slots(b, rows: str, src, c, m: str, fcs) -> str:
+    """rows [n, H] -> the routed experts' weighted sum [n, H] through QMoE, one QMoE row per (row, slot).
+
+    QMoE's CPU kernel sums a row's k weighted expert outputs in an order that depends on the other rows of the step
+    (measured, ONNX Runtime 1.32: with k >= 3 a row alone and the same row in a 16-row step differ by ~1e-8 for int4
+    and int8, either accuracy level; k = 2 commutes, which is why the 4-expert top-2 tiny pairs passed). So the
+    router, its top-k and the renormalisation are computed here (standard ops, as standard() does), each (row, slot)
+    is fed as its own row with one-hot logits ([n k, E]: 0 for its expert, -1e9 elsewhere; QMoE with k = 1 gives it
+    weight softmax = exactly 1), and the k outputs are weighted and added here in slot order. QMoE still batches each
+    expert's rows: every touched expert is read once per step."""
+    E, H, k, q = c.num_experts, c.hidden_size, c.num_experts_per_tok, b.nbits
+    if q.dynamic:
+        raise ValueError("QMoE takes blockwise int4 / int8 expert weights, not dynamic int8")
+    logits = b.linear(rows, f"{m}.router", src, [f"{m}.gate"], quantize=False)  # [n, E]: never quantized
+    probs = b.op("Softmax", [logits], f"{m}.softmax", axis=-1)[0]  # [n, E] fp32
+    top, idx = b.op("TopK", [probs, b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2, axis=-1)  # [n, k]
+    if c.norm_topk_prob:
+        top = b.op("Div", [top, b.op("ReduceSum", [top, b.const(f"{m}.last", [-1])], f"{m}.top_sum",
+                                     keepdims=1)[0]], f"{m}.top_norm")[0]
+    onehot = b.op("OneHot", [idx, b.const(f"{m}.depth", [E]), b.const(f"{m}.onehot_values", [-1e9, 0.0], np.float32)],
+                  f"{m}.onehot", axis=-1)[0]  # [n, k, E]
+    slot_logits = b.op("Reshape", [onehot, b.const(f"{m}.slot_logits_shape", [-1, E])], f"{m}.slot_logits")[0]
+    per_slot = b.op("Expand", [b.op("Unsqueeze", [rows, b.const(f"{m}.ax1", [1])], f"{m}.rows3")[0],
+                               b.const(f"{m}.slots_shape", [1, k, 1])], f"{m}.per_slot")[0]  # [n, k, H]
+    slot_rows = b.op("Reshape", [per_slot, b.const(f"{m}.slot_rows_shape", [-1, H])], f"{m}.slot_rows")[0]  # [n k, H]
+    # int4 at accuracy level < 4 keeps fp32 activations: their M = 1 path (see fused) is avoided by feeding twice
+    twice = q.bits == 4 and q.accuracy_level < 4
+    if twice:
+        slot_rows = b.op("Concat", [slot_rows, slot_rows], f"{m}.twice", axis=0)[0]  # [2 n k, H]
+        slot_logits = b.op("Concat", [slot_logits, slot_logits], f"{m}.twice_logits", axis=0)[0]
+    inputs, zps = [slot_rows, slot_logits], []
+    for fc, get, (N, K) in fcs:
+        scales, zeros = [], []
+
+        def packed(get=get, N=N, scales=scales, zeros=zeros):
+            for e in range(E):
+                pk, sc, zp = q.quantize(get(e).T)  # ONNX Runtime's block quantizer on the [K, N] weight
+                scales.append(np.asarray(sc, np.float32).reshape(N, -1))  # [N, K / block]
+                zeros.append(None if q.symmetric else np.asarray(zp).reshape(N, -1))
+                yield np.asarray(pk).reshape(1, N, -1)  # [1, N, K * bits / 8]
+
+        inputs.append(b.chunked(f"{m}.experts.{fc}_Q{q.bits}", packed(), (E, N, K * q.bits // 8), np.uint8))
+        inputs += [b.weight(f"{m}.experts.{fc}_scales", np.stack(scales)), ""]  # (no bias)
+        zps.append("" if q.symmetric else b.weight(f"{m}.experts.{fc}_zero_points", np.stack(zeros)))
+    inputs += ["", "", ""] + zps  # no fc3 (gate|up are fused in fc1); then fc1 / fc2 zero points
+    attrs = _attrs(1, False)
+    if q.accuracy_level:
+        attrs["accuracy_level"] = q.accuracy_level
+    y = b.op("QMoE", inputs, f"{m}.qmoe", domain="com.microsoft", expert_weight_bits=q.bits,
+             block_size=q.block_size, **attrs)[0]  # [(2) n k, H]: expert(row) per (row, slot)
+    if twice:
+        half = b.op("Shape", [per_slot], f"{m}.nk", start=0, end=1)[0]  # n (the first dim of [n, k, H])
+        nk = b.op("Mul", [half, b.const(f"{m}.k1", [k])], f"{m}.nk_rows")[0]
+        y = b.op("Slice", [y, b.const(f"{m}.first", [0]), nk, b.const(f"{m}.axis0", [0])], f"{m}.kept")[0]
+    y = b.op("Reshape", [y, b.const(f"{m}.y3_shape", [-1, k, H])], f"{m}.y3")[0]  # [n, k, H]
+    y = b.op("Mul", [y, b.op("Unsqueeze", [top, b.const(f"{m}.ax2", [2])], f"{m}.w3")[0]], f"{m}.weighted")[0]
+    parts = b.op("Split", [y], f"{m}.slots", outputs=k, axis=1) if k > 1 else [y]  # k x [n, 1, H]
+    out = parts[0]
+    for j in range(1, k):  # slot order, the same for every row whatever the step's other rows
+        out = b.op("Add", [out, parts[j]], f"{m}.sum{j}")[0]
+    return b.op("Reshape", [out, b.const(f"{m}.out_rows", [-1, H])], f"{m}.routed")[0]  # [n, H]

@@ -22,6 +22,10 @@ The recurrence applies one row at a time exactly the reference's per-row operati
 conv is the reference's explicit sum over the K taps in tap order, so a k-row verify row equals the 1-row decode
 of the same token. fp32 graphs only for now (the plan refuses others).
 
+Qwen3.5-MoE (dflash2.families.qwen3_5_moe) is the same hybrid with every layer's MLP the experts' block and its
+shared expert (moe.py: the all-experts standard ops in build(), ONNX Runtime's MoE / QMoE in build_fused()), the
+experts read one at a time from either checkpoint layout through UnfusedExperts.
+
 Attention scores are q.k summed over head_dim in chunks of at most 128: at head_dim 256 MLAS's SGEMM computes a
 256-long dot product one way for at most 64 columns (keys) and another past 64 (a k-row verify and the 1-row decode
 of the same position then differ in the last bits once one of them is past 64 keys: speculative output differed
@@ -35,10 +39,12 @@ import onnx
 from onnx import TensorProto, helper
 
 from dflash2.config import RopeConfig
+from dflash2.export import moe
 from dflash2.export import signature as N
 from dflash2.export.plain import _fixed, _prefix
 from dflash2.export.qwen3_5_gdn import Gdn, GdnShared
 from dflash2.export.templates import Builder, StandardOps
+from dflash2.reference.moe import UnfusedExperts
 
 F32 = TensorProto.FLOAT
 DTYPES = ("float32",)
@@ -97,6 +103,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     C, rep = c.conv_dim, Hv // Hk
     g, B, eps = nh // kvh, dc.block_size, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
+    sparse = hasattr(c, "num_experts")  # Qwen3.5-MoE: every layer's MLP the experts' block (dflash2.export.moe)
+    src = UnfusedExperts(src) if sparse else src  # either expert layout read as per-expert names, one expert at a time
     b = Builder(data, quant, dtype=np.float32)
     ops = StandardOps(b, RopeConfig(c.rope_theta), rd, eps)  # the rotary over the first rd channels (text M-RoPE)
     ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])
@@ -224,11 +232,15 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         h = b.op("Add", [h, y], f"{p}.mix_residual")[0]
         u = norm(h, _zc(src.get(f"{p}.post_attention_layernorm.weight")), f"{p}.post_attention_layernorm")
         m = f"{p}.mlp"
-        gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
-                                  b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
-                        outputs=2, axis=-1)
-        h = b.op("Add", [h, b.linear(b.op("Mul", [silu(gate, f"{p}.silu"), up], f"{p}.act")[0], f"{p}.down_proj",
-                                     src, [f"{m}.down_proj"])], f"{p}.mlp_residual")[0]
+        if sparse:  # u [n, H] -> [n, H]: ONNX Runtime's MoE / QMoE (fused graph) or the all-experts standard ops
+            mlp = moe.fused(b, u, src, c, m) if fused else moe.standard(b, ops, u, src, c, m)
+        else:
+            gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
+                                      b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
+                            outputs=2, axis=-1)
+            mlp = b.linear(b.op("Mul", [silu(gate, f"{p}.silu"), up], f"{p}.act")[0], f"{p}.down_proj", src,
+                           [f"{m}.down_proj"])
+        h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
         if i in tap_ids:
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)

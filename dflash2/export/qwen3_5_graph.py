@@ -1,5 +1,6 @@
 """What the Qwen3.5 target graph computes (dflash2.export.qwen3_5), as a torch module around the reference
-(dflash2.reference.qwen3_5.Qwen35Target), and its GraphSpec: the validation feeds the export checks the graph on.
+(dflash2.reference.qwen3_5.Qwen35Target; Qwen3.5-MoE's Qwen35MoeTarget is a subclass with the experts' block as its
+layers' MLP, served as it is), and its GraphSpec: the validation feeds the export checks the graph on.
 
 (input_ids [n], past_kv [P, La, 2, kv, hd], per GDN layer j: conv_state.{j} [1, C, K-1], rec_state.{j} [1, Hv, dk, dv])
   -> next_ids [n], context [n, C'], new_kv [n, La, 2, kv, hd], logits [min(n, B), V],

@@ -102,4 +102,6 @@ QWEN3_5_MOE = TargetFamily(
     name="qwen3_5_moe", archs=tuple(ARCHS), description="hybrid Gated DeltaNet, mixture of experts",
     read_config=lambda path, raw, arch: read_qwen3_5_moe_config(raw, path), layer_states=_layer_states,
     tensor_shapes=tensor_shapes, tiny_config=tiny_config, hf_class="Qwen3_5MoeForCausalLM", ignored=IGNORED,
-    reference="dflash2.reference.qwen3_5_moe:load_target")
+    reference="dflash2.reference.qwen3_5_moe:load_target",
+    # the hybrid's builders, their MLP the experts' block (dflash2.export.moe) on every layer
+    templates={"plain": "dflash2.export.qwen3_5:build", "fused": "dflash2.export.qwen3_5:build_fused"})

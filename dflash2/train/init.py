@@ -24,7 +24,7 @@ def drafter_config_dict(target_dir: str | Path, c) -> dict:  # c: trainer.TrainC
     theta = t.rope.theta if hasattr(t, "rope") else t.rope_theta  # TargetConfig.rope / Qwen35Config.rope_theta
     return {
         "architectures": ["DFlash2DraftModel"], "model_type": t.family, "hidden_size": t.hidden_size,
-        "intermediate_size": t.intermediate_size, "num_hidden_layers": c.layers,
+        "intermediate_size": mlp_width(t), "num_hidden_layers": c.layers,
         "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
         "vocab_size": t.vocab_size, "rms_norm_eps": t.rms_norm_eps, "rope_theta": theta,
         "attention_bias": False, "hidden_act": "silu", "num_target_layers": t.num_layers,
@@ -33,6 +33,15 @@ def drafter_config_dict(target_dir: str | Path, c) -> dict:  # c: trainer.TrainC
                           "mask_token_id": c.mask_token_id, "conv_kernel_size": 2, "conv_group_size": 16,
                           "selector_rank": c.rank, "selector_top_k": c.top_k},
     }
+
+
+def mlp_width(t) -> int:
+    """The drafter's dense MLP width: the target's `intermediate_size`; for Qwen3.5-MoE (no dense MLP: 0) its
+    shared expert's width. The shared expert is the one dense SwiGLU every token runs, so the drafter's MLP starts
+    as a copy of it (_mlp_source); `moe_intermediate_size` would give a drafter MLP as narrow as one routed expert
+    (1/k of what a token's routed experts compute) with no one weight to copy. At Qwen3.5-35B-A3B's shape both
+    are 512 wide."""
+    return t.intermediate_size or t.shared_expert_intermediate_size
 
 
 def init_drafter(target, cfg_dict: dict, init_from: str = "last") -> Drafter:
@@ -88,13 +97,20 @@ def _attention_source(target, layer):
 def _mlp_source(target, layer, shape):
     """The dense MLP a drafter layer starts from: the layer's own; for a MoE target's sparse layer (no dense MLP
     there: dflash2.reference.moe.SparseMoE) the nearest layer's dense MLP of the drafter's width (mlp_only_layers /
-    decoder_sparse_step), None when there is none (the drafter's MLP then keeps its fresh init)."""
+    decoder_sparse_step), None when there is none (the drafter's MLP then keeps its fresh init). A Qwen3.5-MoE
+    block's shared expert counts as its layer's dense MLP (mlp_width)."""
     dense = [i for i, x in enumerate(target.layers)
-             if hasattr(x.mlp, "gate_proj") and x.mlp.gate_proj.weight.shape == shape]
+             if _dense_mlp(x) is not None and _dense_mlp(x).gate_proj.weight.shape == shape]
     if not dense:
         return None
     at = next(i for i, x in enumerate(target.layers) if x is layer)
-    return target.layers[min(dense, key=lambda i: (abs(i - at), -i))].mlp
+    return _dense_mlp(target.layers[min(dense, key=lambda i: (abs(i - at), -i))])
+
+
+def _dense_mlp(layer):
+    """A target layer's dense SwiGLU (gate_proj, up_proj, down_proj): its MLP, or its experts' block's shared
+    expert (Qwen3.5-MoE); None for a block without one (Qwen3-MoE's sparse layers)."""
+    return layer.mlp if hasattr(layer.mlp, "gate_proj") else getattr(layer.mlp, "shared_expert", None)
 
 
 def _attention_weight(attn, name: str) -> torch.Tensor:
