@@ -32,7 +32,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dflash2.export import signature as N
-from dflash2.export.plain import F32, _fixed, _prefix
+from dflash2.export.plain import F32, finish
 from dflash2.export.templates import Builder, StandardOps
 from dflash2.reference.gpt_oss import DecodedExperts
 
@@ -51,8 +51,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         raise ValueError(f"gpt-oss templates: experts_op standard or qmoe-int8, not {experts_op}")
     raw = src
     src = DecodedExperts(src)
-    nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
-    g, B, eps = nh // kv, dc.block_size, float(c.rms_norm_eps)
+    nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
+    g, eps = nh // kv, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
     b = Builder(data, dtype=np.float32)
     ops = StandardOps(b, c.rope, hd, eps)  # rope_inv_freq: YaRN's frequencies for a "yarn" rope
@@ -140,31 +140,9 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     y = ops.norm(h, src.get("norm.weight"), "norm")
     head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
     logits = b.head(y, head, "lm_head")  # [n, V] fp32
-    next_ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
-    b.op("Cast", [next_ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
-    b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), ax0], N.LOGITS, outputs=[N.LOGITS])
-    tap_rows = [taps[t] for t in tap_ids]
-    t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]  # [n, n_taps H]
-    if fuse_context:  # drafter.context: hidden_norm(fc(taps))
-        t = ops.norm(b.linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
-                     eps=float(dc.rms_norm_eps))
-    b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
-
-    ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
-    row = [L, 2, kv, hd]
-    outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
-               helper.make_tensor_value_info(N.CONTEXT, F32, ["n", ctx_width]),
-               helper.make_tensor_value_info(N.NEW_KV, F32, ["n", *row]),
-               helper.make_tensor_value_info(N.LOGITS, F32, [f"Min(n, {B})", c.vocab_size])]
-    ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
-    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, F32, ["past", *row])]
-    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, F32, ["cap", *row]),
-             helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
     domains = (("com.microsoft", 1),) if experts_op == "qmoe-int8" else ()
-    return (b.model("dflash2_gpt_oss_target", past, outputs, prologue_at=prologue_at, prologue=_prefix(),
-                    domains=domains),
-            b.model("dflash2_gpt_oss_target_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed(),
-                    domains=domains))
+    return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L, 2, kv, hd], F32, ax0,
+                  "dflash2_gpt_oss_target", prologue_at, domains=domains)
 
 
 def experts(b: Builder, u: str, src, c, m: str) -> str:

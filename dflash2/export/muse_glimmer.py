@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dflash2.export import signature as N
-from dflash2.export.plain import F32, _fixed, _prefix
+from dflash2.export.plain import finish
 from dflash2.export.templates import Builder, StandardOps
 
 DTYPES = ("float32", "float16")
@@ -37,8 +37,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     reference modules' names (dflash2.export.weights), data: a DataFile or None (inline), progress(i, L)."""
     np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
     onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
-    nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
-    g, B, eps, post = nh // kv, dc.block_size, float(c.rms_norm_eps), float(c.post_norm_eps)
+    nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
+    g, eps, post = nh // kv, float(c.rms_norm_eps), float(c.post_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
     b = Builder(data, dtype=np_dt)
     ops = StandardOps(b, c.rope, hd, eps)
@@ -136,25 +136,5 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     logits = b.op("Mul", [b.op("Tanh", [b.op("Div", [
         b.op("Mul", [raw, b.const("output_multiplier", [c.output_multiplier], np.float32)], "logits.mult")[0],
         b.const("softcap", [T], np.float32)], "logits.over_cap")[0]], "logits.tanh")[0], "softcap"], "logits.capped")[0]
-    next_ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
-    b.op("Cast", [next_ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
-    b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), ax0], N.LOGITS, outputs=[N.LOGITS])
-    tap_rows = [taps[t] for t in tap_ids]
-    t = tap_rows[0] if len(tap_rows) == 1 else b.op("Concat", tap_rows, "taps", axis=-1)[0]  # [n, n_taps H]
-    if fuse_context:  # drafter.context: hidden_norm(fc(taps))
-        t = ops.norm(b.linear(t, "context.fc", dsrc, ["fc"]), dsrc.get("hidden_norm.weight"), "context.hidden_norm",
-                     eps=float(dc.rms_norm_eps))
-    b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
-
-    ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
-    row = [L, 2, kv, hd]
-    outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
-               helper.make_tensor_value_info(N.CONTEXT, onnx_dt, ["n", ctx_width]),
-               helper.make_tensor_value_info(N.NEW_KV, onnx_dt, ["n", *row]),
-               helper.make_tensor_value_info(N.LOGITS, F32, [f"Min(n, {B})", c.vocab_size])]
-    ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
-    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, onnx_dt, ["past", *row])]
-    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, onnx_dt, ["cap", *row]),
-             helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
-    return (b.model("dflash2_muse_glimmer_target", past, outputs, prologue_at=prologue_at, prologue=_prefix()),
-            b.model("dflash2_muse_glimmer_target_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed()))
+    return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L, 2, kv, hd], onnx_dt, ax0,
+                  "dflash2_muse_glimmer_target", prologue_at)

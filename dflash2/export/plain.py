@@ -34,8 +34,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     data: a DataFile both graphs point into (None: inline); progress(i, L) per layer."""
     np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
     onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
-    nh, kv, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
-    g, B, eps = nh // kv, dc.block_size, float(c.rms_norm_eps)
+    nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
+    g, eps = nh // kv, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
     b = Builder(data, dtype=np_dt)
     ops = StandardOps(b, c.rope, hd, eps)
@@ -116,6 +116,16 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     y = ops.norm(h, src.get("norm.weight"), "norm")
     head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
     logits = ops.f32(b.head(y, head, "lm_head"), "logits")  # [n, V] fp32
+    return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L, 2, kv, hd], onnx_dt, ax0,
+                  "dflash2_target", prologue_at)
+
+
+def finish(b: Builder, ops: StandardOps, logits: str, taps: dict, tap_ids, c, dc, dsrc, fuse_context: bool,
+           kv_row: list[int], onnx_dt: int, ax0: str, name: str, prologue_at, domains=()) -> tuple:
+    """The tail every target on the dense KV binding shares (this module, muse_glimmer.py, gpt_oss.py): logits
+    [n, V] fp32 -> next_ids (argmax), the last B logits rows, the drafter's context rows from the taps (fused:
+    hidden_norm(fc(taps))), the graph io, and both flavours: (portable over `past_kv`, TensorRT's fixed buffer)."""
+    B, H = dc.block_size, c.hidden_size
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
     b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
     b.op("Slice", [logits, b.const("last_b", [-B]), b.const("to_end", [2**62]), ax0], N.LOGITS,
@@ -128,17 +138,16 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     b.op("Identity", [t], N.CONTEXT, outputs=[N.CONTEXT])
 
     ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
-    row = [L, 2, kv, hd]
     outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
                helper.make_tensor_value_info(N.CONTEXT, onnx_dt, ["n", ctx_width]),
-               helper.make_tensor_value_info(N.NEW_KV, onnx_dt, ["n", *row]),
+               helper.make_tensor_value_info(N.NEW_KV, onnx_dt, ["n", *kv_row]),
                helper.make_tensor_value_info(N.LOGITS, F32, [f"Min(n, {B})", c.vocab_size])]  # the last B rows
     ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
-    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, onnx_dt, ["past", *row])]
-    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, onnx_dt, ["cap", *row]),
+    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, onnx_dt, ["past", *kv_row])]
+    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, onnx_dt, ["cap", *kv_row]),
              helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
-    return (b.model("dflash2_target", past, outputs, prologue_at=prologue_at, prologue=_prefix()),
-            b.model("dflash2_target_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed()))
+    return (b.model(name, past, outputs, prologue_at=prologue_at, prologue=_prefix(), domains=domains),
+            b.model(f"{name}_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed(), domains=domains))
 
 
 def _prefix() -> list[onnx.NodeProto]:
