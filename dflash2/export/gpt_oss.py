@@ -32,7 +32,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dflash2.export import signature as N
-from dflash2.export.plain import F32, finish
+from dflash2.export.plain import F32, attend, attention_consts, finish
 from dflash2.export.templates import Builder, StandardOps
 from dflash2.reference.gpt_oss import DecodedExperts
 
@@ -76,13 +76,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         near = b.op("Less", [b.op("Sub", [q_col, k_row], f"window{w}.distance")[0], b.const(f"window{w}", w)],
                     f"window{w}.near")[0]
         masks[w] = b.op("And", [causal, near], f"window{w}.visible")[0]
-    four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
-    sink_shape = b.op("Concat", [b.const("kv_g.sink", [kv, g]), n, b.const("one.sink", [1])], "sink.shape",
-                      axis=0)[0]  # [kv, g, n, 1]
-    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
-    scale = b.const("attn.scale", [hd ** -0.5], np.float32)
-    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
-    drop_first = [b.const("second", [1]), b.const("to_end.cols", [2**62]), b.const("last_axis", [-1])]
+    consts = attention_consts(b, kv, g, hd, n, np.float32, sinks=True)
 
     h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
     taps, new_kv = {}, []
@@ -98,30 +92,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         k = b.op("Reshape", [k, b.const(f"{p}.k_heads", [-1, kv, hd])], f"{p}.k_heads")[0]  # [n, kv, hd]
         v = b.op("Reshape", [v, b.const(f"{p}.v_heads", [-1, kv, hd])], f"{p}.v_heads")[0]
         q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")
-        layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", i)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
-        pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0]
-                  for j, nm in ((0, "k"), (1, "v")))  # [P, kv, hd]
-        keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
-        vals = b.op("Concat", [pv, v], f"{p}.values", axis=0)[0]
-        qh = b.op("Reshape", [b.op("Transpose", [q], f"{p}.q_t", perm=[1, 0, 2])[0],
-                              b.const(f"{p}.q_groups", [kv, -1, hd])], f"{p}.q_groups")[0]  # [kv, g n, hd]
-        s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]
-        s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
-        s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
-        s = b.op("Where", [masks[c.layer_windows[i]], s, neg], f"{p}.masked")[0]
-        # head h = kv index * g + group index (the reshape above): the sinks [nh] as [kv, g, 1, 1], one column more,
-        # FIRST: a k-row verify has masked columns after a row's last key that a 1-row decode has not; with the sink
-        # after them it would sit in another SIMD lane of the softmax's sum (measured not row-invariant, ~1e-7)
-        sink = b.fw(f"{a}.sinks", src.get(f"{a}.sinks").reshape(kv, g, 1, 1))
-        col = b.op("Expand", [sink, sink_shape], f"{p}.sink_col")[0]  # [kv, g, n, 1]
-        s = b.op("Concat", [col, s], f"{p}.with_sink", axis=-1)[0]  # [kv, g, n, 1 + T]
-        probs = b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0]
-        probs = b.op("Slice", [probs, *drop_first], f"{p}.sink_dropped")[0]  # [kv, g, n, T]
-        probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
-        o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
-        o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
-                 f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
-        o = b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]  # [n, nh*hd]
+        o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, masks[c.layer_windows[i]],
+                   sinks=src.get(f"{a}.sinks"))  # [n, nh hd]
         h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
         u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
         if experts_op == "qmoe-int8":

@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dflash2.export import signature as N
-from dflash2.export.plain import finish
+from dflash2.export.plain import attend, attention_consts, finish
 from dflash2.export.templates import Builder, StandardOps
 
 DTYPES = ("float32", "float16")
@@ -63,11 +63,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         near = b.op("Less", [b.op("Sub", [q_col, k_row], f"window{w}.distance")[0], b.const(f"window{w}", w)],
                     f"window{w}.near")[0]
         masks[w] = b.op("And", [causal, near], f"window{w}.visible")[0]
-    four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
-    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
-    scale = b.const("attn.scale", [hd ** -0.5], np_dt)
+    consts = attention_consts(b, kv, g, hd, n, np_dt)
     qk_scale = b.const("qk_scale", [c.qk_scale_factor], np_dt)
-    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
 
     ids = b.op("Cast", [N.INPUT_IDS], "ids.i64", to=TensorProto.INT64)[0]
     media = [b.op("Equal", [ids, b.const(f"media.{m}", m)], f"media.{m}.hit")[0] for m in c.remapped_ids]
@@ -92,23 +89,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         k = ops.norm(k, None, f"{p}.k_norm")
         if c.layer_rope[i]:  # NoPE layers: no rotary
             q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")
-        layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", i)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
-        pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0]
-                  for j, nm in ((0, "k"), (1, "v")))  # [P, kv, hd]
-        keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
-        vals = b.op("Concat", [pv, v], f"{p}.values", axis=0)[0]
-        qh = b.op("Reshape", [b.op("Transpose", [q], f"{p}.q_t", perm=[1, 0, 2])[0],
-                              b.const(f"{p}.q_groups", [kv, -1, hd])], f"{p}.q_groups")[0]  # [kv, g n, hd]
-        s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]
-        s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
-        s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
-        s = b.op("Where", [masks[c.layer_windows[i]], ops.f32(s, f"{p}.scores"), neg], f"{p}.masked")[0]
-        probs = ops.back(b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], f"{p}.probs")
-        probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
-        o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
-        o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
-                 f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
-        o = b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]  # [n, nh*hd]
+        o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, masks[c.layer_windows[i]])  # [n, nh hd]
         o = b.op("Mul", [o, b.op("Sigmoid", [gate], f"{p}.gate")[0]], f"{p}.gated")[0]
         o = b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])
         o = ops.norm(o, centred(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm", eps=post)

@@ -15,6 +15,8 @@ in the graph dtype, the rotary angles computed as rope_cos_sin does (fp32 positi
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -55,10 +57,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     rot = ops.at(pos, "rope")  # [n, 1, hd] each
     visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0],
                                    b.op("Unsqueeze", [pos, ax1], "pos.col")[0]], "visible")[0]  # [n, T] bool
-    four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
-    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
-    scale = b.const("attn.scale", [hd ** -0.5], np_dt)
-    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
+    consts = attention_consts(b, kv, g, hd, n, np_dt)
 
     h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
     taps, new_kv = {}, []
@@ -77,24 +76,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             q = ops.norm(q, src.get(f"{a}.q_norm.weight"), f"{p}.q_norm")
             k = ops.norm(k, src.get(f"{a}.k_norm.weight"), f"{p}.k_norm")
         q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")  # [n, heads, hd]
-        layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", i)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
-        pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0]
-                  for j, nm in ((0, "k"), (1, "v")))  # [P, kv, hd]
-        keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
-        vals = b.op("Concat", [pv, v], f"{p}.values", axis=0)[0]
-        # attend(): GQA by reshape, MatMul only; scores masked and softmaxed in fp32
-        qh = b.op("Reshape", [b.op("Transpose", [q], f"{p}.q_t", perm=[1, 0, 2])[0], b.const(f"{p}.q_groups", [kv, -1, hd])],
-                  f"{p}.q_groups")[0]  # [kv, g n, hd]
-        s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]  # [kv, g n, T]
-        s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
-        s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
-        s = b.op("Where", [visible, ops.f32(s, f"{p}.scores"), neg], f"{p}.masked")[0]
-        probs = ops.back(b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], f"{p}.probs")
-        probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
-        o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
-        o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
-                 f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
-        o = b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]
+        o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, visible)  # [n, nh hd]
         h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
         u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
         m = f"{p}.mlp"
@@ -118,6 +100,62 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     logits = ops.f32(b.head(y, head, "lm_head"), "logits")  # [n, V] fp32
     return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L, 2, kv, hd], onnx_dt, ax0,
                   "dflash2_target", prologue_at)
+
+
+class AttentionConsts(NamedTuple):
+    """The constants every layer's `attend` reads (one set per graph)."""
+    four: str  # [4] int64: scores as [kv, g, n, T]
+    neg: str  # the fp32 value of a masked score
+    scale: str  # head_dim ** -0.5 in the graph dtype
+    kv_index: list[str]  # the K and V indices of a layer's past rows
+    sink_shape: str | None  # [4] int64: a sink column [kv, g, n, 1]
+    drop_first: list[str] | None  # Slice's (starts, ends, axes): every column but the first
+
+
+def attention_consts(b: Builder, kv: int, g: int, hd: int, n: str, np_dt, sinks: bool = False) -> AttentionConsts:
+    four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
+    sink_shape = b.op("Concat", [b.const("kv_g.sink", [kv, g]), n, b.const("one.sink", [1])], "sink.shape",
+                      axis=0)[0] if sinks else None  # [kv, g, n, 1]
+    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
+    scale = b.const("attn.scale", [hd ** -0.5], np_dt)
+    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
+    drop_first = [b.const("second", [1]), b.const("to_end.cols", [2**62]), b.const("last_axis", [-1])] \
+        if sinks else None
+    return AttentionConsts(four, neg, scale, kv_index, sink_shape, drop_first)
+
+
+def attend(b: Builder, ops: StandardOps, p: str, i: int, q: str, k: str, v: str, nh: int, kv: int, hd: int,
+           at: AttentionConsts, mask: str, sinks: np.ndarray | None = None) -> str:
+    """Layer i's attention on the dense KV binding: q [n, nh, hd], k, v [n, kv, hd] (rotated where the layer
+    rotates) over the layer's past rows and the step's -> o [n, nh hd]. GQA by reshape, MatMul only; the scores
+    masked (mask [n, T] bool: causal, or a sliding window) and softmaxed in fp32. sinks [nh] (gpt-oss): a learned
+    logit per head joining each row's softmax as one more column, dropped after it. The column goes FIRST: a k-row
+    verify has masked columns after a row's last key that a 1-row decode has not, and a sink after them would sit
+    in another SIMD lane of the softmax's sum (measured not row-invariant, ~1e-7)."""
+    layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", i)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
+    pk, pv = (b.op("Gather", [layer_kv, at.kv_index[j]], f"{p}.past_{nm}", axis=1)[0]
+              for j, nm in ((0, "k"), (1, "v")))  # [P, kv, hd]
+    keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
+    vals = b.op("Concat", [pv, v], f"{p}.values", axis=0)[0]
+    qh = b.op("Reshape", [b.op("Transpose", [q], f"{p}.q_t", perm=[1, 0, 2])[0],
+                          b.const(f"{p}.q_groups", [kv, -1, hd])], f"{p}.q_groups")[0]  # [kv, g n, hd]
+    s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]  # [kv, g n, T]
+    s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
+    s = b.op("Reshape", [b.op("Mul", [s, at.scale], f"{p}.scaled")[0], at.four], f"{p}.scores4")[0]  # [kv, g, n, T]
+    s = b.op("Where", [mask, ops.f32(s, f"{p}.scores"), at.neg], f"{p}.masked")[0]
+    if sinks is None:
+        probs = ops.back(b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], f"{p}.probs")
+    else:  # head h = kv index * g + group index (the reshape above): the sinks [nh] as [kv, g, 1, 1]
+        sink = b.fw(f"{p}.self_attn.sinks", sinks.reshape(kv, nh // kv, 1, 1))
+        col = b.op("Expand", [sink, at.sink_shape], f"{p}.sink_col")[0]  # [kv, g, n, 1]
+        s = b.op("Concat", [col, s], f"{p}.with_sink", axis=-1)[0]  # [kv, g, n, 1 + T]
+        probs = b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0]
+        probs = b.op("Slice", [probs, *at.drop_first], f"{p}.sink_dropped")[0]  # [kv, g, n, T]
+    probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
+    o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
+    o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
+             f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
+    return b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]  # [n, nh hd]
 
 
 def finish(b: Builder, ops: StandardOps, logits: str, taps: dict, tap_ids, c, dc, dsrc, fuse_context: bool,
