@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dflash2.export import signature as N
-from dflash2.export.plain import attend, attention_consts, finish
+from dflash2.export.plain import attend, attention_consts, finish, kv_row
 from dflash2.export.templates import Builder, StandardOps
 
 DTYPES = ("float32", "float16")
@@ -104,9 +104,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         mlp = ops.norm(mlp, centred(f"{p}.post_feedforward_layernorm.weight"), f"{p}.post_feedforward_layernorm",
                        eps=post)
         h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
-        kv_i = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
-                    f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
-        new_kv.append(b.op("Unsqueeze", [kv_i, ax1], f"{p}.new_kv.layer")[0])  # [n, 1, 2, kv, hd]
+        new_kv.append(kv_row(b, p, k, v, ax1))  # [n, 1, 2, kv, hd]
         if i in tap_ids:
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]

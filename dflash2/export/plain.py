@@ -89,9 +89,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
             mlp = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])
         h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
-        kv_i = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
-                    f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
-        new_kv.append(b.op("Unsqueeze", [kv_i, ax1], f"{p}.new_kv.layer")[0])  # [n, 1, 2, kv, hd]
+        new_kv.append(kv_row(b, p, k, v, ax1))  # [n, 1, 2, kv, hd]
         if i in tap_ids:
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
@@ -156,6 +154,13 @@ def attend(b: Builder, ops: StandardOps, p: str, i: int, q: str, k: str, v: str,
     o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
              f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
     return b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]  # [n, nh hd]
+
+
+def kv_row(b: Builder, p: str, k: str, v: str, ax1: str) -> str:
+    """Layer p's new K|V rows as its slice of `new_kv`: k, v [n, kv, hd] -> [n, 1, 2, kv, hd]."""
+    kv = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
+              f"{p}.new_kv", axis=1)[0]  # [n, 2, kv, hd]
+    return b.op("Unsqueeze", [kv, ax1], f"{p}.new_kv.layer")[0]
 
 
 def finish(b: Builder, ops: StandardOps, logits: str, taps: dict, tap_ids, c, dc, dsrc, fuse_context: bool,
