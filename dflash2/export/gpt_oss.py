@@ -22,7 +22,9 @@ initializer but the prologue (plain._prefix / plain._fixed). gpt-oss's parts:
 - MXFP4 expert weights are decoded exactly as read (reference.gpt_oss.DecodedExperts), one expert at a time into the
   data file (Builder.chunked).
 Outputs as plain.build: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V] fp32.
-The family's `plain` templates (dflash2.families.gpt_oss); fp32 only so far (docs/families/gpt_oss.md).
+The family's `plain` templates (dflash2.families.gpt_oss; fp32) and, through build_fused, its `fused` ones: the
+same graph with int4 / int8 weights quantized as written (export/lowbit.py) and the experts on QMoE
+(export/gpt_oss_qmoe.py: int8 from MXFP4, block-exact); docs/families/gpt_oss.md.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from dflash2.export import lowbit
 from dflash2.export import signature as N
 from dflash2.export.plain import F32, attend, attention_consts, finish, kv_row
 from dflash2.export.templates import Builder, StandardOps
@@ -39,22 +42,35 @@ from dflash2.reference.gpt_oss import DecodedExperts
 DTYPES = ("float32",)
 
 
+def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=None, progress=None, quant=None,
+                native=None) -> onnx.ModelProto:
+    """The ONNX Runtime graph of `--quantize int4|int8` (the default attention then: "gqa"): build()'s portable
+    flavour with every weight MatMul a MatMulNBits written as it is read (quant: an OrtQuant), the int4 embedding a
+    GatherBlockQuantized, the head quantized unless --quant-keep-head (export/lowbit.py), the experts on QMoE
+    (gpt_oss_qmoe.quantized_experts); quant None: the fp32 standard-op graph (the export's truncated check).
+    max_seq_len and native (GGUF blocks) are the dense fused builder's arguments: unused here."""
+    lowbit.check("gpt_oss", quant, data)
+    return build(c, dc, src, dsrc, fuse_context, "float32", data, progress,
+                 experts_op="standard" if quant is None else "qmoe", quant=quant)[0]
+
+
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None, progress=None,
-          experts_op: str = "standard") -> tuple[onnx.ModelProto, onnx.ModelProto]:
+          experts_op: str = "standard", quant=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(portable, TensorRT flavour); c: a GptOssConfig, dc: the drafter's config, src / dsrc: weights under the
     reference modules' names (dflash2.export.weights; an MXFP4 checkpoint's experts decoded as read), data: a
     DataFile or None (inline), progress(i, L). experts_op "qmoe-int8": the experts through ONNX Runtime's QMoE int8
-    (export/gpt_oss_qmoe.py; MXFP4 checkpoints; the "TensorRT flavour" then only ONNX Runtime runs)."""
+    (export/gpt_oss_qmoe.py; MXFP4 checkpoints; the "TensorRT flavour" then only ONNX Runtime runs); "qmoe": QMoE
+    with quant's weights (int8 from MXFP4 where the checkpoint has it). quant: build_fused's."""
     if dtype not in DTYPES:
         raise ValueError(f"gpt-oss templates: float32 only, not {dtype}")
-    if experts_op not in ("standard", "qmoe-int8"):
-        raise ValueError(f"gpt-oss templates: experts_op standard or qmoe-int8, not {experts_op}")
+    if experts_op not in ("standard", "qmoe-int8", "qmoe"):
+        raise ValueError(f"gpt-oss templates: experts_op standard, qmoe-int8 or qmoe, not {experts_op}")
     raw = src
     src = DecodedExperts(src)
     nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
     g, eps = nh // kv, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
-    b = Builder(data, dtype=np.float32)
+    b = Builder(data, quant, dtype=np.float32)
     ops = StandardOps(b, c.rope, hd, eps)  # rope_inv_freq: YaRN's frequencies for a "yarn" rope
     ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])
 
@@ -78,7 +94,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         masks[w] = b.op("And", [causal, near], f"window{w}.visible")[0]
     consts = attention_consts(b, kv, g, hd, n, np.float32, sinks=True)
 
-    h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
+    h = lowbit.embed(b, src, quant, matrix, N.INPUT_IDS)  # [n, H]: the fp32 Gather unless int4
     taps, new_kv = {}, []
     for i in range(L):
         p, a = f"layers.{i}", f"layers.{i}.self_attn"
@@ -96,10 +112,11 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                    sinks=src.get(f"{a}.sinks"))  # [n, nh hd]
         h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
         u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
-        if experts_op == "qmoe-int8":
-            from dflash2.export.gpt_oss_qmoe import int8_experts
+        if experts_op != "standard":
+            from dflash2.export import gpt_oss_qmoe as qmoe
 
-            mlp = int8_experts(b, u, raw, c, f"{p}.mlp")
+            mlp = (qmoe.int8_experts(b, u, raw, c, f"{p}.mlp") if experts_op == "qmoe-int8" else
+                   qmoe.quantized_experts(b, u, src, c, f"{p}.mlp"))
         else:
             mlp = experts(b, u, src, c, f"{p}.mlp")
         h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
@@ -108,9 +125,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
     y = ops.norm(h, src.get("norm.weight"), "norm")
-    head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
-    logits = b.head(y, head, "lm_head")  # [n, V] fp32
-    domains = (("com.microsoft", 1),) if experts_op == "qmoe-int8" else ()
+    logits = lowbit.head(b, y, c, src, quant, matrix)  # [n, V] fp32
+    domains = (("com.microsoft", 1),) if experts_op != "standard" or quant is not None else ()
     return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L, 2, kv, hd], F32, ax0,
                   "dflash2_gpt_oss_target", prologue_at, domains=domains)
 

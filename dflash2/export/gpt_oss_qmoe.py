@@ -1,18 +1,27 @@
-"""gpt-oss's experts on ONNX Runtime's com.microsoft `QMoE` int8, the MXFP4 bytes converted block-exactly.
+"""gpt-oss's experts on ONNX Runtime's com.microsoft `QMoE`: int8 from the MXFP4 bytes (block-exact), or the float
+experts quantized by the export's block quantizer (int4 / int8). `dflash2-export --quantize int4|int8` of gpt-oss.
 
 The CPU path for the published (MXFP4) checkpoints (docs/families/plan_muse_glimmer_gpt_oss.md, section 3):
 ONNX Runtime 1.32 has no working CPU MXFP4 kernel, but every E2M1 value is a multiple of 0.5 up to 6, so a block of
 32 MXFP4 values is exactly int8 codes 2 * value in [-12, 12] times one fp32 scale 2^(s - 128)
 (reference.gpt_oss.mxfp4_to_int8, checked bitwise against the decode): the WEIGHTS are exact, QMoE int8 stores the
-codes + 128 (its default zero point 128) as uint8 [E, N, K] with [E, N, K / 32] scales. Its activations are
-quantized to int8 inside the op (ONNX Runtime has no fp32-activation kernel for 8-bit experts): that, not the
-weights, is where it departs from the fp32 reference (measured in tests/test_gpt_oss_export.py). int8 QMoE measured
-row-invariant as it is (export/moe.py), so each row goes in once.
+codes + 128 (its default zero point 128) as uint8 [E, N, K] with [E, N, K / 32] scales. So an MXFP4 checkpoint's
+experts are int8 under --quantize int4 too (MXFP4 does not convert exactly to int4; re-rounding it would add a
+second error for no memory saved that matters on CPU). Its activations are quantized to int8 inside the op (ONNX
+Runtime has no fp32-activation kernel for 8-bit experts): that, not the weights, is where it departs from the fp32
+reference (measured in tests/test_gpt_oss_export.py). A float checkpoint's experts go through ONNX Runtime's block
+quantizer (dflash2.export.weights.NBits: the --quantize bits, block size, accuracy level), one expert at a time.
+
+Row invariance (the export's k-row == 1-row check): QMoE's CPU kernel sums a row's k weighted expert outputs in an
+order that depends on the step's other rows once k >= 3 (export/moe.py, measured; gpt-oss routes k = 4), so, as
+moe._qmoe_slots does, the routing is computed here (the router's logits with their bias, never quantized; TopK of
+the LOGITS; softmax over the k kept: gpt-oss's rule) and QMoE gets one row per (row, slot) with one-hot logits
+(k = 1: weight exactly 1); the k outputs, each with its expert's down bias, are weighted and added in slot order.
+int4 at accuracy level < 4 keeps fp32 activations, whose M = 1 GEMM path differs: those rows go in twice.
 
 The op's SwiGLU is gpt-oss's: swiglu_fusion 1 (gate / up interleaved: gate_up_proj's even / odd columns, as the
 checkpoint's [out, in] rows already are), G = min(g, limit), L = clamp(u, -limit, limit), G * sigmoid(alpha G) *
-(L + beta) with alpha 1.702, beta 1, limit 7; normalize_routing_weights 1 (softmax over all experts, top-k,
-renormalised: the softmax over the k kept logits), the router's logits (with their bias) its router_probs input.
+(L + beta) with alpha 1.702, beta 1, limit 7.
 """
 
 from __future__ import annotations
@@ -25,15 +34,14 @@ from dflash2.reference.gpt_oss import mxfp4_to_int8
 
 
 def int8_experts(b, u: str, src, c, m: str) -> str:
-    """u [n, H] -> the experts' output [n, H] through QMoE int8 (module docstring). src: the checkpoint's weights
-    (checkpoint.Weights: `raw` reads the MXFP4 bytes); the experts written one at a time (Builder.chunked)."""
+    """u [n, H] -> the experts' output [n, H] through QMoE int8 from the MXFP4 bytes (module docstring). src: the
+    checkpoint's weights (checkpoint.Weights: `raw` reads the MXFP4 bytes); the experts written one at a time."""
     x = f"{m}.experts"
     if f"{x}.gate_up_proj_blocks" not in src:
         raise ValueError(f"{x}: QMoE int8 takes MXFP4 expert weights (block-exact); this checkpoint's are float")
-    E, H, I = c.num_experts, c.hidden_size, c.intermediate_size
-    logits = b.linear(u, f"{m}.router", src, [f"{m}.router"], quantize=False)  # [n, E] + bias: never quantized
-    inputs = [u, logits]
-    for fc, (N, K) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
+    E = c.num_experts
+    fcs = []
+    for fc in ("gate_up_proj", "down_proj"):
         scales = []
 
         def codes(fc=fc, scales=scales):  # one expert's [1, N, K] uint8 at a time
@@ -44,10 +52,79 @@ def int8_experts(b, u: str, src, c, m: str) -> str:
                 scales.append(scale.numpy())
                 yield (q.numpy().astype(np.int16) + 128).astype(np.uint8)  # QMoE's zero point 128
 
-        inputs.append(b.chunked(f"{x}.{fc}_Q8", codes(), (E, N, K), np.uint8))
-        inputs.append(b.weight(f"{x}.{fc}_scales", np.concatenate(scales).astype(np.float32)))  # [E, N, K / 32]
+        fcs.append((fc, codes(), lambda scales=scales: np.concatenate(scales).astype(np.float32)))
+    return _slots(b, u, src, c, m, fcs, bits=8, block=MXFP4_BLOCK, accuracy_level=0)
+
+
+def quantized_experts(b, u: str, src, c, m: str) -> str:
+    """u [n, H] -> the experts' output [n, H] through QMoE with the builder's quantization (b.nbits): int8 from the
+    MXFP4 bytes where the checkpoint has them, else the float experts (src: a float-name source such as
+    reference.gpt_oss.DecodedExperts, gate_up_proj [E, H, 2I], down_proj [E, I, H]) quantized one expert at a time
+    by ONNX Runtime's block quantizer."""
+    x, q, E = f"{m}.experts", b.nbits, c.num_experts
+    if f"{x}.gate_up_proj_blocks" in src:
+        return int8_experts(b, u, src, c, m)
+    if q is None or q.dynamic:
+        raise ValueError(f"{x}: QMoE takes blockwise int4 / int8 expert weights (the builder's quantization), found "
+                         f"{'none' if q is None else 'dynamic int8'}")
+    fcs = []
+    for fc in ("gate_up_proj", "down_proj"):
+        scales, zeros = [], []
+
+        def packed(fc=fc, scales=scales, zeros=zeros):
+            for e in range(E):
+                w = src.get(f"{x}.{fc}", slice(e, e + 1))[0].astype(np.float32)  # [K, N]: [in, out]
+                pk, sc, zp = q.quantize(w)  # ONNX Runtime's block quantizer on the [K, N] weight
+                N = w.shape[1]
+                scales.append(np.asarray(sc, np.float32).reshape(N, -1))  # [N, K / block]
+                zeros.append(None if q.symmetric else np.asarray(zp).reshape(N, -1))
+                yield np.asarray(pk).reshape(1, N, -1)  # [1, N, K * bits / 8]
+
+        fcs.append((fc, packed(), lambda scales=scales: np.stack(scales),
+                    None if q.symmetric else (lambda zeros=zeros: np.stack(zeros))))
+    return _slots(b, u, src, c, m, fcs, bits=q.bits, block=q.block_size, accuracy_level=q.accuracy_level)
+
+
+def _slots(b, u: str, src, c, m: str, fcs, bits: int, block: int, accuracy_level: int) -> str:
+    """The routing, the (row, slot) rows through one QMoE, the weighted slot-order sum (module docstring). fcs:
+    per fc (gate_up_proj, down_proj): (name, its experts' packed uint8 [1, N, K bits / 8] one expert at a time,
+    scales() [E, N, K / block] once they are written[, zero_points()])."""
+    x, E, H, I, k = f"{m}.experts", c.num_experts, c.hidden_size, c.intermediate_size, c.num_experts_per_tok
+    logits = b.linear(u, f"{m}.router", src, [f"{m}.router"], quantize=False)  # [n, E] + bias: never quantized
+    top, idx = b.op("TopK", [logits, b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2, axis=-1)  # [n, k]: of logits
+    top = b.op("Softmax", [top], f"{m}.softmax", axis=-1)[0]  # over the k kept
+    onehot = b.op("OneHot", [idx, b.const(f"{m}.depth", [E]), b.const(f"{m}.onehot_values", [-1e9, 0.0], np.float32)],
+                  f"{m}.onehot", axis=-1)[0]  # [n, k, E]
+    slot_logits = b.op("Reshape", [onehot, b.const(f"{m}.slot_logits_shape", [-1, E])], f"{m}.slot_logits")[0]
+    per_slot = b.op("Expand", [b.op("Unsqueeze", [u, b.const(f"{m}.ax1", [1])], f"{m}.rows3")[0],
+                               b.const(f"{m}.slots_shape", [1, k, 1])], f"{m}.per_slot")[0]  # [n, k, H]
+    slot_rows = b.op("Reshape", [per_slot, b.const(f"{m}.slot_rows_shape", [-1, H])], f"{m}.slot_rows")[0]  # [n k, H]
+    twice = bits == 4 and accuracy_level < 4
+    if twice:
+        slot_rows = b.op("Concat", [slot_rows, slot_rows], f"{m}.twice", axis=0)[0]  # [2 n k, H]
+        slot_logits = b.op("Concat", [slot_logits, slot_logits], f"{m}.twice_logits", axis=0)[0]
+    inputs, zps = [slot_rows, slot_logits], []
+    for (fc, packed, scales, *zeros), (N, K) in zip(fcs, ((2 * I, H), (H, I))):
+        inputs.append(b.chunked(f"{x}.{fc}_Q{bits}", packed, (E, N, K * bits // 8), np.uint8))
+        inputs.append(b.weight(f"{x}.{fc}_scales", scales()))  # after the codes: filled as they were written
         inputs.append(b.weight(f"{x}.{fc}_bias", src.get(f"{x}.{fc}_bias").astype(np.float32)))  # [E, N]
-    return b.op("QMoE", inputs, f"{x}.qmoe", domain="com.microsoft", k=c.num_experts_per_tok,
-                activation_type="swiglu", swiglu_fusion=1, activation_alpha=float(c.swiglu_alpha),
-                activation_beta=1.0, swiglu_limit=float(c.swiglu_limit), normalize_routing_weights=1,
-                expert_weight_bits=8, block_size=MXFP4_BLOCK)[0]
+        zps.append(b.weight(f"{x}.{fc}_zero_points", zeros[0]()) if zeros and zeros[0] is not None else "")
+    if any(zps):
+        inputs += ["", "", ""] + zps  # no fc3 (gate|up interleaved in fc1); then fc1 / fc2 zero points
+    attrs = dict(k=1, activation_type="swiglu", swiglu_fusion=1, activation_alpha=float(c.swiglu_alpha),
+                 activation_beta=1.0, swiglu_limit=float(c.swiglu_limit), normalize_routing_weights=1,
+                 expert_weight_bits=bits, block_size=block)
+    if accuracy_level:
+        attrs["accuracy_level"] = accuracy_level
+    y = b.op("QMoE", inputs, f"{x}.qmoe", domain="com.microsoft", **attrs)[0]  # [(2) n k, H]: expert(row) + bias
+    if twice:
+        nk = b.op("Mul", [b.op("Shape", [per_slot], f"{m}.n", start=0, end=1)[0], b.const(f"{m}.k1", [k])],
+                  f"{m}.nk_rows")[0]
+        y = b.op("Slice", [y, b.const(f"{m}.first", [0]), nk, b.const(f"{m}.axis0", [0])], f"{m}.kept")[0]
+    y = b.op("Reshape", [y, b.const(f"{m}.y3_shape", [-1, k, H])], f"{m}.y3")[0]  # [n, k, H]
+    y = b.op("Mul", [y, b.op("Unsqueeze", [top, b.const(f"{m}.ax2", [2])], f"{m}.w3")[0]], f"{m}.weighted")[0]
+    parts = b.op("Split", [y], f"{m}.slots", outputs=k, axis=1) if k > 1 else [y]  # k x [n, 1, H]
+    out = parts[0]
+    for j in range(1, k):  # slot order, the same for every row whatever the step's other rows
+        out = b.op("Add", [out, parts[j]], f"{m}.sum{j}")[0]
+    return b.op("Reshape", [out, b.const(f"{m}.out_rows", [-1, H])], f"{m}.out")[0]  # [n, H]

@@ -15,7 +15,9 @@ node and initializer but the prologue (plain._prefix / plain._fixed). Muse-Glimm
   ring buffer of docs/families/plan_muse_glimmer_gpt_oss.md section 3.2 is a later step);
 - logits = T * tanh(lm_head(y) * output_multiplier / T) in fp32, the argmax over the capped logits.
 Outputs as plain.build: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V].
-The family's `plain` templates (dflash2.families.muse_glimmer); fp32 only so far (docs/families/muse_glimmer.md).
+The family's `plain` templates (dflash2.families.muse_glimmer; fp32 / fp16 graphs) and, through build_fused, its
+`fused` ones: the same graph with int4 / int8 weights quantized as written (export/lowbit.py; docs/families/
+muse_glimmer.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from dflash2.export import lowbit
 from dflash2.export import signature as N
 from dflash2.export.plain import attend, attention_consts, finish, kv_row
 from dflash2.export.templates import Builder, StandardOps
@@ -31,16 +34,28 @@ from dflash2.export.templates import Builder, StandardOps
 DTYPES = ("float32", "float16")
 
 
+def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=None, progress=None, quant=None,
+                native=None) -> onnx.ModelProto:
+    """The ONNX Runtime graph of `--quantize int4|int8` (the default attention then: "gqa"): build()'s portable
+    flavour with every weight MatMul a MatMulNBits written as it is read (quant: an OrtQuant), the int4 embedding a
+    GatherBlockQuantized, the head quantized unless --quant-keep-head (export/lowbit.py); quant None: the fp32
+    graph (the export's truncated check). max_seq_len and native (GGUF blocks) are the dense fused builder's
+    arguments: unused here."""
+    lowbit.check("muse_glimmer", quant, data)
+    return build(c, dc, src, dsrc, fuse_context, "float32", data, progress, quant)[0]
+
+
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
-          progress=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+          progress=None, quant=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(portable, TensorRT flavour); c: a MuseGlimmerConfig, dc: the drafter's config, src / dsrc: weights under the
-    reference modules' names (dflash2.export.weights), data: a DataFile or None (inline), progress(i, L)."""
+    reference modules' names (dflash2.export.weights), data: a DataFile or None (inline), progress(i, L); quant:
+    build_fused's (contrib ops: then the TensorRT flavour is not for use)."""
     np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
     onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
     nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
     g, eps, post = nh // kv, float(c.rms_norm_eps), float(c.post_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
-    b = Builder(data, dtype=np_dt)
+    b = Builder(data, quant, dtype=np_dt)
     ops = StandardOps(b, c.rope, hd, eps)
     ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])
 
@@ -71,7 +86,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     if media:  # image / video placeholders embed as id 0
         hit = media[0] if len(media) == 1 else b.op("Or", media, "media.hit")[0]
         ids = b.op("Where", [hit, b.const("id0", 0), ids], "ids.remapped")[0]
-    h = b.op("Gather", [matrix("embed_tokens.weight"), ids], "embed.raw", axis=0)[0]  # [n, H]
+    h = b.op("Gather", [matrix("embed_tokens.weight"), ids], "embed.raw", axis=0)[0] if quant is None else \
+        lowbit.embed(b, src, quant, matrix, ids)  # [n, H]
     h = ops.norm(h, None, "embed")  # weightless
     taps, new_kv = {}, []
     for i in range(L):
@@ -109,11 +125,10 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
     y = ops.norm(h, src.get("norm.weight"), "norm")  # the final norm: plain w
-    head = "embed_tokens.weight" if c.tie_word_embeddings else matrix("lm_head.weight")
-    raw = ops.f32(b.head(y, head, "lm_head"), "logits.raw")  # [n, V] fp32
+    raw = ops.f32(lowbit.head(b, y, c, src, quant, matrix), "logits.raw")  # [n, V] fp32
     T = float(c.final_logit_softcapping)
     logits = b.op("Mul", [b.op("Tanh", [b.op("Div", [
         b.op("Mul", [raw, b.const("output_multiplier", [c.output_multiplier], np.float32)], "logits.mult")[0],
         b.const("softcap", [T], np.float32)], "logits.over_cap")[0]], "logits.tanh")[0], "softcap"], "logits.capped")[0]
     return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L, 2, kv, hd], onnx_dt, ax0,
-                  "dflash2_muse_glimmer_target", prologue_at)
+                  "dflash2_muse_glimmer_target", prologue_at, domains=(("com.microsoft", 1),) if quant else ())

@@ -254,14 +254,20 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
     max_seq_len = default_max_seq_len(tc) if max_seq_len is None else max_seq_len
     attention = resolve_attention(target_attention, quantize, tc, dc, max_seq_len)
     if isinstance(quantize, qz.OrtQuant) and attention == "plain" and tc.family not in families.DENSE:
+        why = "loses the recurrence's If inputs" if tc.family.startswith("qwen3_5") else \
+            "is not checked on its graphs: its experts and embedding go in as they are written instead"
         raise OutputError(f"--quantize {quantize.method} --target-attention plain: not for {tc.arch} (ONNX Runtime's "
-                          f"quantizer rewrites the graph whole and loses the recurrence's If inputs); the default "
+                          f"quantizer rewrites the graph whole and {why}); the default "
                           f"(--target-attention gqa) writes {quantize.method} as the graph is built")
-    if attention == "gqa" and isinstance(quantize, qz.OrtQuant) and hasattr(tc, "num_experts") and \
-            (tc.hidden_size % quantize.block_size or tc.moe_intermediate_size % quantize.block_size):
+    # gpt-oss's MXFP4 experts go in as int8 blocks of 32 whatever the block size (export/gpt_oss_qmoe.py)
+    qmoe_blocks = hasattr(tc, "num_experts") and getattr(tc, "expert_format", "float") == "float"
+    inter = getattr(tc, "moe_intermediate_size", None) or getattr(tc, "intermediate_size", 0)
+    inter_field = "moe_intermediate_size" if hasattr(tc, "moe_intermediate_size") else "intermediate_size"
+    if attention == "gqa" and isinstance(quantize, qz.OrtQuant) and qmoe_blocks and \
+            (tc.hidden_size % quantize.block_size or inter % quantize.block_size):
         raise OutputError(f"--quantize {quantize.method}: ONNX Runtime's QMoE needs hidden_size and "
-                          f"moe_intermediate_size divisible by the block size {quantize.block_size}, found "
-                          f"{tc.hidden_size} and {tc.moe_intermediate_size} in {Path(target_dir) / 'config.json'}")
+                          f"{inter_field} divisible by the block size {quantize.block_size}, found "
+                          f"{tc.hidden_size} and {inter} in {Path(target_dir) / 'config.json'}")
     why_not_gqa = gqa.unsupported(tc, dc, max_seq_len)
     if isinstance(quantize, qz.OrtQuant) and quantize.native and attention != "gqa":
         raise OutputError("--quant-from-gguf: expected the fused-op target graph (--target-attention gqa, the default "
@@ -289,7 +295,7 @@ def _family_rules(tc, dtype: str, quantize) -> None:
     if fam.name in families.DENSE:
         return
     what = f"{tc.arch} ({fam.name}, {fam.description})"
-    if "fused" not in fam.templates:  # standard-op templates only (Muse-Glimmer, gpt-oss): checked fp32, unquantized
+    if "fused" not in fam.templates:  # standard-op templates only: checked fp32, unquantized
         if dtype != "float32":
             raise OutputError(f"--dtype: expected float32 for {what}, found {dtype!r} (its standard-op templates "
                               f"are checked in float32 only so far)")

@@ -55,12 +55,13 @@ def _zc(w: np.ndarray) -> np.ndarray:
     return 1.0 + np.asarray(w, np.float32)
 
 
-def _embed(b: Builder, src, quant, matrix) -> str:
-    """The embedding lookup [n, H]: an fp32 Gather, or with int4 weights GatherBlockQuantized over the embedding's
-    int4 blocks along H (ONNX Runtime's block quantizer, zero point 8: MatMulNBits' layout, row by row)."""
+def _embed(b: Builder, src, quant, matrix, ids: str = N.INPUT_IDS) -> str:
+    """The embedding lookup [n, H] of `ids` (int32 or int64): an fp32 Gather, or with int4 weights
+    GatherBlockQuantized over the embedding's int4 blocks along H (ONNX Runtime's block quantizer, zero point 8:
+    MatMulNBits' layout, row by row). Also the standard-op targets' (export/lowbit.py)."""
     name = "embed_tokens.weight"
     if quant is None or b.nbits.bits != 4 or not b.nbits.symmetric or src.shape(name)[1] % b.nbits.block_size:
-        return b.op("Gather", [matrix(name), N.INPUT_IDS], "embed", axis=0)[0]
+        return b.op("Gather", [matrix(name), ids], "embed", axis=0)[0]
     q, (V, H) = b.nbits, src.shape(name)
     scales = []
 
@@ -72,7 +73,7 @@ def _embed(b: Builder, src, quant, matrix) -> str:
 
     b.inits.append(b.data.add_chunks(b._name("embed.weight_Q4"), packed(), np.uint8, (V, H // 2)))
     sc = b.weight("embed.weight_scales", np.concatenate(scales))
-    return b.op("GatherBlockQuantized", ["embed.weight_Q4", N.INPUT_IDS, sc], "embed", domain="com.microsoft",
+    return b.op("GatherBlockQuantized", ["embed.weight_Q4", ids, sc], "embed", domain="com.microsoft",
                 gather_axis=0, quantize_axis=1, block_size=q.block_size, bits=4)[0]
 
 

@@ -255,5 +255,6 @@ GPT_OSS = TargetFamily(
     name="gpt_oss", archs=(ARCH,), description="sliding-window mixture of experts with attention sinks",
     read_config=read_gpt_oss_config, layer_states=_layer_states, tensor_shapes=tensor_shapes,
     tiny_config=tiny_config, hf_class=ARCH, reference="dflash2.reference.gpt_oss:load_target",
-    tensor_dtypes=tensor_dtypes, templates={"plain": "dflash2.export.gpt_oss:build"},
+    tensor_dtypes=tensor_dtypes,
+    templates={"plain": "dflash2.export.gpt_oss:build", "fused": "dflash2.export.gpt_oss:build_fused"},
     trainable=False)  # the corpus, teacher and fresh-drafter paths are not checked for it yet

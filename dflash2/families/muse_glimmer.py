@@ -245,5 +245,6 @@ MUSE_GLIMMER = TargetFamily(
     name="muse_glimmer", archs=(ARCH,), description="sliding-window / NoPE gated attention",
     read_config=read_muse_glimmer_config, layer_states=_layer_states, tensor_shapes=tensor_shapes,
     tiny_config=tiny_config, hf_class=ARCH, reference="dflash2.reference.muse_glimmer:load_target", ignored=IGNORED,
-    extra_tensors=vision_tensor_shapes, templates={"plain": "dflash2.export.muse_glimmer:build"},
+    extra_tensors=vision_tensor_shapes, templates={"plain": "dflash2.export.muse_glimmer:build",
+               "fused": "dflash2.export.muse_glimmer:build_fused"},
     trainable=False)  # the corpus, teacher and fresh-drafter paths are not checked for it yet
