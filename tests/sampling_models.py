@@ -3,7 +3,9 @@ enumeration: the statistical tests of lossless speculative sampling (tests/test_
 
 from __future__ import annotations
 
+import json
 import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -21,16 +23,18 @@ SHARED = 30.0  # + this on embedding dim 0: the target's normed hidden states le
 # often accepted (a random pair's drafts never are: the accept path would go untested)
 
 
-def sharp_export(root: Path, version: int, family: str = "qwen3") -> Path:
-    """A tiny target (Qwen3, the Qwen3.5 hybrid or its MoE variant) whose next-token distribution leans on one shared direction
-    (a few dozen 3-token sequences hold most of the mass at T = 1) + a DFlash / DFlash2 drafter that leans on the
-    same direction (block 4: one round drafts tokens 2..4), exported for ONNX Runtime."""
-    out = root / f"export-{family}-v{version}"
+def sharp_export(root: Path, version: int, family: str = "qwen3", extra: dict | None = None, quantize=None) -> Path:
+    """A tiny target (Qwen3, the Qwen3.5 hybrid or its MoE variant, gpt-oss) whose next-token distribution leans on
+    one shared direction (a few dozen 3-token sequences hold most of the mass at T = 1) + a DFlash / DFlash2 drafter
+    that leans on the same direction (block 4: one round drafts tokens 2..4), exported for ONNX Runtime. extra: the
+    tiny config's overrides (tiny.make_target); quantize: export()'s (a QuantFlags), named in the folder."""
+    tag = family if extra is None else f"{family}-{zlib.crc32(json.dumps(extra, sort_keys=True).encode()):08x}"
+    out = root / f"export-{tag}-v{version}" if quantize is None else root / f"export-{tag}-v{version}-{quantize.method}"
     if (out / "manifest.json").is_file():
         return out
-    target = root / f"target-{family}"
+    target = root / f"target-{tag}"
     if not (target / "config.json").is_file():
-        tiny.make_target(target, family=family)
+        tiny.make_target(target, family=family, extra=extra)
         w = load_file(str(target / "model.safetensors"))
         w["model.embed_tokens.weight"][:, 0] += SHARED
         if family.startswith("qwen3_5"):  # zero-centred: the norm multiplies by 1 + w
@@ -38,15 +42,17 @@ def sharp_export(root: Path, version: int, family: str = "qwen3") -> Path:
         else:
             w["model.norm.weight"][1:] *= CONTEXT  # the context still moves p, less than the shared direction
         save_file(w, str(target / "model.safetensors"), metadata={"format": "pt"})
-    drafter = tiny.make_drafter(root / f"drafter-{family}-v{version}", target, version=version, block_size=4, top_k=6)
-    w = load_file(str(drafter / "model.safetensors"))
-    w["norm.weight"][1:] = 0.0
-    w["norm.weight"][0] *= DRAFT_SCALE
-    for name in w:
-        if name.endswith("codebook"):  # small pair scores: the walk follows the unary logits
-            w[name] = (w[name] * 0.2).astype(np.float32)
-    save_file(w, str(drafter / "model.safetensors"), metadata={"format": "pt"})
-    export(drafter, target, out, max_seq_len=64, quiet=True)
+    drafter = root / f"drafter-{tag}-v{version}"
+    if not (drafter / "config.json").is_file():  # (a quantized export of the same pair reuses it as it is)
+        tiny.make_drafter(drafter, target, version=version, block_size=4, top_k=6)
+        w = load_file(str(drafter / "model.safetensors"))
+        w["norm.weight"][1:] = 0.0
+        w["norm.weight"][0] *= DRAFT_SCALE
+        for name in w:
+            if name.endswith("codebook"):  # small pair scores: the walk follows the unary logits
+                w[name] = (w[name] * 0.2).astype(np.float32)
+        save_file(w, str(drafter / "model.safetensors"), metadata={"format": "pt"})
+    export(drafter, target, out, max_seq_len=64, quiet=True, quantize=quantize)
     return out
 
 

@@ -176,20 +176,19 @@ def test_speculative_decoding_through_the_exported_graphs_is_lossless_past_the_w
 
 
 def test_the_plan_refuses_what_the_templates_do_not_do(exported, tmp_path):
-    """Standard-op templates only, checked in fp32: fp16 / bf16 and every quantization refused before anything is
-    written, naming the family."""
+    """Checked in fp32 (int4 / int8 weights: tests/test_lowbit_export.py): fp16 / bf16 graphs and the TensorRT
+    quantizations refused before anything is written, naming the family."""
     from dflash2.errors import Dflash2Error
     from dflash2.export.api import export
     from dflash2.export.plan import QuantFlags
 
     _, out, target = exported
     drafter = target.parent / "drafter"
-    with pytest.raises(Dflash2Error, match=r"--dtype: expected float32 for MuseGlimmerForConditionalGeneration"):
+    with pytest.raises(Dflash2Error, match=r"--dtype: expected one of \['float32'\] for "
+                                           r"MuseGlimmerForConditionalGeneration"):
         export(drafter, target, tmp_path / "a", dtype="float16", quiet=True)
-    with pytest.raises(Dflash2Error, match=r"--quantize int4: not yet for MuseGlimmerForConditionalGeneration"):
-        export(drafter, target, tmp_path / "b", quiet=True, quantize=QuantFlags(method="int4"))
-    with pytest.raises(Dflash2Error, match="fused-op templates"):
-        export(drafter, target, tmp_path / "c", quiet=True, target_attention="gqa")
+    with pytest.raises(Dflash2Error, match=r"--quantize fp8: not yet for MuseGlimmerForConditionalGeneration"):
+        export(drafter, target, tmp_path / "b", quiet=True, quantize=QuantFlags(method="fp8"))
     assert not list(tmp_path.iterdir())
 
 

@@ -14,7 +14,8 @@ as MXFP4 instead: `<name>_blocks` uint8 [E, out, in/32, 16] (two E2M1 codes a by
 `<name>_scales` uint8 [E, out, in/32] (a power of two, 2^(s - 127), per 32 values), in [out, in] orientation;
 `tensor_dtypes` declares them so the checkpoint check accepts those integer tensors and no other.
 
-The reference is dflash2.reference.gpt_oss; the standard-op templates (fp32) dflash2.export.gpt_oss.
+The reference is dflash2.reference.gpt_oss; the standard-op templates (fp32) dflash2.export.gpt_oss
+(`fused`: int4 / int8 weights, the experts on QMoE).
 docs/families/gpt_oss.md.
 """
 

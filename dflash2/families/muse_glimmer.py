@@ -14,7 +14,8 @@ text target and are skipped by name). Dense attention layers, each with one KV s
 - the embedding rows RMS-normed without a weight (the raw matrix is what a DFlash drafter embeds its block with);
 - logits = T * tanh(lm_head(y) * output_multiplier / T), T = `final_logit_softcapping`;
 - image / video placeholder ids embedded as id 0 (transformers' text path does so on every step).
-The reference is dflash2.reference.muse_glimmer; no export templates yet. docs/families/muse_glimmer.md.
+The reference is dflash2.reference.muse_glimmer; the export templates dflash2.export.muse_glimmer (fp32 standard ops;
+`fused`: int4 / int8 weights). docs/families/muse_glimmer.md.
 """
 
 from __future__ import annotations
