@@ -69,3 +69,27 @@ def test_streamed_stages_hold_a_few_tensors_not_the_model(pair, tmp_path):
     grown = max(0, m["peak"] - m["base"])
     assert grown <= 4 * largest, (f"peak grew {grown / 2**20:.0f} MiB over the imports: more than 4 x the largest "
                                   f"tensor ({largest / 2**20:.0f} MiB); the model is {model / 2**20:.0f} MiB")
+
+
+def test_the_muse_glimmer_30b_shape_writes_the_configs_it_names(tmp_path, monkeypatch):
+    """The muse-glimmer-30b entry (configs only: its weights are ~60 GB bf16, not written here) reads back as
+    Muse-Glimmer-30B's text model (52 layers, 3 sliding of window 2048 : 1 NoPE full, 32 / 2 heads of 128, the
+    softcap) with a 5-layer DFlash2 drafter on taps 1, 13, 25, 37, 49; its text tensors total ~28 B parameters."""
+    from dflash2.bench import scalecheck
+    from dflash2.checkpoint import family_tensor_shapes
+    from dflash2.config import load_drafter_config, load_target_config
+
+    written = {}
+    monkeypatch.setattr(scalecheck, "write_safetensors",
+                        lambda folder, shapes, dtype, seed: written.setdefault(folder.name, shapes))
+    drafter, target = make_pair(scalecheck.SHAPES["muse-glimmer-30b"], tmp_path)
+    tc, dc = load_target_config(target), load_drafter_config(drafter)
+    assert (tc.family, tc.hidden_size, tc.num_layers, tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.vocab_size,
+            tc.intermediate_size) == ("muse_glimmer", 6656, 52, 32, 2, 128, 202_048, 19968)
+    assert tc.layer_types.count("full_attention") == 13 and tc.layer_types[-1] == "full_attention"
+    assert set(tc.layer_windows) == {2048, None} and tc.layer_rope == tuple(w is not None for w in tc.layer_windows)
+    assert tc.final_logit_softcapping == 20.0 and not tc.tie_word_embeddings
+    assert tuple(dc.target_layer_ids) == (1, 13, 25, 37, 49) and dc.num_layers == 5
+    params = sum(math.prod(s) for s in family_tensor_shapes(tc).values())
+    assert 27e9 < params < 29e9, params  # the text model: the vision tower makes the rest of "30B"
+    assert written["target"] and written["drafter"]

@@ -81,6 +81,13 @@ SHAPES = {
                          extra=_hybrid(16, 48)),
     "wide-vocab": Shape("wide-vocab", 256, 2, 4, 2, 512, 151_936, False, 1, (0, 1), block=8, top_k=8, rank=32,
                         head_dim=64, tokens=QWEN3_TOKENS),
+    # Muse-Glimmer-30B-shaped text target (text_config defaults, docs/families/plan_muse_glimmer_gpt_oss.md 1.1:
+    # 52 layers, 3 sliding (window 2048) : 1 NoPE full, gated attention, 32 / 2 heads of 128) with a DFlash2 drafter
+    # of 5 layers on Meta's assistant's taps, block 16. ~28 B text parameters: ~60 GB bf16 with the drafter: run it only
+    # cut to its first layers (a --layers cut), never whole on a shared disk
+    "muse-glimmer-30b": Shape("muse-glimmer-30b", 6656, 52, 32, 2, 19968, 202_048, False, 5, (1, 13, 25, 37, 49),
+                              tokens=200_000, max_positions=131_072, family="muse_glimmer",
+                              extra=(("sliding_window", 2048),)),
 }
 
 
