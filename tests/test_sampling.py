@@ -179,7 +179,7 @@ GPT_OSS = {"sliding_window": 4, "num_local_experts": 8, "num_experts_per_tok": 4
 @pytest.mark.slow
 @pytest.mark.parametrize("method", [None, "int8"], ids=["fp32", "int8"])
 def test_speculative_sampling_on_a_gpt_oss_shaped_target(sharp, method):
-    """The statistical test on a gpt-oss-shaped tiny target (GPT_OSS; one case, T = 1: ~13 min on a loaded 2-core
+    """The statistical test on a gpt-oss-shaped tiny target (GPT_OSS; one case, T = 1: 5-12 min on a loaded 2-core
     machine): 20,000 seeded speculative runs' first 3 tokens within the TV bound (delta 1e-6) of the exact
     target-only distribution of the same export (quantized: the quantized target's own); drafts were accepted."""
     from dflash2.export.plan import QuantFlags
