@@ -1,0 +1,156 @@
+"""Issue 48's windowed KV: the sliding layers' K|V in a bounded buffer compacted at commit points
+(manifest.WindowSignature, export.plain.KvLayout, runtime.window.CompactingKv, plan section 3.2).
+
+(a) the binding alone on host buffers: what a step binds, the compaction's row move, rollback after a partial
+    accept; (b) the signature record; (c) a tiny Muse-Glimmer pair (dflash2-make-tiny: 3 sliding layers of window 8,
+    1 NoPE full layer) through dflash2-export, its target rebuilt with the window buffer, run by the runtime far past
+    the window: the window buffer's shape and every view it binds stay within its capacity, greedy ids equal
+    transformers' and the unbounded export's, speculative decoding (every accepted count, and the pair's own
+    drafter) equals greedy; (d) the same for a tiny gpt-oss pair (sinks on the sliding layers too)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from dflash2 import manifest as mf
+from dflash2.errors import Dflash2Error
+from dflash2.export import signature as sg
+from dflash2.manifest.jsonio import _convert, _plain
+from dflash2.runtime.memory import HostBuffer
+from dflash2.runtime.window import CompactingKv, window_rows
+
+ROW = [3, 2, 1, 2]  # [Lw, 2, kv, hd]
+
+
+class HostBackend:
+    def device_buffer(self, shape, dtype):
+        return HostBuffer(shape, dtype)
+
+    host_buffer = device_buffer
+
+
+def window_sig(keep: int = 7, fixed: bool = False) -> mf.WindowSignature:
+    return sg.window_signature("fixed" if fixed else "prefix", [0, 1, 2], keep)
+
+
+def rows_at(kv: CompactingKv, positions) -> np.ndarray:
+    """What the buffer must hold for real positions (each row filled with its position)."""
+    return np.stack([np.full(ROW, p, np.float32) for p in positions])
+
+
+def write(kv: CompactingKv, pos: int, n: int) -> tuple[dict, dict]:
+    """One step as the graph would run it: its rows filled with their real positions."""
+    ins, outs = kv.step(pos, n)
+    (view,) = outs.values()
+    assert view.shape == (n, *ROW)
+    at = (view.ptr - kv.buffer.ptr) // kv.buffer.row_bytes if kv.staging is None else None
+    target = kv.buffer.host[at:at + n] if at is not None else kv.staging.host[:n]
+    target[...] = rows_at(kv, range(pos, pos + n))
+    kv.after(pos, n)
+    return ins, outs
+
+
+# --- (a) the binding --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_steps_compact_at_commit_points_and_roll_back_exactly(fixed):
+    """Random verifies of 1..B rows, each accepted in part: before every step the valid rows are exactly the last
+    min(pos, ...) committed positions in order, the past view never holds a rejected row, and no view passes C."""
+    B = 8
+    kv = CompactingKv(window_sig(fixed=fixed), HostBackend(), ROW, B, np.float32)
+    step, C = window_rows(window_sig(), B)
+    assert (step, C) == (8, 7 + 16) and kv.buffer.shape == (C, *ROW)
+    rng, pos = np.random.default_rng(0), 0
+    write(kv, 0, 5)
+    pos = 5
+    for _ in range(300):
+        n = int(rng.integers(1, B + 1))
+        ins, outs = write(kv, pos, n)
+        v = pos - kv.base
+        assert 0 <= kv.base <= pos and v >= min(pos, kv.keep)  # every row a query can see is there
+        if fixed:
+            assert kv.length.host[0] == v and kv.base_buf.host[0] == kv.base
+        else:
+            (past,) = ins.values()
+            assert past.shape == (v, *ROW) and past.ptr == kv.buffer.ptr
+        np.testing.assert_array_equal(kv.buffer.host[:v], rows_at(kv, range(kv.base, pos)))
+        pos += int(rng.integers(0, n + 1))  # accept a of n (0: the whole verify rejected)
+    assert kv.compactions > 20 and kv.high <= C
+
+
+def test_compaction_moves_the_last_keep_rows():
+    kv = CompactingKv(window_sig(keep=7), HostBackend(), ROW, 8, np.float32)
+    write(kv, 0, 8)
+    write(kv, 8, 8)  # v = 16
+    write(kv, 16, 7)  # 16 + 7 = 23 rows: fits, nothing moves
+    assert (kv.base, kv.compactions, kv.high) == (0, 0, 23)
+    write(kv, 23, 1)  # 23 + 1 > 23: rows [16, 23) -> [0, 7), base 16
+    assert (kv.base, kv.compactions) == (16, 1)
+    np.testing.assert_array_equal(kv.buffer.host[:8], rows_at(kv, range(16, 24)))
+
+
+def test_an_overlapping_move_keeps_every_row(monkeypatch):
+    """keep > step (Muse-Glimmer's 2047 against steps of 512): the rows moved overlap their new place."""
+    from dflash2.runtime import window
+
+    monkeypatch.setattr(window, "MAX_STEP", 4)
+    kv = CompactingKv(window_sig(keep=7), HostBackend(), ROW, 2, np.float32)
+    assert (kv.step_rows, kv.capacity) == (4, 15)
+    for p in range(0, 12):
+        write(kv, p, 1)
+    write(kv, 12, 4)  # 12 + 4 > 15: rows [5, 12) -> [0, 7), overlapping
+    assert kv.base == 5
+    np.testing.assert_array_equal(kv.buffer.host[:11], rows_at(kv, range(5, 16)))
+
+
+def test_the_binding_refuses_what_it_cannot_do():
+    kv = CompactingKv(window_sig(), HostBackend(), ROW, 8, np.float32)
+    with pytest.raises(Dflash2Error, match="window KV: a step of 9 rows, expected at most 8"):
+        kv.step(0, 9)
+    write(kv, 0, 8)
+    write(kv, 8, 8)
+    write(kv, 16, 8)  # compacted: base 9
+    with pytest.raises(Dflash2Error, match="window KV: a step at position 3 before the buffer's first row "
+                                           r"\(position 9\)"):
+        kv.step(3, 1)
+    with pytest.raises(Dflash2Error, match="window.kind expected 'compacting', found 'ring'"):
+        CompactingKv(dataclasses.replace(window_sig(), kind="ring"), HostBackend(), ROW, 8, np.float32)
+
+
+# --- (b) the signature record -----------------------------------------------------------------------------------
+
+def test_the_signature_records_the_window_and_round_trips():
+    ins = [sg.INPUT_IDS, sg.PAST_KV, sg.PAST_WINDOW_KV, sg.WINDOW_BASE]
+    outs = [sg.NEXT_IDS, sg.CONTEXT, sg.NEW_KV, sg.LOGITS, sg.NEW_WINDOW_KV]
+    sig = sg.signature("target", "prefix", ins, outs, window=([0, 1, 2], 7))
+    assert sig.window == mf.WindowSignature("compacting", [sg.PAST_WINDOW_KV], [sg.NEW_WINDOW_KV], sg.WINDOW_BASE,
+                                            [0, 1, 2], 7)
+    assert sig.names() == (set(ins), set(outs)) and sig.problems("t", None, "target") == []
+    problems: list[str] = []
+    back = _convert(mf.Signature, json.loads(json.dumps(_plain(sig))), "t", problems)
+    assert problems == [] and back == sig and isinstance(back.window, mf.WindowSignature)
+    with pytest.raises(ValueError, match=r"tensors \['new_window_kv', 'past_window_kv'|unnamed by the contract"):
+        sg.signature("target", "prefix", ins, outs)  # the window tensors without the binding: a builder bug
+    fixed = sg.signature("target", "fixed", [sg.INPUT_IDS, sg.KV_CACHE, sg.PAST_LEN, sg.WINDOW_CACHE, sg.WINDOW_LEN,
+                                              sg.WINDOW_BASE], outs, window=([1], 3))
+    assert fixed.window.length == sg.WINDOW_LEN and fixed.window.past == [sg.WINDOW_CACHE]
+
+
+@pytest.mark.parametrize("change, want", [
+    ({"kind": "ring"}, "t.window.kind: expected one of ['compacting'], found 'ring'"),
+    ({"layers": [1, 1]}, "t.window.layers: expected distinct layer indices >= 0 (at least one), found [1, 1]"),
+    ({"layers": []}, "t.window.layers: expected distinct layer indices >= 0 (at least one), found []"),
+    ({"keep": -1}, "t.window.keep: expected >= 0, found -1"),
+    ({"past": ["a", "b"]}, "t.window.past: expected one tensor, found ['a', 'b']"),
+    ({"base": sg.PAST_WINDOW_KV}, "t.window: expected distinct tensor names"),
+])
+def test_problems_name_each_broken_field(change, want):
+    w = dataclasses.replace(window_sig(), **change)
+    sig = mf.Signature({"ids": sg.INPUT_IDS}, {}, sg.KV[("target", "prefix")], window=w)
+    assert any(p.startswith(want) for p in sig.problems("t", None)), sig.problems("t", None)
+    assert "d.window: expected none (only a target graph" in " ".join(
+        mf.Signature({}, {}, sg.KV[("drafter", "prefix")], window=window_sig()).problems("d", None, "drafter"))
