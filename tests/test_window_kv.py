@@ -154,3 +154,118 @@ def test_problems_name_each_broken_field(change, want):
     assert any(p.startswith(want) for p in sig.problems("t", None)), sig.problems("t", None)
     assert "d.window: expected none (only a target graph" in " ".join(
         mf.Signature({}, {}, sg.KV[("drafter", "prefix")], window=window_sig()).problems("d", None, "drafter"))
+
+
+# --- (c) a tiny Muse-Glimmer pair through the runtime, far past the window ---------------------------------------
+
+BLOCK, PROMPT = 8, [11, 22, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 19, 23, 29, 31, 37, 41, 43, 47]  # 20 > window 8
+LONG = 400  # new tokens: 50x the window, compacted every 8 or so
+
+
+@pytest.fixture(scope="module")
+def muse(tmp_path_factory):
+    """(export folder, target folder, the windowed target's signature) of dflash2-make-tiny's Muse-Glimmer pair."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torch")
+    from dflash2 import tiny
+    from dflash2.export.api import export
+    from tests.window_kv_pair import build_windowed
+
+    root = tmp_path_factory.mktemp("muse_window")
+    target = tiny.make_target(root / "target", family="muse_glimmer")
+    drafter = tiny.make_drafter(root / "drafter", target, version=2, block_size=BLOCK)
+    export(drafter, target, root / "out", max_seq_len=LONG + 64, quiet=True)
+    return root / "out", target, build_windowed(root / "out", target, drafter, "muse_glimmer")
+
+
+class Planned:
+    """Drafts = greedy's continuation with a planned number right: every accepted count 0..S occurs."""
+
+    @staticmethod
+    def make(base):
+        class PlannedDrafts(base):
+            def __init__(self, *a, truth, plan, **kw):
+                super().__init__(*a, **kw)
+                self.truth, self.plan, self.r = truth, plan, 0
+
+            def draft(self, anchor, uniforms=None, temperature=0.0):
+                from dflash2.speculative import Drafted
+
+                d = super().draft(anchor)  # the real drafter runs: its context rows are consumed
+                S, start = self.block_size - 1, self.pos - len(PROMPT) + 1
+                good = self.plan[self.r % len(self.plan)]
+                self.r += 1
+                nxt = (self.truth[start: start + S] + [0] * S)[:S]
+                return Drafted([t if k < good else (t + 1) % self.vocab_size for k, t in enumerate(nxt)],
+                               d.confidence)
+        return PlannedDrafts
+
+
+def test_the_windowed_graph_declares_its_window(muse):
+    out, _, sig = muse
+    m = mf.load(out, mf.ExportManifest, check_files=False)
+    L = m.kv.rows.target[0]
+    assert sig.window.layers == [0, 1, 2] and sig.window.keep == 7 and L == 4  # 3 sliding (window 8), 1 full
+    assert sig.kv == sg.KV[("target", "prefix")] and sig.window.base == sg.WINDOW_BASE
+
+
+def test_greedy_far_past_the_window_equals_the_unbounded_export_and_transformers(muse):
+    """The windowed session's greedy ids = the export's (every layer on the full KV) over LONG tokens, and =
+    transformers' generate over the first 64; the window buffer never holds more than its capacity."""
+    import torch
+    from transformers import MuseGlimmerForConditionalGeneration
+
+    from dflash2.runtime.api import Runtime
+    from dflash2.speculative import generate
+    from tests.window_kv_pair import windowed_session
+
+    out, target, sig = muse
+    rt = Runtime(out)
+    rt.manifest.eos_token_ids = []
+    truth = rt.generate(PROMPT, LONG, speculative=False).ids
+    s = windowed_session(out, sig)
+    s.manifest.eos_token_ids = []
+    C = s.window.capacity
+    assert s.window.buffer.shape == (C, 3, 2, 2, 16) and C == 7 + 2 * BLOCK  # [C, Lw, 2, kv, hd]
+    assert s.target_kv.buffer.shape[1] == 1  # the full layer alone on the max_seq_len buffer
+    assert generate(s, PROMPT, LONG, speculative=False).ids == truth
+    assert s.window.high <= C and s.window.compactions >= LONG // (C - 7) - 1  # a decode compacts every C - keep
+    hf = MuseGlimmerForConditionalGeneration.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert truth[:64] == want[0, len(PROMPT):].tolist()
+
+
+def test_speculative_decoding_with_rollbacks_across_compactions_equals_greedy(muse):
+    """Every accepted count 0..S (planned drafts: verifies rejected in part right after and before compactions),
+    and the pair's own drafter: the ids of the windowed session's own greedy run."""
+    from dflash2.runtime.session import SpecSession
+    from dflash2.speculative import generate
+    from tests.window_kv_pair import windowed_session
+
+    out, _, sig = muse
+    base = windowed_session(out, sig)
+    base.manifest.eos_token_ids = []
+    truth = generate(base, PROMPT, LONG, speculative=False).ids
+    s = windowed_session(out, sig, Planned.make(SpecSession), truth=truth, plan=list(range(BLOCK)) + [3, 0, 7, 1])
+    g = generate(s, PROMPT, LONG)
+    assert g.ids == truth and set(g.stats.accepted) >= set(range(BLOCK))
+    assert s.window.compactions > 20 and s.window.high <= s.window.capacity
+    addresses = s.buffers()
+    assert generate(s, PROMPT, 40, draft_len=BLOCK - 1).ids == truth[:40]  # the pair's own drafter
+    assert s.buffers() == addresses  # nothing reallocated: compaction moves rows inside the buffer
+
+
+def test_the_check_sees_a_window_one_row_short(muse):
+    """keep = W - 2 (one visible row dropped at each compaction): the greedy ids differ, so the tests above can
+    fail on a wrong keep."""
+    from dflash2.speculative import generate
+    from tests.window_kv_pair import windowed_session
+
+    out, _, sig = muse
+    short = dataclasses.replace(sig, window=dataclasses.replace(sig.window, keep=sig.window.keep - 1))
+    good, bad = windowed_session(out, sig), windowed_session(out, short)
+    for s in (good, bad):
+        s.manifest.eos_token_ids = []
+    assert generate(good, PROMPT, 120, speculative=False).ids != generate(bad, PROMPT, 120, speculative=False).ids

@@ -1,5 +1,5 @@
 """A windowed target beside a dflash2-export folder: the same family templates built with `window_kv=True` (the
-sliding layers' K|V in their own bounded buffer), its signature with the window binding, and a SpecSession over it
+sliding layers' K|V in their own bounded buffer) in a folder beside the export, its signature with the window binding, and a SpecSession over it
 and the export's own drafter graph. dflash2-export does not write the windowed flavour yet (its validation and row
 check feed one `past_kv`), so the tests and scripts/window_kv_32k.py build it here from the same checkpoints."""
 
@@ -19,12 +19,17 @@ from dflash2.runtime.session import SpecSession
 WINDOW_FILE = "target_window.onnx"
 
 
+def window_file(out: Path) -> Path:
+    """Beside the export folder, not in it: the runtime refuses a file its manifest does not list."""
+    return out.parent / f"{out.name}.window" / WINDOW_FILE
+
+
 def _io_names(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
     return [v.name for v in model.graph.input], [v.name for v in model.graph.output]
 
 
 def build_windowed(out: Path, target_dir: Path, drafter_dir: Path, family: str, fixed: bool = False) -> mf.Signature:
-    """Writes out/target_window.onnx (the portable flavour, or the fixed one) and returns its signature."""
+    """Writes window_file(out) (the portable flavour, or the fixed one) and returns its signature."""
     import importlib
 
     from dflash2.reference.load import load_drafter
@@ -37,7 +42,8 @@ def build_windowed(out: Path, target_dir: Path, drafter_dir: Path, family: str, 
     graphs = builder.build(ref.config, drafter.config, ModuleWeights(ref), ModuleWeights(drafter),
                            fuse_context=m.context.fused, window_kv=True)
     model = graphs[1 if fixed else 0]
-    onnx.save(model, out / WINDOW_FILE)
+    window_file(out).parent.mkdir(exist_ok=True)
+    onnx.save(model, window_file(out))
     layout = kv_layout(ref.config.layer_windows, True, family)
     return sg.signature("target", "fixed" if fixed else "prefix", *_io_names(model),
                         window=(list(layout.windowed), layout.keep))
@@ -45,12 +51,12 @@ def build_windowed(out: Path, target_dir: Path, drafter_dir: Path, family: str, 
 
 def windowed_session(out: Path, sig: mf.Signature, cls=SpecSession, max_seq_len: int | None = None,
                      **kw) -> SpecSession:
-    """A session over out/target_window.onnx and the export's drafter (max_seq_len may exceed the export's)."""
+    """A session over window_file(out) and the export's drafter (max_seq_len may exceed the export's)."""
     import dataclasses
 
     m = mf.load(out, mf.ExportManifest, check_files=False)
     if max_seq_len is not None:
         m = dataclasses.replace(m, max_seq_len=max_seq_len)
-    backend = OrtBackend(out, {"target": WINDOW_FILE, "drafter": m.graphs["drafter"].flavours.portable},
+    backend = OrtBackend(out, {"target": f"../{out.name}.window/{WINDOW_FILE}", "drafter": m.graphs["drafter"].flavours.portable},
                          {"target": sig, "drafter": m.signature("drafter")}, threads=1)
     return cls(m, backend, **kw)
