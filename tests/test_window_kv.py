@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -269,3 +270,23 @@ def test_the_check_sees_a_window_one_row_short(muse):
     for s in (good, bad):
         s.manifest.eos_token_ids = []
     assert generate(good, PROMPT, 120, speculative=False).ids != generate(bad, PROMPT, 120, speculative=False).ids
+
+
+def test_the_fixed_flavour_with_stale_rows_gives_the_same_ids(muse):
+    """The TensorRT flavour (the whole window buffer + window_len, stale rows after every query) through the fixed
+    binding: its rows beyond the valid ones hold a rejected verify's rows and compacted leftovers."""
+    from dflash2.runtime.session import SpecSession
+    from dflash2.speculative import generate
+    from tests.window_kv_pair import build_windowed, windowed_session
+
+    out, target, sig = muse
+    m = mf.load(out, mf.ExportManifest, check_files=False)
+    fixed = build_windowed(out, target, Path(m.sources.drafter), "muse_glimmer", fixed=True)
+    assert fixed.window.length == sg.WINDOW_LEN and fixed.kv.kind == "fixed"
+    base = windowed_session(out, sig)
+    base.manifest.eos_token_ids = []
+    truth = generate(base, PROMPT, 120, speculative=False).ids
+    s = windowed_session(out, fixed, Planned.make(SpecSession), truth=truth, plan=list(range(BLOCK)))
+    s.window.buffer.host[...] = 1e4  # garbage where no row was written yet
+    g = generate(s, PROMPT, 120)
+    assert g.ids == truth and set(g.stats.accepted) >= set(range(BLOCK)) and s.window.compactions > 3

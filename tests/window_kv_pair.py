@@ -16,12 +16,12 @@ from dflash2.export.weights import ModuleWeights
 from dflash2.runtime.ort import OrtBackend
 from dflash2.runtime.session import SpecSession
 
-WINDOW_FILE = "target_window.onnx"
+WINDOW_FILE = {"prefix": "target_window.onnx", "fixed": "target_window_fixed.onnx"}  # per KV kind
 
 
-def window_file(out: Path) -> Path:
+def window_file(out: Path, kind: str = "prefix") -> Path:
     """Beside the export folder, not in it: the runtime refuses a file its manifest does not list."""
-    return out.parent / f"{out.name}.window" / WINDOW_FILE
+    return out.parent / f"{out.name}.window" / WINDOW_FILE[kind]
 
 
 def _io_names(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
@@ -42,10 +42,11 @@ def build_windowed(out: Path, target_dir: Path, drafter_dir: Path, family: str, 
     graphs = builder.build(ref.config, drafter.config, ModuleWeights(ref), ModuleWeights(drafter),
                            fuse_context=m.context.fused, window_kv=True)
     model = graphs[1 if fixed else 0]
+    kind = "fixed" if fixed else "prefix"
     window_file(out).parent.mkdir(exist_ok=True)
-    onnx.save(model, window_file(out))
+    onnx.save(model, window_file(out, kind))
     layout = kv_layout(ref.config.layer_windows, True, family)
-    return sg.signature("target", "fixed" if fixed else "prefix", *_io_names(model),
+    return sg.signature("target", kind, *_io_names(model),
                         window=(list(layout.windowed), layout.keep))
 
 
@@ -57,6 +58,8 @@ def windowed_session(out: Path, sig: mf.Signature, cls=SpecSession, max_seq_len:
     m = mf.load(out, mf.ExportManifest, check_files=False)
     if max_seq_len is not None:
         m = dataclasses.replace(m, max_seq_len=max_seq_len)
-    backend = OrtBackend(out, {"target": f"../{out.name}.window/{WINDOW_FILE}", "drafter": m.graphs["drafter"].flavours.portable},
+    graphs = {"target": f"../{out.name}.window/{WINDOW_FILE[sig.kv.kind]}",
+              "drafter": m.graphs["drafter"].flavours.portable}
+    backend = OrtBackend(out, graphs,
                          {"target": sig, "drafter": m.signature("drafter")}, threads=1)
     return cls(m, backend, **kw)
