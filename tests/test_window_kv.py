@@ -290,3 +290,34 @@ def test_the_fixed_flavour_with_stale_rows_gives_the_same_ids(muse):
     s.window.buffer.host[...] = 1e4  # garbage where no row was written yet
     g = generate(s, PROMPT, 120)
     assert g.ids == truth and set(g.stats.accepted) >= set(range(BLOCK)) and s.window.compactions > 3
+
+
+# --- (d) a tiny gpt-oss pair: sliding and full layers alternating, a sink column on both -------------------------
+
+def test_gpt_oss_with_the_window_buffer_equals_its_unbounded_export(tmp_path_factory):
+    """dflash2-make-tiny's gpt-oss pair (window 8 on every other layer): greedy far past the window = the export's
+    own greedy, and speculative decoding with every accepted count = greedy, the window buffer bounded."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torch")
+    from dflash2 import tiny
+    from dflash2.export.api import export
+    from dflash2.runtime.api import Runtime
+    from dflash2.runtime.session import SpecSession
+    from dflash2.speculative import generate
+    from tests.window_kv_pair import build_windowed, windowed_session
+
+    root = tmp_path_factory.mktemp("oss_window")
+    target = tiny.make_target(root / "target", family="gpt_oss")
+    drafter = tiny.make_drafter(root / "drafter", target, version=2, block_size=BLOCK)
+    export(drafter, target, root / "out", max_seq_len=160, quiet=True)
+    sig = build_windowed(root / "out", target, drafter, "gpt_oss")
+    L = mf.load(root / "out", mf.ExportManifest, check_files=False).kv.rows.target[0]
+    assert sig.window.layers == list(range(0, L, 2)) and sig.window.keep == 7
+    rt = Runtime(root / "out")
+    rt.manifest.eos_token_ids = []
+    truth = rt.generate(PROMPT, 120, speculative=False).ids
+    s = windowed_session(root / "out", sig, Planned.make(SpecSession), truth=truth, plan=list(range(BLOCK)) + [2])
+    s.manifest.eos_token_ids = []
+    g = generate(s, PROMPT, 120)
+    assert g.ids == truth and set(g.stats.accepted) >= set(range(BLOCK))
+    assert s.window.compactions > 5 and s.window.high <= s.window.capacity == 7 + 2 * BLOCK
