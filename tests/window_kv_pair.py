@@ -10,9 +10,6 @@ from pathlib import Path
 import onnx
 
 from dflash2 import manifest as mf
-from dflash2.export import signature as sg
-from dflash2.export.plain import kv_layout
-from dflash2.export.weights import ModuleWeights
 from dflash2.runtime.ort import OrtBackend
 from dflash2.runtime.session import SpecSession
 
@@ -32,6 +29,9 @@ def build_windowed(out: Path, target_dir: Path, drafter_dir: Path, family: str, 
     """Writes window_file(out) (the portable flavour, or the fixed one) and returns its signature."""
     import importlib
 
+    from dflash2.export import signature as sg  # the export side imports torch; windowed_session does not
+    from dflash2.export.plain import kv_layout
+    from dflash2.export.weights import ModuleWeights
     from dflash2.reference.load import load_drafter
 
     m = mf.load(out, mf.ExportManifest, check_files=False)
