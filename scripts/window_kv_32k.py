@@ -21,7 +21,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.window_kv_pair
 

@@ -1,6 +1,6 @@
 """A windowed target beside a dflash2-export folder: the same family templates built with `window_kv=True` (the
-sliding layers' K|V in their own bounded buffer) in a folder beside the export, its signature with the window binding, and a SpecSession over it
-and the export's own drafter graph. dflash2-export does not write the windowed flavour yet (its validation and row
+sliding layers' K|V in their own bounded buffer) in a folder beside the export, its signature with the window
+binding, and a SpecSession over it and the export's own drafter graph. dflash2-export does not write the windowed flavour yet (its validation and row
 check feed one `past_kv`), so the tests and scripts/window_kv_32k.py build it here from the same checkpoints."""
 
 from __future__ import annotations
