@@ -321,3 +321,19 @@ def test_gpt_oss_with_the_window_buffer_equals_its_unbounded_export(tmp_path_fac
     g = generate(s, PROMPT, 120)
     assert g.ids == truth and set(g.stats.accepted) >= set(range(BLOCK))
     assert s.window.compactions > 5 and s.window.high <= s.window.capacity == 7 + 2 * BLOCK
+
+
+def test_a_prefill_in_steps_returns_the_prompts_last_logits_rows(muse):
+    """A 20-row prompt prefilled in window steps of 8 (4 + 8 + 8): the same next ids and the same last-B logits rows
+    (what sampling reads) as the unbounded export's one-call prefill."""
+    from dflash2.runtime.api import Runtime
+    from tests.window_kv_pair import windowed_session
+
+    out, _, sig = muse
+    whole = Runtime(out).session.prefill(PROMPT)
+    want_ids, want_logits = np.array(whole.ids), np.array(whole.logits())
+    s = windowed_session(out, sig)
+    got = s.prefill(PROMPT)
+    assert len(PROMPT) > s.window.step_rows and s.pos == s.pending == len(PROMPT)
+    assert np.array_equal(got.ids, want_ids) and got.logits().shape == want_logits.shape == (BLOCK, 384)
+    assert np.abs(got.logits() - want_logits).max() < 1e-4
