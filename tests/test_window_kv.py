@@ -337,3 +337,35 @@ def test_a_prefill_in_steps_returns_the_prompts_last_logits_rows(muse):
     assert len(PROMPT) > s.window.step_rows and s.pos == s.pending == len(PROMPT)
     assert np.array_equal(got.ids, want_ids) and got.logits().shape == want_logits.shape == (BLOCK, 384)
     assert np.abs(got.logits() - want_logits).max() < 1e-4
+
+
+def test_the_cuda_move_never_copies_overlapping_ranges(monkeypatch):
+    """DeviceBuffer.move_rows with cudaMemcpyAsync simulated on host memory (no GPU here): each copy's source and
+    target are disjoint (overlap is undefined for cudaMemcpy) and the rows arrive as numpy's overlapping copy."""
+    import ctypes
+    import types
+
+    cuda = pytest.importorskip("dflash2.runtime.cuda")
+    copies = []
+
+    def memcpy(dst, src, nbytes, kind, stream):
+        assert dst + nbytes <= src or src + nbytes <= dst, "overlapping cudaMemcpyAsync"
+        ctypes.memmove(dst, src, nbytes)
+        copies.append(nbytes)
+        return (0,)
+
+    rt = types.SimpleNamespace(cudaMemcpyAsync=memcpy,
+                               cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyDeviceToDevice=3))
+    monkeypatch.setattr(cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(cuda, "call", lambda result, what: result)
+    for src, n in ((5, 7), (9, 7), (1, 30), (3, 0)):
+        memory = np.arange(40 * 4, dtype=np.float32).reshape(40, 4)
+        buf = object.__new__(cuda.DeviceBuffer)
+        buf._layout((40, 4), np.float32)
+        buf.ptr, buf.stream = memory.ctypes.data, types.SimpleNamespace(handle=None)
+        want = memory.copy()
+        want[:n] = want[src:src + n].copy()
+        copies.clear()
+        buf.move_rows(src, n, 0)
+        np.testing.assert_array_equal(memory, want)
+        assert len(copies) == (-(-n // src) if n else 0)
