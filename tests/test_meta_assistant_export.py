@@ -80,8 +80,17 @@ def transformers_loop(hf, asst, prompt):
     return out[0, len(prompt):].tolist(), counts[1:]  # counts[0]: the prefill, no candidates
 
 
-def test_exported_pair_matches_transformers_dflash_loop_round_by_round(trained):
+def exported(root):
+    """dflash2-export of the pair into root/out, once per module (the windowed test below reuses it)."""
+    from dflash2 import manifest as mf
     from dflash2.export.api import export
+
+    if not (root / "out" / "manifest.json").exists():
+        export(root / "drafter", root / "target", root / "out", max_seq_len=160, quiet=True)
+    return mf.load(root / "out", mf.ExportManifest, check_files=False)
+
+
+def test_exported_pair_matches_transformers_dflash_loop_round_by_round(trained):
     from dflash2.runtime.api import Runtime
 
     hf, asst, root, prompt = trained
@@ -91,7 +100,7 @@ def test_exported_pair_matches_transformers_dflash_loop_round_by_round(trained):
                              pad_token_id=0)[0, len(prompt):].tolist()
     assert want_ids == greedy and set(want_counts) == {0, 1, 2, 3}  # lossless, and acceptance not trivial
 
-    m = export(root / "drafter", root / "target", root / "out", max_seq_len=160, quiet=True)
+    m = exported(root)
     assert all(v.ok for v in m.validation.values()), m.validation
     assert m.drafter_config["format"] == META and list(m.drafter_config["layer_window"]) == [WINDOW + 1] * 2
     rt = Runtime(root / "out")
@@ -101,3 +110,23 @@ def test_exported_pair_matches_transformers_dflash_loop_round_by_round(trained):
     ours = list(gen.stats.accepted)
     ours[-1] = min(ours[-1], gen.stats.emitted[-1] - 1)  # transformers recounts the last round after the length cut
     assert ours == want_counts and set(gen.stats.verified) == {B - 1}
+
+
+def test_the_window_buffer_keeps_the_round_by_round_parity(trained):
+    """The same pair with the target's sliding layers on the bounded window buffer (tests/window_kv_pair.py,
+    runtime.window.CompactingKv): the same ids and accepted counts as transformers' loop in every round, every
+    round past the target's window (prompt 12 > 8), the buffer compacted in between."""
+    from dflash2.speculative import generate
+    from tests.window_kv_pair import build_windowed, windowed_session
+
+    hf, asst, root, prompt = trained
+    want_ids, want_counts = transformers_loop(hf, asst, prompt)
+    exported(root)
+    sig = build_windowed(root / "out", root / "target", root / "drafter", "muse_glimmer")
+    s = windowed_session(root / "out", sig)
+    s.manifest.eos_token_ids = []
+    gen = generate(s, prompt.tolist(), NEW, draft_len=B - 1)
+    assert gen.ids == want_ids and s.window.compactions > 2 and s.window.high <= s.window.capacity
+    ours = list(gen.stats.accepted)
+    ours[-1] = min(ours[-1], gen.stats.emitted[-1] - 1)  # transformers recounts the last round after the length cut
+    assert ours == want_counts

@@ -8,9 +8,9 @@ initializer but the prologue (plain._prefix / plain._fixed). gpt-oss's parts:
   as a constant, cos and sin both times the rope's attention factor, as GptOssLayer scales them);
 - the sinks: one learnt logit per head joins the softmax as an extra score column (no value row), dropped after it
   (the first column: row invariance, below);
-- sliding layers: the causal mask narrowed to q - k < sliding_window over the same full KV rows (correct, but a
-  sliding layer's memory is not bounded by its window yet: the ring buffer of docs/families/plan_muse_glimmer_
-  gpt_oss.md section 3.2 is a later step);
+- sliding layers: the causal mask narrowed to q - k < sliding_window over the same full KV rows, or with window_kv
+  over their own bounded buffer (`past_window_kv` + `window_base`, new rows in `new_window_kv`; the runtime
+  compacts it at commit points: plan section 3.2, runtime/window.py), the sink column as on the full layers;
 - the mixture of experts in the all-experts form (export/moe.py's standard() idea, gpt-oss's routing and experts):
   router logits with the bias (never quantized), TopK of the LOGITS, softmax over the k kept, scattered into a dense
   [n, E] routing matrix (zeros elsewhere); every expert's gate|up = u @ gate_up_proj[e] + bias (one MatMul per
@@ -35,7 +35,7 @@ from onnx import TensorProto, helper
 
 from dflash2.export import lowbit
 from dflash2.export import signature as N
-from dflash2.export.plain import F32, attend, attention_consts, finish, kv_row
+from dflash2.export.plain import F32, attend, attention_consts, finish, kv_layout, kv_outputs, kv_row, masks
 from dflash2.export.templates import Builder, StandardOps
 from dflash2.reference.gpt_oss import DecodedExperts
 
@@ -55,12 +55,13 @@ def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=Non
 
 
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None, progress=None,
-          experts_op: str = "standard", quant=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+          experts_op: str = "standard", quant=None, window_kv: bool = False) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(portable, TensorRT flavour); c: a GptOssConfig, dc: the drafter's config, src / dsrc: weights under the
     reference modules' names (dflash2.export.weights; an MXFP4 checkpoint's experts decoded as read), data: a
     DataFile or None (inline), progress(i, L). experts_op "qmoe-int8": the experts through ONNX Runtime's QMoE int8
     (export/gpt_oss_qmoe.py; MXFP4 checkpoints; the "TensorRT flavour" then only ONNX Runtime runs); "qmoe": QMoE
-    with quant's weights (int8 from MXFP4 where the checkpoint has it). quant: build_fused's."""
+    with quant's weights (int8 from MXFP4 where the checkpoint has it). quant: build_fused's.
+    window_kv: the sliding layers' K|V in their own bounded buffer (plain.KvLayout, manifest.WindowSignature)."""
     if dtype not in DTYPES:
         raise ValueError(f"gpt-oss templates: float32 only, not {dtype}")
     if experts_op not in ("standard", "qmoe-int8", "qmoe"):
@@ -85,13 +86,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     factor = b.const("rope.attention_factor", [c.rope.attention_factor], np.float32)
     rot = tuple(b.op("Mul", [r, factor], f"rope.{nm}.yarn")[0]
                 for r, nm in zip(ops.at(pos, "rope"), ("cos", "sin")))  # [n, 1, hd] each
-    k_row, q_col = (b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0], b.op("Unsqueeze", [pos, ax1], "pos.col")[0])
-    causal = b.op("LessOrEqual", [k_row, q_col], "visible")[0]  # [n, T] bool
-    masks = {None: causal}
-    for w in sorted({x for x in c.layer_windows if x is not None}):  # q - k < window (transformers' sliding mask)
-        near = b.op("Less", [b.op("Sub", [q_col, k_row], f"window{w}.distance")[0], b.const(f"window{w}", w)],
-                    f"window{w}.near")[0]
-        masks[w] = b.op("And", [causal, near], f"window{w}.visible")[0]
+    layout = kv_layout(c.layer_windows, window_kv, "gpt-oss target")
+    visible = masks(b, c.layer_windows, layout, ax0, ax1)  # window -> [n, T] bool (q - k < window on sliding layers)
     consts = attention_consts(b, kv, g, hd, n, np.float32, sinks=True)
 
     h = lowbit.embed(b, src, quant, matrix, N.INPUT_IDS)  # [n, H]: the fp32 Gather unless int4
@@ -108,8 +104,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         k = b.op("Reshape", [k, b.const(f"{p}.k_heads", [-1, kv, hd])], f"{p}.k_heads")[0]  # [n, kv, hd]
         v = b.op("Reshape", [v, b.const(f"{p}.v_heads", [-1, kv, hd])], f"{p}.v_heads")[0]
         q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")
-        o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, masks[c.layer_windows[i]],
-                   sinks=src.get(f"{a}.sinks"))  # [n, nh hd]
+        o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, visible[c.layer_windows[i]],
+                   sinks=src.get(f"{a}.sinks"), slot=layout.slot(i))  # [n, nh hd]
         h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
         u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
         if experts_op != "standard":
@@ -123,12 +119,14 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         new_kv.append(kv_row(b, p, k, v, ax1))  # [n, 1, 2, kv, hd]
         if i in tap_ids:
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
-    b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
+    kv_outputs(b, new_kv, layout)  # new_kv [n, Lf, 2, kv, hd] (+ new_window_kv [n, Lw, 2, kv, hd])
+    Lw = len(layout.windowed)
+    window_row = [Lw, 2, kv, hd] if Lw else None
     y = ops.norm(h, src.get("norm.weight"), "norm")
     logits = lowbit.head(b, y, c, src, quant, matrix)  # [n, V] fp32
     domains = (("com.microsoft", 1),) if experts_op != "standard" or quant is not None else ()
-    return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L, 2, kv, hd], F32, ax0,
-                  "dflash2_gpt_oss_target", prologue_at, domains=domains)
+    return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L - Lw, 2, kv, hd], F32, ax0,
+                  "dflash2_gpt_oss_target", prologue_at, domains=domains, window_row=window_row)
 
 
 def experts(b: Builder, u: str, src, c, m: str) -> str:

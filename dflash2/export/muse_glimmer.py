@@ -10,9 +10,9 @@ node and initializer but the prologue (plain._prefix / plain._fixed). Muse-Glimm
   layers whose layer_rope_theta is non-zero (NoPE: none); attention output times sigmoid(gate);
 - the zero-centred sandwich norms with their weights as 1 + w (computed in fp32 at export, as transformers does at
   run time), post-attention / post-feedforward at post_norm_eps;
-- sliding-window layers: the causal mask narrowed to q - k < sliding_window, over the same full KV rows (every
-  layer keeps every row: correct, but a sliding layer's memory is not bounded by its window yet; the compacting
-  ring buffer of docs/families/plan_muse_glimmer_gpt_oss.md section 3.2 is a later step);
+- sliding-window layers: the causal mask narrowed to q - k < sliding_window, over the same full KV rows, or with
+  window_kv over their own bounded buffer (`past_window_kv` + `window_base`, new rows in `new_window_kv`; the
+  runtime compacts it at commit points: plan section 3.2, runtime/window.py);
 - logits = T * tanh(lm_head(y) * output_multiplier / T) in fp32, the argmax over the capped logits.
 Outputs as plain.build: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V].
 The family's `plain` templates (dflash2.families.muse_glimmer; fp32 / fp16 graphs) and, through build_fused, its
@@ -28,7 +28,7 @@ from onnx import TensorProto, helper
 
 from dflash2.export import lowbit
 from dflash2.export import signature as N
-from dflash2.export.plain import attend, attention_consts, finish, kv_row
+from dflash2.export.plain import attend, attention_consts, finish, kv_layout, kv_outputs, kv_row, masks
 from dflash2.export.templates import Builder, StandardOps
 
 DTYPES = ("float32", "float16")
@@ -46,10 +46,11 @@ def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=Non
 
 
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
-          progress=None, quant=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+          progress=None, quant=None, window_kv: bool = False) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(portable, TensorRT flavour); c: a MuseGlimmerConfig, dc: the drafter's config, src / dsrc: weights under the
     reference modules' names (dflash2.export.weights), data: a DataFile or None (inline), progress(i, L); quant:
-    build_fused's (contrib ops: then the TensorRT flavour is not for use)."""
+    build_fused's (contrib ops: then the TensorRT flavour is not for use).
+    window_kv: the sliding layers' K|V in their own bounded buffer (plain.KvLayout, manifest.WindowSignature)."""
     np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
     onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
     nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
@@ -71,13 +72,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     prologue_at = len(b.nodes)  # each flavour's prologue: start, pos [n] int64, k_pos [T] int64
     pos = "pos"
     rot = ops.at(pos, "rope")  # [n, 1, hd] each (read by the rotary layers only)
-    k_row, q_col = (b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0], b.op("Unsqueeze", [pos, ax1], "pos.col")[0])
-    causal = b.op("LessOrEqual", [k_row, q_col], "visible")[0]  # [n, T] bool
-    masks = {None: causal}
-    for w in sorted({x for x in c.layer_windows if x is not None}):  # q - k < window (transformers' sliding mask)
-        near = b.op("Less", [b.op("Sub", [q_col, k_row], f"window{w}.distance")[0], b.const(f"window{w}", w)],
-                    f"window{w}.near")[0]
-        masks[w] = b.op("And", [causal, near], f"window{w}.visible")[0]
+    layout = kv_layout(c.layer_windows, window_kv, "muse-glimmer target")
+    visible = masks(b, c.layer_windows, layout, ax0, ax1)  # window -> [n, T] bool (q - k < window on sliding layers)
     consts = attention_consts(b, kv, g, hd, n, np_dt)
     qk_scale = b.const("qk_scale", [c.qk_scale_factor], np_dt)
 
@@ -105,7 +101,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         k = ops.norm(k, None, f"{p}.k_norm")
         if c.layer_rope[i]:  # NoPE layers: no rotary
             q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")
-        o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, masks[c.layer_windows[i]])  # [n, nh hd]
+        o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, visible[c.layer_windows[i]],
+                   slot=layout.slot(i))  # [n, nh hd]
         o = b.op("Mul", [o, b.op("Sigmoid", [gate], f"{p}.gate")[0]], f"{p}.gated")[0]
         o = b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])
         o = ops.norm(o, centred(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm", eps=post)
@@ -123,12 +120,15 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         new_kv.append(kv_row(b, p, k, v, ax1))  # [n, 1, 2, kv, hd]
         if i in tap_ids:
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
-    b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)  # [n, L, 2, kv, hd]
+    kv_outputs(b, new_kv, layout)  # new_kv [n, Lf, 2, kv, hd] (+ new_window_kv [n, Lw, 2, kv, hd])
+    Lw = len(layout.windowed)
+    window_row = [Lw, 2, kv, hd] if Lw else None
     y = ops.norm(h, src.get("norm.weight"), "norm")  # the final norm: plain w
     raw = ops.f32(lowbit.head(b, y, c, src, quant, matrix), "logits.raw")  # [n, V] fp32
     T = float(c.final_logit_softcapping)
     logits = b.op("Mul", [b.op("Tanh", [b.op("Div", [
         b.op("Mul", [raw, b.const("output_multiplier", [c.output_multiplier], np.float32)], "logits.mult")[0],
         b.const("softcap", [T], np.float32)], "logits.over_cap")[0]], "logits.tanh")[0], "softcap"], "logits.capped")[0]
-    return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L, 2, kv, hd], onnx_dt, ax0,
-                  "dflash2_muse_glimmer_target", prologue_at, domains=(("com.microsoft", 1),) if quant else ())
+    return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L - Lw, 2, kv, hd], onnx_dt, ax0,
+                  "dflash2_muse_glimmer_target", prologue_at, domains=(("com.microsoft", 1),) if quant else (),
+                  window_row=window_row)

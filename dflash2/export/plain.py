@@ -123,14 +123,16 @@ def attention_consts(b: Builder, kv: int, g: int, hd: int, n: str, np_dt, sinks:
 
 
 def attend(b: Builder, ops: StandardOps, p: str, i: int, q: str, k: str, v: str, nh: int, kv: int, hd: int,
-           at: AttentionConsts, mask: str, sinks: np.ndarray | None = None) -> str:
+           at: AttentionConsts, mask: str, sinks: np.ndarray | None = None, slot: tuple[str, int] | None = None) -> str:
     """Layer i's attention on the dense KV binding: q [n, nh, hd], k, v [n, kv, hd] (rotated where the layer
     rotates) over the layer's past rows and the step's -> o [n, nh hd]. GQA by reshape, MatMul only; the scores
     masked (mask [n, T] bool: causal, or a sliding window) and softmaxed in fp32. sinks [nh] (gpt-oss): a learned
     logit per head joining each row's softmax as one more column, dropped after it. The column goes FIRST: a k-row
     verify has masked columns after a row's last key that a 1-row decode has not, and a sink after them would sit
-    in another SIMD lane of the softmax's sum (measured not row-invariant, ~1e-7)."""
-    layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", i)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
+    in another SIMD lane of the softmax's sum (measured not row-invariant, ~1e-7).
+    slot: (the past tensor, the layer's index in it), KvLayout.slot; None: layer i of "past" (every layer there)."""
+    past, index = slot or ("past", i)
+    layer_kv = b.op("Gather", [past, b.const(f"{p}.index", index)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
     pk, pv = (b.op("Gather", [layer_kv, at.kv_index[j]], f"{p}.past_{nm}", axis=1)[0]
               for j, nm in ((0, "k"), (1, "v")))  # [P, kv, hd]
     keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
@@ -156,6 +158,60 @@ def attend(b: Builder, ops: StandardOps, p: str, i: int, q: str, k: str, v: str,
     return b.op("Reshape", [o, b.const(f"{p}.o_flat", [-1, nh * hd])], f"{p}.o_flat")[0]  # [n, nh hd]
 
 
+class KvLayout(NamedTuple):
+    """Where each layer's K|V rows live. windowed: the sliding layers kept in the bounded window buffer
+    (`window.past`, manifest.WindowSignature), in its order; the others on the ordinary `past`. Empty: every layer on
+    `past` (the sliding layers masked over the full rows). keep: the past rows a sliding layer's query can see."""
+    windowed: tuple[int, ...]
+    keep: int
+
+    def slot(self, i: int) -> tuple[str, int]:
+        """(past tensor, index in it) of layer i, for attend."""
+        if i in self.windowed:
+            return "window.past", self.windowed.index(i)
+        return "past", i - sum(1 for j in self.windowed if j < i)
+
+
+def kv_layout(windows: list, window_kv: bool, where: str) -> KvLayout:
+    """windows: per layer its sliding window W (q - k < W) or None (full attention); window_kv: give the sliding
+    layers the bounded window buffer. The window buffer's positions come from window_base, the full layers' from
+    their own rows, so a graph needs at least one full layer (and, asked for the buffer, one sliding layer)."""
+    slide = tuple(i for i, w in enumerate(windows) if w is not None)
+    if not window_kv:
+        return KvLayout((), 0)
+    if not slide or len(slide) == len(windows):
+        raise ValueError(f"{where}: the window KV buffer expects both sliding and full-attention layers, found "
+                         f"layer windows {list(windows)}")
+    return KvLayout(slide, max(windows[i] for i in slide) - 1)
+
+
+def masks(b: Builder, windows: list, layout: KvLayout, ax0: str, ax1: str) -> dict:
+    """Each window's visibility [n, T] bool: None -> causal over `k_pos` (the full layers' keys); W -> causal and
+    q - k < W (transformers' sliding mask), over `window.k_pos` (the window buffer's real positions) where the
+    layout has the buffer, else over `k_pos`."""
+    q_col = b.op("Unsqueeze", ["pos", ax1], "pos.col")[0]  # [n, 1]
+    rows = {"k_pos": b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0]}  # [1, T]
+    if layout.windowed:
+        rows["window.k_pos"] = b.op("Unsqueeze", ["window.k_pos", ax0], "window.k_pos.row")[0]  # [1, Tw]
+    out = {None: b.op("LessOrEqual", [rows["k_pos"], q_col], "visible")[0]}
+    for w in sorted({x for x in windows if x is not None}):
+        k_row = rows["window.k_pos" if layout.windowed else "k_pos"]
+        causal = b.op("LessOrEqual", [k_row, q_col], f"window{w}.causal")[0] if layout.windowed else out[None]
+        near = b.op("Less", [b.op("Sub", [q_col, k_row], f"window{w}.distance")[0], b.const(f"window{w}", w)],
+                    f"window{w}.near")[0]
+        out[w] = b.op("And", [causal, near], f"window{w}.visible")[0]
+    return out
+
+
+def kv_outputs(b: Builder, rows: list[str], layout: KvLayout) -> None:
+    """Every layer's kv_row [n, 1, 2, kv, hd] (layer order) -> new_kv [n, Lf, 2, kv, hd] (the layers on `past`) and,
+    with a window buffer, new_window_kv [n, Lw, 2, kv, hd] (its layers, its order)."""
+    full = [r for i, r in enumerate(rows) if i not in layout.windowed]
+    b.op("Concat", full, N.NEW_KV, outputs=[N.NEW_KV], axis=1)
+    if layout.windowed:
+        b.op("Concat", [rows[i] for i in layout.windowed], N.NEW_WINDOW_KV, outputs=[N.NEW_WINDOW_KV], axis=1)
+
+
 def kv_row(b: Builder, p: str, k: str, v: str, ax1: str) -> str:
     """Layer p's new K|V rows as its slice of `new_kv`: k, v [n, kv, hd] -> [n, 1, 2, kv, hd]."""
     kv = b.op("Concat", [b.op("Unsqueeze", [t, ax1], f"{p}.new_{nm}")[0] for t, nm in ((k, "k"), (v, "v"))],
@@ -164,10 +220,13 @@ def kv_row(b: Builder, p: str, k: str, v: str, ax1: str) -> str:
 
 
 def finish(b: Builder, ops: StandardOps, logits: str, taps: dict, tap_ids, c, dc, dsrc, fuse_context: bool,
-           kv_row: list[int], onnx_dt: int, ax0: str, name: str, prologue_at, domains=()) -> tuple:
+           kv_row: list[int], onnx_dt: int, ax0: str, name: str, prologue_at, domains=(),
+           window_row: list[int] | None = None) -> tuple:
     """The tail every target on the dense KV binding shares (this module, muse_glimmer.py, gpt_oss.py): logits
     [n, V] fp32 -> next_ids (argmax), the last B logits rows, the drafter's context rows from the taps (fused:
-    hidden_norm(fc(taps))), the graph io, and both flavours: (portable over `past_kv`, TensorRT's fixed buffer)."""
+    hidden_norm(fc(taps))), the graph io, and both flavours: (portable over `past_kv`, TensorRT's fixed buffer).
+    kv_row: the row of `past_kv` (the layers on it); window_row: the window buffer's row [Lw, 2, kv, hd] of a graph
+    with one (KvLayout), None: none."""
     B, H = dc.block_size, c.hidden_size
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
     b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
@@ -189,8 +248,16 @@ def finish(b: Builder, ops: StandardOps, logits: str, taps: dict, tap_ids, c, dc
     past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, onnx_dt, ["past", *kv_row])]
     cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, onnx_dt, ["cap", *kv_row]),
              helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1])]
-    return (b.model(name, past, outputs, prologue_at=prologue_at, prologue=_prefix(), domains=domains),
-            b.model(f"{name}_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed(), domains=domains))
+    prefix, fixed = _prefix(), _fixed()
+    if window_row is not None:  # the window buffer: its own view, valid rows and real positions (window.k_pos)
+        base = helper.make_tensor_value_info(N.WINDOW_BASE, TensorProto.INT64, [1])
+        outputs.append(helper.make_tensor_value_info(N.NEW_WINDOW_KV, onnx_dt, ["n", *window_row]))
+        past += [helper.make_tensor_value_info(N.PAST_WINDOW_KV, onnx_dt, ["window_past", *window_row]), base]
+        cache += [helper.make_tensor_value_info(N.WINDOW_CACHE, onnx_dt, ["window_cap", *window_row]),
+                  helper.make_tensor_value_info(N.WINDOW_LEN, TensorProto.INT32, [1]), base]
+        prefix, fixed = prefix + _window_prefix(), fixed + _window_fixed()
+    return (b.model(name, past, outputs, prologue_at=prologue_at, prologue=prefix, domains=domains),
+            b.model(f"{name}_fixed", cache, outputs, prologue_at=prologue_at, prologue=fixed, domains=domains))
 
 
 def _prefix() -> list[onnx.NodeProto]:
@@ -219,3 +286,37 @@ def _fixed() -> list[onnx.NodeProto]:
             helper.make_node("Add", ["steps", "start"], ["pos"], name="pos"),
             helper.make_node("Concat", ["past.pos", "pos"], ["k_pos"], name="k_pos", axis=0)]
 
+
+
+def _window_prefix() -> list[onnx.NodeProto]:
+    """past_window_kv is the window buffer's valid rows [0, v), row 0 at real position window_base: key positions
+    base .. base + v + n - 1 (the runtime keeps base + v equal to past_kv's rows, so the step's rows sit at pos)."""
+    return [helper.make_node("Identity", [N.PAST_WINDOW_KV], ["window.past"], name="window.past.view"),
+            helper.make_node("Shape", [N.PAST_WINDOW_KV], ["window.rows"], name="window.rows", end=1),
+            helper.make_node("Squeeze", ["window.rows", "axis0"], ["window.v"], name="window.v"),
+            helper.make_node("Squeeze", [N.WINDOW_BASE, "axis0"], ["window.base"], name="window.base"),
+            helper.make_node("Add", ["window.v", "n.scalar"], ["window.total"], name="window.total"),
+            helper.make_node("Add", ["window.base", "window.total"], ["window.end"], name="window.end"),
+            helper.make_node("Range", ["window.base", "window.end", "one"], ["window.k_pos"], name="window.k_pos")]
+
+
+def _window_fixed() -> list[onnx.NodeProto]:
+    """window_cache is the whole window buffer, window_len its valid rows v: row r < v at base + r; a stale row at
+    base + r + cap + n (after every query: never visible); the step's rows at base + v .. base + v + n - 1."""
+    return [helper.make_node("Identity", [N.WINDOW_CACHE], ["window.past"], name="window.past.view"),
+            helper.make_node("Cast", [N.WINDOW_LEN], ["window.len.i64"], name="window.len.i64", to=TensorProto.INT64),
+            helper.make_node("Squeeze", ["window.len.i64", "axis0"], ["window.v"], name="window.v"),
+            helper.make_node("Squeeze", [N.WINDOW_BASE, "axis0"], ["window.base"], name="window.base"),
+            helper.make_node("Shape", [N.WINDOW_CACHE], ["window.cap.rows"], name="window.cap.rows", end=1),
+            helper.make_node("Squeeze", ["window.cap.rows", "axis0"], ["window.cap"], name="window.cap"),
+            helper.make_node("Range", ["zero", "window.cap", "one"], ["window.rows"], name="window.rows"),
+            helper.make_node("Less", ["window.rows", "window.v"], ["window.valid"], name="window.valid"),
+            helper.make_node("Add", ["window.rows", "window.base"], ["window.real"], name="window.real"),
+            helper.make_node("Add", ["window.cap", "n.scalar"], ["window.cap_n"], name="window.cap_n"),
+            helper.make_node("Add", ["window.real", "window.cap_n"], ["window.stale"], name="window.stale"),
+            helper.make_node("Where", ["window.valid", "window.real", "window.stale"], ["window.past.pos"],
+                             name="window.past.pos"),
+            helper.make_node("Add", ["window.base", "window.v"], ["window.start"], name="window.start"),
+            helper.make_node("Add", ["steps", "window.start"], ["window.new.pos"], name="window.new.pos"),
+            helper.make_node("Concat", ["window.past.pos", "window.new.pos"], ["window.k_pos"], name="window.k_pos",
+                             axis=0)]

@@ -29,6 +29,22 @@ PAST_CTX_KV, NEW_CTX_KV, CTX_KV_CACHE = "past_ctx_kv", "new_ctx_kv", "ctx_kv_cac
 CONV_STATE, REC_STATE, CONV_STATES, REC_STATES = "conv_state", "rec_state", "conv_states", "rec_states"  # stems
 
 
+# the sliding-window layers' bounded KV (manifest.WindowSignature, runtime.window.CompactingKv): the window layers'
+# rows [v, Lw, 2, kv, hd] (portable) or the whole window buffer + its valid rows (fixed flavour), the real position
+# of the buffer's row 0, and the step's new rows of those layers
+PAST_WINDOW_KV, NEW_WINDOW_KV, WINDOW_CACHE = "past_window_kv", "new_window_kv", "window_cache"
+WINDOW_BASE, WINDOW_LEN = "window_base", "window_len"
+
+
+def window_signature(kind: str, layers: list[int], keep: int) -> mf.WindowSignature:
+    """The window binding of a target graph of KV kind `kind` (prefix or fixed) whose sliding layers `layers` see
+    `keep` past rows at most."""
+    if kind == "fixed":
+        return mf.WindowSignature("compacting", [WINDOW_CACHE], [NEW_WINDOW_KV], WINDOW_BASE, list(layers), keep,
+                                  WINDOW_LEN)
+    return mf.WindowSignature("compacting", [PAST_WINDOW_KV], [NEW_WINDOW_KV], WINDOW_BASE, list(layers), keep)
+
+
 def state_names(num_layers: int) -> tuple[list[str], list[str]]:
     """(past inputs, present outputs) of a hybrid target with num_layers GDN layers: layer-major, conv before rec
     (as gqa_kv_names orders key before value)."""
@@ -101,7 +117,7 @@ def state_signature(window: int, io: dict) -> mf.StateSignature:
 
 def signature(graph: str, kind: str, inputs: list[str], outputs: list[str], num_layers: int | None = None,
               selector_io: tuple[list[str], list[str]] | None = None, state_window: int | None = None,
-              io: dict | None = None) -> mf.Signature:
+              io: dict | None = None, window: tuple[list[int], int] | None = None) -> mf.Signature:
     """The signature of a built graph from its io names: every role whose tensor it has, its KV binding, its
     capabilities. A graph whose io does not match the contract (a required role missing, a tensor no role
     names) is a builder bug: ValueError names both lists.
@@ -123,8 +139,9 @@ def signature(graph: str, kind: str, inputs: list[str], outputs: list[str], num_
                              f"state_window and the io dict; found state tensors {named}, state_window "
                              f"{state_window}, io {'given' if io is not None else 'none'}")
         state = state_signature(state_window, io)
+    win = window_signature(kind, *window) if window is not None else None
     sig = mf.Signature({r: n for r, n in in_roles.items() if n in inputs},
-                       {r: n for r, n in out_roles.items() if n in outputs}, kv, state=state)
+                       {r: n for r, n in out_roles.items() if n in outputs}, kv, state=state, window=win)
     need_in, need_out = REQUIRED[graph]
     bound_in, bound_out = sig.names()
     missing = sorted((need_in - sig.inputs.keys()) | (need_out - sig.outputs.keys()))
@@ -132,4 +149,4 @@ def signature(graph: str, kind: str, inputs: list[str], outputs: list[str], num_
     if missing or extra or not bound_in <= set(inputs) or not bound_out <= set(outputs):
         raise ValueError(f"{graph} graph ({kind}): roles {missing} missing, tensors {extra} unnamed by the contract; "
                          f"graph inputs {inputs}, outputs {outputs}")
-    return mf.Signature(sig.inputs, sig.outputs, kv, mf.capabilities_of(sig.inputs, sig.outputs), state)
+    return mf.Signature(sig.inputs, sig.outputs, kv, mf.capabilities_of(sig.inputs, sig.outputs), state, win)

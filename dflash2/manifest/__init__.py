@@ -43,7 +43,7 @@ from dflash2.manifest.records import (CAPABILITY_ROLES, KV_KINDS, REQUIRED_ROLES
                                       Deviation, DraftVocab, EngineEntry, FileEntry, Flavours, Graph, GraphIo, IoSpec,
                                       Kv, KvRows, KvSignature, Plugin, ProfileRecord, QuantizedGraph, Quantization,
                                       Selector, Signature, Sources, StateSignature, Tokenizer, Validation,
-                                      capabilities_of)
+                                      WINDOW_KINDS, WindowSignature, capabilities_of)
 from dflash2.manifest.schema import (ENGINE_FORMAT, EXPORT_FORMAT, FORMAT_VERSION, KINDS, MIN_CONTRACT_VERSION, NAME,
                                      EngineManifest, ExportManifest, Manifest, ManifestError, ModelFacts, Sealed)
 from dflash2.manifest.sealing import (check_files, checked_file_problems, file_problems, file_table, remember_hashes,
@@ -54,5 +54,6 @@ __all__ = ["CAPABILITY_ROLES", "ENGINE_FORMAT", "EXPORT_FORMAT", "FORMAT_VERSION
            "DraftVocab", "EngineEntry", "EngineManifest", "ExportManifest", "FileEntry", "Flavours", "Graph", "GraphIo",
            "IoSpec", "Kv", "KvRows", "KvSignature", "Manifest", "ManifestError", "ModelFacts", "Plugin",
            "ProfileRecord", "QuantizedGraph", "Quantization", "Sealed", "Selector", "Signature", "Sources",
-           "StateSignature", "Tokenizer", "Validation", "capabilities_of", "check_files", "checked_file_problems",
+           "StateSignature", "Tokenizer", "Validation", "WINDOW_KINDS", "WindowSignature", "capabilities_of",
+           "check_files", "checked_file_problems",
            "content_sha256", "file_problems", "file_table", "load", "remember_hashes", "reseal", "sha256", "write"]

@@ -174,6 +174,49 @@ class StateSignature:
         return out
 
 
+WINDOW_KINDS = ("compacting",)
+
+
+@dataclass
+class WindowSignature:
+    """The sliding-window layers' own KV binding (dflash2.runtime.window.CompactingKv): their rows live in a buffer
+    of about window + a step + slack rows, not max_seq_len. The graph keeps the other layers on `kv`.
+    compacting  past = [the valid rows [0, v) of the window buffer], present = [the step's rows, written at
+                [v, v + n)], base = an int64 [1] input: the real position of row 0 (rotary and window mask
+                read real positions); length (the fixed flavour): past is the whole buffer and length its valid
+                rows. Before a step at a committed position, and only there, the runtime moves the last `keep`
+                rows to the front when the step would not fit (base moves with them): inside a verify nothing
+                is evicted, so rollback stays "commit fewer rows".
+    layers: the model's layer indices the buffer holds, in its order; keep: the rows any later query can see
+    (W - 1 for a causal window q - k < W)."""
+    kind: str
+    past: list[str]
+    present: list[str]
+    base: str
+    layers: list[int]
+    keep: int
+    length: str | None = None
+
+    def problems(self, where: str) -> list[str]:
+        out, w = [], f"{where}.window"
+        if self.kind is not None and self.kind not in WINDOW_KINDS:
+            out.append(f"{w}.kind: expected one of {list(WINDOW_KINDS)}, found {self.kind!r}")
+        for name in ("past", "present"):
+            value = getattr(self, name)
+            if value is not None and len(value) != 1:
+                out.append(f"{w}.{name}: expected one tensor, found {value}")
+        if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)
+                                        or any(not isinstance(i, int) or i < 0 for i in self.layers)):
+            out.append(f"{w}.layers: expected distinct layer indices >= 0 (at least one), found {self.layers}")
+        if self.keep is not None and self.keep < 0:
+            out.append(f"{w}.keep: expected >= 0, found {self.keep}")
+        names = [n for n in (self.past or []) + (self.present or []) + [self.base, self.length] if n is not None]
+        if len(set(names)) != len(names):
+            out.append(f"{w}: expected distinct tensor names, found past {self.past}, present {self.present}, "
+                       f"base {self.base!r}, length {self.length!r}")
+        return out
+
+
 @dataclass
 class Signature:
     """A graph's typed contract with the runtime: tensor name per role (`ids`, `next_ids`, `draft_ids`, ...),
@@ -184,6 +227,7 @@ class Signature:
     kv: KvSignature | None = None  # None: a graph without a cache (the standalone selector)
     capabilities: list[str] = field(default_factory=list)  # "logits", "confidence", "lattice", "sampled-walk"
     state: StateSignature | None = None  # a hybrid target's recurrent state; None: a graph without one
+    window: WindowSignature | None = None  # the sliding-window layers' bounded KV; None: every layer on `kv`
 
     def names(self) -> tuple[set[str], set[str]]:
         """(input names, output names) the signature binds."""
@@ -193,6 +237,10 @@ class Signature:
         if self.state is not None:
             ins |= set(self.state.past or [])
             outs |= set(self.state.present or [])
+        if self.window is not None:
+            w = self.window
+            ins |= set(w.past or []) | {n for n in (w.base, w.length) if n}
+            outs |= set(w.present or [])
         return ins, outs
 
     def has(self, capability: str) -> bool:
@@ -238,6 +286,11 @@ class Signature:
                 out.append(f"{where}.state: expected none (only a target graph keeps a recurrent state), found "
                            f"a {self.state.kind!r} binding")
             out += self.state.problems(where, io)
+        if self.window is not None:
+            if graph and graph != "target":
+                out.append(f"{where}.window: expected none (only a target graph has sliding-window layers), found "
+                           f"a {self.window.kind!r} binding")
+            out += self.window.problems(where)
         if out or io is None or self.inputs is None or self.outputs is None or io.inputs is None or io.outputs is None:
             return out
         ins, outs = self.names()

@@ -96,6 +96,18 @@ class DeviceBuffer(Buffer):
         call(rt.cudaMemcpyAsync(self.ptr + at * self.row_bytes, src.ptr, n * self.row_bytes,
                                 rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream.handle), "cudaMemcpyAsync")
 
+    def move_rows(self, src: int, n: int, at: int) -> None:
+        """Overlapping ranges: cudaMemcpy's are undefined, so ascending chunks of at most src - at rows, each chunk's
+        source never written by an earlier chunk (on the stream, in order)."""
+        self._check_move(src, n, at)
+        rt, step, done = cudart(), max(src - at, 1), 0
+        while done < n and src != at:
+            k = min(step, n - done)
+            call(rt.cudaMemcpyAsync(self.ptr + (at + done) * self.row_bytes, self.ptr + (src + done) * self.row_bytes,
+                                    k * self.row_bytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                    self.stream.handle), "cudaMemcpyAsync")
+            done += k
+
 
 class GraphCache:
     """CUDA graphs keyed by (graph, profile, input shapes, I/O addresses), as in Edge-LLM.

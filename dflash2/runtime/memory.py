@@ -68,6 +68,15 @@ class Buffer:
         """Rows [0, n) of `src` (same row layout) -> rows [at, at+n) of this buffer, in engine memory."""
         raise NotImplementedError
 
+    def move_rows(self, src: int, n: int, at: int) -> None:
+        """Rows [src, src + n) -> [at, at + n) of this buffer, at <= src (the ranges may overlap), in engine memory."""
+        raise NotImplementedError
+
+    def _check_move(self, src: int, n: int, at: int) -> None:
+        if not (0 <= at <= src and n >= 0 and src + n <= self.capacity):
+            raise IndexError(f"move of rows [{src}, {src + n}) to [{at}, {at + n}) of a {self.capacity}-row buffer: "
+                             f"expected 0 <= at <= src and src + n <= capacity")
+
     def _check_copy(self, src: Buffer, n: int, at: int) -> None:
         if src.row_bytes != self.row_bytes or not (0 <= n <= src.capacity and 0 <= at and at + n <= self.capacity):
             raise IndexError(f"copy of {n} rows into [{at}, {at + n}) of a {self.capacity}-row buffer from a "
@@ -95,3 +104,7 @@ class HostBuffer(Buffer):
     def copy_rows(self, src: Buffer, n: int, at: int) -> None:
         self._check_copy(src, n, at)
         self._host[at:at + n] = src.host[:n]
+
+    def move_rows(self, src: int, n: int, at: int) -> None:
+        self._check_move(src, n, at)
+        self._host[at:at + n] = self._host[src:src + n]  # numpy copies overlapping ranges as if through a temporary

@@ -12,6 +12,9 @@ Buffer plan (T = max_seq_len):
     logits [B, V] fp32           the target's last min(n, B) logits rows (read only when sampling)
     states                       a hybrid target's recurrent state, (2W + 1) rows per state tensor
                                  (dflash2.runtime.state.RowStates: committed by moving a pointer, no copy)
+    window                       a windowed target's sliding layers' KV, keep + 2 step rows, not T (the target
+                                 KV then holds only the other layers; dflash2.runtime.window.CompactingKv:
+                                 compacted at commit points; a prefill longer than a step runs in steps)
     uniforms [S], temperature [1], draft_probs [S, K] fp32   DFlash2's sampled walk (T > 0) and its q
 Views that never move (KV buffers of the gqa binding, the anchor, drafts, the walk's inputs) are bound once
 at session start; a step binds only what changes. Rollback after a rejection moves `pos`; rows past it
@@ -34,20 +37,36 @@ from dflash2.errors import Dflash2Error
 from dflash2.runtime.binding import CapacityError, make_kv
 from dflash2.runtime.ort import Backend
 from dflash2.runtime.state import RowStates, state_bytes
+from dflash2.runtime.window import CompactingKv, window_bytes
 from dflash2.speculative import Drafted, Verified
 
 
 def buffer_bytes(manifest: mf.ModelFacts, max_seq_len: int, target: mf.Signature | None = None) -> int:
     """Bytes of the session's buffers (plan in the module docstring): known before allocating.
     target: the target graph's signature (None: the manifest's own, where it is an export or engine manifest);
-    a hybrid target's recurrent state counts too."""
+    a hybrid target's recurrent state counts too, and a windowed target's sliding layers at their window rows."""
     m = manifest
     itemsize = dtypes.get(m.dtype).itemsize
-    row = int(np.prod(m.kv.rows.target)) + int(np.prod(m.kv.rows.drafter)) + m.context.width
     if target is None and isinstance(m, (mf.ExportManifest, mf.EngineManifest)):
         target = m.signature("target")
+    window = target.window if target is not None else None
+    full, slide = target_rows(m.kv.rows.target, window)
+    row = int(np.prod(full)) + int(np.prod(m.kv.rows.drafter)) + m.context.width
     state = state_bytes(target.state if target is not None else None)
-    return max_seq_len * (row * itemsize + 2 * 4) + state  # + ids / next_ids int32
+    extra = state + window_bytes(window, slide, m.block_size, itemsize)
+    return max_seq_len * (row * itemsize + 2 * 4) + extra  # + ids / next_ids int32
+
+
+def target_rows(row: list[int], window: mf.WindowSignature | None) -> tuple[list[int], list[int] | None]:
+    """(the target KV binding's row, the window buffer's row) from the manifest's row [L, 2, kv, hd] of every layer:
+    a window binding takes its layers off the first; (row, None) without one."""
+    if window is None:
+        return list(row), None
+    L, Lw = row[0], len(window.layers)
+    if Lw >= L or max(window.layers) >= L:
+        raise Dflash2Error(f"target signature: window.layers expected {Lw} of the {L} layers (kv.rows.target {row}) "
+                           f"with at least one left on the KV binding, found {window.layers}")
+    return [L - Lw, *row[1:]], [Lw, *row[1:]]
 
 
 def available_host_bytes() -> int | None:
@@ -90,7 +109,9 @@ class SpecSession:
         self.target, self.drafter = backend.engine("target"), backend.engine("drafter")
         # a hybrid target's recurrent state; None: a dense target
         self.states = RowStates(ts.state, backend) if ts.state is not None else None
-        self.target_kv = make_kv(ts.kv, backend, "target", m.kv.rows.target, T, dt)
+        full, slide = target_rows(m.kv.rows.target, ts.window)
+        self.window = CompactingKv(ts.window, backend, slide, self.block_size, dt) if ts.window is not None else None
+        self.target_kv = make_kv(ts.kv, backend, "target", full, T, dt)
         self.drafter_kv = make_kv(ds.kv, backend, "drafter", m.kv.rows.drafter, T, dt)
         self.kv, self.ctx_kv = self.target_kv.buffer, self.drafter_kv.buffer
         self.gqa = ts.kv.kind == "gqa-shared"
@@ -126,6 +147,9 @@ class SpecSession:
         """Bind what never moves once: per step only the views that change are passed to the engines."""
         ts, ds = self.target_sig, self.drafter_sig
         kin, kout = self.target_kv.fixed()
+        if self.window is not None:
+            win, wout = self.window.fixed()
+            kin, kout = {**kin, **win}, {**kout, **wout}
         self.target.bind(kin, kout)
         din, dout = self.drafter_kv.fixed()
         din = {**din, ds.inputs["anchor"]: self.anchor.whole()}
@@ -145,12 +169,15 @@ class SpecSession:
         self.last_rows = 0  # rows of the last target step (what a state commit counts from)
         if self.states is not None:
             self.states.reset()
+        if self.window is not None:
+            self.window.reset()
 
     def buffers(self) -> dict[str, int]:
         """name -> base address: constant for the life of the session (tested)."""
         out = {n: b.ptr for n, b in vars(self).items() if hasattr(b, "rows")}
-        for kv in ("target_kv", "drafter_kv"):
-            out |= {f"{kv}.{n}": b.ptr for n, b in vars(getattr(self, kv)).items() if hasattr(b, "rows")}
+        for kv in ("target_kv", "drafter_kv", "window"):
+            if getattr(self, kv) is not None:
+                out |= {f"{kv}.{n}": b.ptr for n, b in vars(getattr(self, kv)).items() if hasattr(b, "rows")}
         if self.states is not None:
             out |= {f"states.{n}": b.ptr for n, b in self.states.named_buffers().items()}
         return out
@@ -171,6 +198,9 @@ class SpecSession:
         self.ids.push(n)
         rows = min(n, self.block_size)
         k_in, k_out = kv.step(self.pos, n)
+        if self.window is not None:  # may compact first: self.pos is a commit point
+            w_in, w_out = self.window.step(self.pos, n)
+            k_in, k_out = {**k_in, **w_in}, {**k_out, **w_out}
         # a hybrid target: the state before the step in, the state after each of its last min(n, W) rows out
         s_in, s_out = self.states.step(n, in_place) if self.states is not None else ({}, {})
         self.last_rows = n
@@ -182,6 +212,8 @@ class SpecSession:
         if staged:
             self.context.copy_rows(self.context_stage, n, c)
         kv.after(self.pos, n)
+        if self.window is not None:
+            self.window.after(self.pos, n)
         self.calls = call = self.calls + 1
         return Verified(self.next_ids.pull(n), lambda: self._logits(call, rows))
 
@@ -195,11 +227,27 @@ class SpecSession:
     # --- SpecBackend ---------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> Verified:
         self.reset()
+        if self.window is not None and len(ids) > self.window.step_rows:
+            return self._prefill_steps(ids, self.window.step_rows)
         out = self._run_target(ids)
         self.pos, self.pending = len(ids), len(ids)
         if self.states is not None:
             self.states.commit(len(ids), len(ids))
         return out
+
+    def _prefill_steps(self, ids: Sequence[int], step: int) -> Verified:
+        """A prompt longer than the window buffer's step in steps of at most `step` rows, each committed (the next
+        may compact). The first step takes the remainder, so the last has `step` >= B rows and its logits are the
+        prompt's last B rows, as one call's would be."""
+        cuts = [0, *range(len(ids) % step or step, len(ids) + 1, step)]
+        next_ids = []
+        for a, b in zip(cuts, cuts[1:]):
+            out = self._run_target(ids[a:b])
+            next_ids.append(np.array(out.ids))  # the next call overwrites the buffer the view reads
+            self.pos, self.pending = b, b
+            if self.states is not None:
+                self.states.commit(b - a, b - a)
+        return Verified(np.concatenate(next_ids), out.logits)
 
     def draft(self, anchor: int, uniforms: Sequence[float] | None = None, temperature: float = 0.0) -> Drafted:
         self.anchor.host[0] = anchor
