@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
                         "buffers shared in place, SkipSimplifiedLayerNormalization): the CPU path, no TensorRT "
                         "flavour of the target; plain: ONNX ops, with a TensorRT flavour; auto (default): gqa with "
                         "--quantize int4|int8, plain otherwise")
+    p.add_argument("--window-kv", choices=["on", "off"], default="on",
+                   help="on (default): a target with sliding-window and full-attention layers (Muse-Glimmer, "
+                        "gpt-oss) keeps its sliding layers' K|V in a buffer bounded by the window, compacted at "
+                        "commit points; off: every layer keeps max_seq_len rows (docs/families/muse_glimmer.md)")
     q = p.add_argument_group("quantization (docs/quantization.md)")
     q.add_argument("--quantize", choices=["int4", "int8", "int4_awq", "fp8", "int8_qdq"],
                    help="int4 / int8: weight-only MatMulNBits graphs for ONNX Runtime (the TensorRT flavour is "
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                            a.quant_from_gguf)
         plan = plan_export(a.model, a.target, a.out, a.dtype, a.max_seq_len, a.force, not a.no_fuse_context, a.quiet,
                            a.full_vocab, a.beyond_max_positions, quantize=flags, target_attention=a.target_attention,
-                           draft_block=a.draft_block)
+                           draft_block=a.draft_block, window_kv=a.window_kv == "on")
         if a.print_plan:
             print(plan.describe())
             return 0

@@ -5,6 +5,9 @@ Every dynamic input dim of every graph is one of the export's symbolic dims (man
     past  rows already in the KV cache (prefix view of the preallocated buffer: portable flavour)
     cap   rows of the whole KV buffer (the fixed-shape TensorRT flavour): max_seq_len, always
     batch selector batch
+    window_cap   rows of the whole window buffer (a windowed target's fixed flavour: manifest.WindowSignature):
+                 the runtime's capacity keep + 2 x step (runtime.window.window_rows), always
+    window_past  the window buffer's valid rows (its portable flavour): 0 .. capacity - 1
 A profile is a box of (min, opt, max) per symbolic dim; an input's min/opt/max shapes substitute
 those ranges into its io spec. TensorRT tunes kernels at `opt`, so the target gets two profiles:
 prefill (long n, empty cache) and decode/verify (n <= S+1, the steady state), as in Edge-LLM.
@@ -72,14 +75,28 @@ def dim_boxes(graph: str, export: ModelFacts, T: int, P: int) -> list[tuple[str,
     mid = T // 2  # opt past: the middle of the cache, where decode spends most of its steps
     cap = {"cap": DimRange(T, T, T)}  # the fixed-shape flavours bind the whole KV buffer: T rows, always
     if graph == "target":
-        return [("prefill", {"n": DimRange(1, P, P), "past": DimRange(0, 0, T - 1), **cap}),
-                ("decode", {"n": DimRange(1, S1, S1), "past": DimRange(0, mid, T - 1), **cap})]
+        window = window_dims(export)
+        return [("prefill", {"n": DimRange(1, P, P), "past": DimRange(0, 0, T - 1), **cap, **window}),
+                ("decode", {"n": DimRange(1, S1, S1), "past": DimRange(0, mid, T - 1), **cap, **window})]
     if graph == "drafter":
         # n: the prompt after prefill (<= max_prefill), then acc + 1 <= S + 1 rows per round
         return [("draft", {"n": DimRange(1, S1, max(P, S1)), "past": DimRange(0, mid, T - 1), **cap})]
     if graph == "selector":
         return [("batch", {"batch": DimRange(1, 1, SELECTOR_MAX_BATCH)})]
     raise ProfileError(f"graph {graph!r}: no profile rule (expected one of target, drafter, selector)")
+
+
+def window_dims(export: ModelFacts) -> dict[str, DimRange]:
+    """The window buffer's dims of a windowed target (none without one): its fixed flavour binds the whole buffer,
+    CompactingKv's capacity, whatever the step; the portable flavour's valid rows stay below it."""
+    g = (getattr(export, "graphs", None) or {}).get("target")
+    sig = g and (g.tensorrt_signature or g.signature)
+    if sig is None or sig.window is None:
+        return {}
+    from dflash2.runtime.window import window_rows  # no torch: the runtime's own sizing rule, one place
+
+    C = window_rows(sig.window, export.block_size)[1]
+    return {"window_cap": DimRange(C, C, C), "window_past": DimRange(0, sig.window.keep, C - 1)}
 
 
 def input_shapes(graph: str, io_inputs: list[IoSpec], dims: dict[str, DimRange]) -> dict[str, tuple]:

@@ -41,7 +41,8 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
            max_seq_len: int | None = None, force: bool = False, fuse_context: bool = True,
            quiet: bool = False, full_vocab: bool = False, beyond_max_positions: bool = False,
            quantize: Quantization | QuantFlags | None = None,
-           target_attention: str = "auto", draft_block: int | None = None) -> mf.ExportManifest:
+           target_attention: str = "auto", draft_block: int | None = None,
+           window_kv: bool = True) -> mf.ExportManifest:
     """Returns the manifest written. Raises CheckpointError / TensorSetError / ValidationError / OutputError.
     Resolves the plan (dflash2.export.plan.plan_export: the checks dflash2-export makes, with its messages),
     then export_plan.
@@ -54,9 +55,13 @@ def export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
     quantizations (which have no TensorRT flavour anyway: 1.5x faster int4 decode, docs/quantization.md),
     plain otherwise.
     draft_block: draft this many rows a round (2..the drafter's training block size; None: that size;
-    docs/export.md)."""
+    docs/export.md).
+    window_kv: a target with sliding-window and full-attention layers (Muse-Glimmer, gpt-oss) gets its sliding
+    layers' K|V in a buffer bounded by the window (manifest.WindowSignature; docs/families/muse_glimmer.md); False:
+    every layer on the one max_seq_len-row KV binding."""
     return export_plan(plan_export(drafter_dir, target_dir, out_dir, dtype, max_seq_len, force, fuse_context, quiet,
-                                   full_vocab, beyond_max_positions, quantize, target_attention, draft_block))
+                                   full_vocab, beyond_max_positions, quantize, target_attention, draft_block,
+                                   window_kv))
 
 
 def export_plan(plan: ExportPlan) -> mf.ExportManifest:
@@ -117,7 +122,8 @@ def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) 
                    f"{stages.WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory check runs whole")
         if why is None:
             from dflash2.runtime.api import Runtime  # the runtime's own session: the binding generation uses
-            from dflash2.runtime.invariance import CONTINUATION, FIELD, PROMPT_TOKENS, validation
+            from dflash2.runtime.invariance import FIELD, PROMPT_TOKENS, continuation_for, validation
+            from dflash2.runtime.window import window_rows
 
             q = manifest.quantization
             hint = (f"ONNX Runtime's {q.method} kernel at block {q.block_size}, accuracy level {q.accuracy_level} "
@@ -125,7 +131,9 @@ def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) 
                     f"128 are not (docs/quantization.md)" if q is not None and q.backend == "onnxruntime" else
                     f"{manifest.dtype} graphs are invariant on the CPUs measured (docs/export.md): please report this "
                     f"CPU")
-            small = min(manifest.max_seq_len, PROMPT_TOKENS + CONTINUATION + manifest.block_size + 2)
+            window = manifest.signature("target").window  # a windowed target: a run through compactions
+            cap = window_rows(window, manifest.block_size)[1] if window is not None else None
+            small = min(manifest.max_seq_len, PROMPT_TOKENS + continuation_for(cap) + manifest.block_size + 2)
             try:  # buffers for the check's own length, not the export's max_seq_len
                 v = validation(Runtime(tmp, verify=False, max_seq_len=small).session,
                                f"target.onnx ({FIELD})", hint)

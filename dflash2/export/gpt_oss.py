@@ -43,7 +43,7 @@ DTYPES = ("float32",)
 
 
 def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=None, progress=None, quant=None,
-                native=None) -> onnx.ModelProto:
+                native=None, window_kv: bool = False) -> onnx.ModelProto:
     """The ONNX Runtime graph of `--quantize int4|int8` (the default attention then: "gqa"): build()'s portable
     flavour with every weight MatMul a MatMulNBits written as it is read (quant: an OrtQuant), the int4 embedding a
     GatherBlockQuantized, the head quantized unless --quant-keep-head (export/lowbit.py), the experts on QMoE
@@ -51,7 +51,7 @@ def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=Non
     max_seq_len and native (GGUF blocks) are the dense fused builder's arguments: unused here."""
     lowbit.check("gpt_oss", quant, data)
     return build(c, dc, src, dsrc, fuse_context, "float32", data, progress,
-                 experts_op="standard" if quant is None else "qmoe", quant=quant)[0]
+                 experts_op="standard" if quant is None else "qmoe", quant=quant, window_kv=window_kv)[0]
 
 
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None, progress=None,

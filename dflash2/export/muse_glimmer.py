@@ -35,14 +35,14 @@ DTYPES = ("float32", "float16")
 
 
 def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=None, progress=None, quant=None,
-                native=None) -> onnx.ModelProto:
+                native=None, window_kv: bool = False) -> onnx.ModelProto:
     """The ONNX Runtime graph of `--quantize int4|int8` (the default attention then: "gqa"): build()'s portable
     flavour with every weight MatMul a MatMulNBits written as it is read (quant: an OrtQuant), the int4 embedding a
     GatherBlockQuantized, the head quantized unless --quant-keep-head (export/lowbit.py); quant None: the fp32
     graph (the export's truncated check). max_seq_len and native (GGUF blocks) are the dense fused builder's
-    arguments: unused here."""
+    arguments: unused here; window_kv: build()'s (the sliding layers on the window buffer)."""
     lowbit.check("muse_glimmer", quant, data)
-    return build(c, dc, src, dsrc, fuse_context, "float32", data, progress, quant)[0]
+    return build(c, dc, src, dsrc, fuse_context, "float32", data, progress, quant, window_kv=window_kv)[0]
 
 
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,

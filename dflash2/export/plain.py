@@ -172,6 +172,18 @@ class KvLayout(NamedTuple):
         return "past", i - sum(1 for j in self.windowed if j < i)
 
 
+def sliding(tc) -> tuple[list[int], int] | None:
+    """(the sliding layers, keep) of a target config whose layers mix sliding-window and full attention: what the
+    window buffer holds, and the past rows a sliding layer's query can see (W - 1). None: no window binding (no
+    sliding layer, or none of full attention to carry the positions). dflash2-export writes the windowed target
+    wherever this is not None (unless --window-kv off)."""
+    windows = list(getattr(tc, "layer_windows", None) or [])
+    slide = [i for i, w in enumerate(windows) if w is not None]
+    if not slide or len(slide) == len(windows):
+        return None
+    return slide, max(windows[i] for i in slide) - 1
+
+
 def kv_layout(windows: list, window_kv: bool, where: str) -> KvLayout:
     """windows: per layer its sliding window W (q - k < W) or None (full attention); window_kv: give the sliding
     layers the bounded window buffer. The window buffer's positions come from window_base, the full layers' from

@@ -140,6 +140,13 @@ class ExportPlan:
     dc: DrafterConfig  # with --draft-block applied
     tc: TargetConfig
     jobs: tuple[GraphJob, ...] = ()
+    window_kv: bool = True  # --window-kv on (the default) / off
+
+    @property
+    def window(self) -> tuple[list[int], int] | None:
+        """(sliding layers, keep) of the target's window buffer (export.plain.sliding), None: every layer on the one
+        KV binding (no sliding layers, or --window-kv off)."""
+        return plain.sliding(self.tc) if self.window_kv else None
 
     @property
     def steps(self) -> int:
@@ -168,12 +175,23 @@ class ExportPlan:
                  f"max_seq_len: {self.max_seq_len}",
                  f"context:     {'fused into the target' if self.fuse_context else 'raw taps'}",
                  f"quantize:    {quant}",
+                 f"window KV:   {self._window_line()}",
                  "graphs:"]
         lines += [f"  {j.describe(self.dtype)}" for j in self.jobs]
         lines.append(f"steps:       {self.steps} = graphs {sum(j.steps for j in self.jobs)} + "
                      f"{' / '.join(FIXED_STEPS)}")
         lines.append(f"out:         {self.out}" + (" (replaced: --force)" if self.force else ""))
         return "\n".join(lines)
+
+
+    def _window_line(self) -> str:
+        if self.window is not None:
+            layers, keep = self.window
+            return (f"on: sliding layers {layers} in a bounded buffer (keep {keep} rows; the other "
+                    f"{self.tc.num_layers - len(layers)} layers on max_seq_len rows)")
+        if plain.sliding(self.tc) is not None:
+            return "off (--window-kv off: the sliding layers keep max_seq_len rows)"
+        return "none (no sliding-window layers beside full-attention ones)"
 
 
 def default_max_seq_len(tc) -> int:
@@ -225,9 +243,10 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
                 max_seq_len: int | None = None, force: bool = False, fuse_context: bool = True, quiet: bool = False,
                 full_vocab: bool = False, beyond_max_positions: bool = False,
                 quantize: qz.Quantization | QuantFlags | None = None, target_attention: str = "auto",
-                draft_block: int | None = None) -> ExportPlan:
+                draft_block: int | None = None, window_kv: bool = True) -> ExportPlan:
     """Every check export() makes before it reads a weight, in the order the command line always made them;
-    quantize: a quantization choice (OrtQuant, qdq.TrtQuant), or the command line's flags (QuantFlags)."""
+    quantize: a quantization choice (OrtQuant, qdq.TrtQuant), or the command line's flags (QuantFlags);
+    window_kv: the sliding layers' K|V in the bounded window buffer where the target has them (plain.sliding)."""
     if isinstance(quantize, QuantFlags):
         quantize = quantize.resolve()
     elif quantize is not None and not isinstance(quantize, (qz.OrtQuant, qdq.TrtQuant)):
@@ -281,7 +300,7 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
     if isinstance(quantize, qdq.TrtQuant) and not quantize.prompts:  # calibration: the shipped prompts
         quantize = dataclasses.replace(quantize, prompts=qdq.shipped_prompt_ids(target_dir))
     plan = ExportPlan(drafter_dir, target_dir, out, dtype, max_seq_len, attention, fuse_context, full_vocab,
-                      draft_block, force, quiet, quantize, dc, tc)
+                      draft_block, force, quiet, quantize, dc, tc, window_kv=bool(window_kv))
     return dataclasses.replace(plan, jobs=tuple(_job(plan, name) for name in _graphs(dc)))
 
 

@@ -54,7 +54,7 @@ def gqa_route(run: Run, job: GraphJob, spec) -> mf.Graph:
     if job.name == "target":
         spec, files, checked, q_report = stages.gqa_target(run.tmp, spec, run.target, run.drafter, p.tc, p.dc,
                                                            run.sources, p.fuse_context, p.max_seq_len, job.quant,
-                                                           run.progress, p.dtype)
+                                                           run.progress, p.dtype, window_kv=p.window is not None)
     else:
         files, checked, q_report = stages.template_drafter(run.tmp, spec, run.drafter, p.tc, p.dc, run.sources,
                                                            p.fuse_context, p.max_seq_len, job.quant, run.progress,
@@ -66,7 +66,8 @@ def gqa_route(run: Run, job: GraphJob, spec) -> mf.Graph:
     kind = "gqa-shared" if job.name == "target" and p.tc.family in DENSE else "prefix"
     return mf.Graph(flavours=mf.Flavours(**files), data="", inputs=[mf.IoSpec(**d) for d in io["inputs"]],
                     outputs=[mf.IoSpec(**d) for d in io["outputs"]], seconds=time.perf_counter() - t0,
-                    signature=stages.graph_signature(job.name, kind, io, p.tc.num_layers, p.dc.block_size))
+                    signature=stages.graph_signature(job.name, kind, io, p.tc.num_layers, p.dc.block_size,
+                                                     _window(p, job)))
 
 
 def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
@@ -75,8 +76,9 @@ def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
     p, t0 = run.plan, time.perf_counter()
     if job.truncated_check:  # the templates end to end at bounded memory, both flavours
         check = stages.plain_truncated if job.name == "target" else stages.drafter_truncated
+        kw = {"window_kv": p.window is not None} if job.name == "target" else {}
         run.validation.update(check(run.tmp, run.target, run.drafter, p.tc, p.dc, run.sources, p.fuse_context,
-                                    p.dtype, run.progress))
+                                    p.dtype, run.progress, **kw))
     ids = None if run.drafter.draft_ids is None else run.drafter.draft_ids.numpy()
     with run.progress.step(f"{job.name}.onnx + {job.name}.trt.onnx: standard ONNX ops from the layer "
                            f"templates, {p.dtype}, streamed from safetensors") as step:
@@ -84,7 +86,8 @@ def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
         with W.DataFile(run.tmp / f"{job.name}.onnx.data") as data:
             if job.name == "target":
                 build = template(p.tc, "plain")  # the family's standard-op templates (plain.build)
-                model, fixed = build(p.tc, p.dc, tw, dw, p.fuse_context, p.dtype, data, progress=step.layer)
+                kw = {"window_kv": True} if p.window is not None else {}  # the sliding layers' bounded buffer
+                model, fixed = build(p.tc, p.dc, tw, dw, p.fuse_context, p.dtype, data, progress=step.layer, **kw)
             else:
                 model, fixed = fused_drafter.build_plain(p.dc, p.tc, dw, tw, p.fuse_context, p.dtype, ids, data,
                                                          progress=step.layer)
@@ -134,10 +137,16 @@ def _checked(run: Run, job: GraphJob, spec, files: dict, t0: float) -> mf.Graph:
     return mf.Graph(flavours=mf.Flavours(**files), data=f"{job.name}.onnx.data",
                     inputs=[mf.IoSpec(**d) for d in io["inputs"]], outputs=[mf.IoSpec(**d) for d in io["outputs"]],
                     seconds=time.perf_counter() - t0, tensorrt_io=tensorrt_io,
-                    signature=stages.graph_signature(job.name, "prefix", io, p.tc.num_layers, p.dc.block_size),
+                    signature=stages.graph_signature(job.name, "prefix", io, p.tc.num_layers, p.dc.block_size,
+                                                     _window(p, job)),
                     tensorrt_signature=None if tensorrt_io is None else
                     stages.graph_signature(job.name, "fixed", tr.io_spec(tmp / files["tensorrt"]), p.tc.num_layers,
-                                           p.dc.block_size))
+                                           p.dc.block_size, _window(p, job)))
+
+
+def _window(p: ExportPlan, job: GraphJob) -> tuple[list[int], int] | None:
+    """The window binding (sliding layers, keep) of the job's graph: the target's, where the plan has one."""
+    return p.window if job.name == "target" else None
 
 
 def _quantize_after(run: Run, job: GraphJob, spec, files: dict, tensorrt_io):
@@ -165,6 +174,10 @@ def write_all(run: Run, tool_versions: dict[str, str]) -> mf.ExportManifest:
     tokenizer are export()'s to add)."""
     p = run.plan
     specs = {s.name: s for s in graph_specs(run.target, run.drafter, p.fuse_context)}
+    if p.window is not None:  # the target's sliding layers on the window buffer: fed and checked that way
+        from dflash2.export.window_spec import windowed_spec
+
+        specs["target"] = windowed_spec(specs["target"], *p.window)
     graphs = {job.name: ROUTES[job.route](run, job, specs[job.name]) for job in p.jobs}
     with run.progress.step("each weight once: graphs share the bytes they have in common") as step:
         written = [f for g in graphs.values() for f in dataclasses.asdict(g.flavours).values() if f]

@@ -16,7 +16,7 @@ from dflash2 import dtypes
 from dflash2 import manifest as mf
 from dflash2.checkpoint import Weights
 from dflash2.errors import Dflash2Error, ValidationError
-from dflash2.export import deviation, fused_drafter, gqa, qdq
+from dflash2.export import deviation, fused_drafter, gqa, plain, qdq
 from dflash2.export import quantize as qz
 from dflash2.export import signature as sig
 from dflash2.export.family import template
@@ -101,20 +101,20 @@ def drafter_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context:
 
 
 def plain_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context: bool, dtype: str,
-                     progress: Progress) -> dict[str, mf.Validation]:
+                     progress: Progress, window_kv: bool = False) -> dict[str, mf.Validation]:
     """A truncated_depth()-layer build of the plain templates (both flavours) with the real embedding, head and
     context projection, the taps spread over its layers, validated against the layer-streamed reference; its
-    files removed once checked (a failure keeps them: keep_failed)."""
+    files removed once checked (a failure keeps them: keep_failed). window_kv: the windowed target's build."""
     tw, dw = Weights(sources[1]), Weights(sources[0])
     short_tc, short_dc = truncated(tc, dc, truncated_depth(tc))
     short = streamed_target(short_tc, short_dc.target_layer_ids, tw, like=target)
-    spec = graph_specs(short, drafter, fuse_context)[0]
+    spec, kw = _windowed(graph_specs(short, drafter, fuse_context)[0], short_tc, window_kv)
     name = "target.truncated"
     with progress.step(f"{name}.onnx + {name}.trt.onnx: the templates end to end ({short_tc.num_layers} layers, "
                        f"the real embedding and head), {dtype}") as step:
         with W.DataFile(tmp / f"{name}.onnx.data") as data:
             build = template(short_tc, "plain")  # the family's standard-op templates (plain.build)
-            model, fixed = build(short_tc, short_dc, tw, dw, fuse_context, dtype, data, progress=step.layer)
+            model, fixed = build(short_tc, short_dc, tw, dw, fuse_context, dtype, data, progress=step.layer, **kw)
         onnx.save_model(model, str(tmp / f"{name}.onnx"))
         onnx.save_model(fixed, str(tmp / f"{name}.trt.onnx"))
         del model, fixed
@@ -153,12 +153,31 @@ def validated(progress: Progress, what: str, spec, path: Path, dtype: str, tmp: 
     return mf.Validation(ok=skipped is None, failures=f, skipped=skipped, steps=report)
 
 
-def graph_signature(graph: str, kind: str, io: dict, num_layers: int, window: int | None = None) -> mf.Signature:
-    """window: the pair's block size, the state rows a hybrid target's graph returns per step (its state binding)."""
+def graph_signature(graph: str, kind: str, io: dict, num_layers: int, window: int | None = None,
+                    sliding: tuple[list[int], int] | None = None) -> mf.Signature:
+    """window: the pair's block size, the state rows a hybrid target's graph returns per step (its state binding);
+    sliding: (layers, keep) of a windowed target's window buffer (plain.sliding), checked against the io."""
     ins, outs = [d["name"] for d in io["inputs"]], [d["name"] for d in io["outputs"]]
     hybrid = graph == "target" and sig.state_layers(ins) > 0
-    return sig.signature(graph, kind, ins, outs, num_layers, selector_io=(ins, outs),
-                         state_window=window if hybrid else None, io=io if hybrid else None)
+    out = sig.signature(graph, kind, ins, outs, num_layers, selector_io=(ins, outs),
+                        state_window=window if hybrid else None, io=io if hybrid else None, window=sliding)
+    if out.window is not None:  # a builder bug otherwise: the window binding and the graph's io disagree
+        graph_io = mf.GraphIo([mf.IoSpec(**d) for d in io["inputs"]], [mf.IoSpec(**d) for d in io["outputs"]])
+        problems = out.window.problems(f"{graph} signature ({kind})", graph_io)
+        if problems:
+            raise ValueError("; ".join(problems))
+    return out
+
+
+def _windowed(spec, tc, window_kv: bool):
+    """(the target spec, the builder's extra arguments) of a build of config tc: windowed where asked and tc has
+    sliding layers beside full ones (a truncated config keeps a layer of each kind: streamed.truncated)."""
+    window = plain.sliding(tc) if window_kv else None
+    if window is None:
+        return spec, {}
+    from dflash2.export.window_spec import windowed_spec
+
+    return windowed_spec(spec, *window), {"window_kv": True}
 
 
 def qdq_graph(tmp: Path, spec, files: dict, q: qdq.TrtQuant) -> tuple[dict, mf.QuantizedGraph, mf.Validation]:
@@ -196,7 +215,7 @@ def truncated_depth(tc) -> int:
 
 
 def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int,
-               q: qz.OrtQuant | None, progress: Progress, dtype: str):
+               q: qz.OrtQuant | None, progress: Progress, dtype: str, window_kv: bool = False):
     """The target from ONNX Runtime's fused-op templates (dflash2.export.gqa), weights streamed from the
     checkpoint, checked at bounded memory:
     1. a truncated_depth()-layer build of the same templates with the real embedding, head and context
@@ -211,13 +230,16 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
     short = streamed_target(short_tc, short_dc.target_layer_ids, tw, like=target)
     # the dense fused graph binds per-layer gqa-shared buffers; a hybrid's fused graph keeps the prefix binding
     fused_spec = gqa.gqa_spec if tc.family in DENSE else (lambda s: s)
-    short_spec = fused_spec(graph_specs(short, drafter, fuse_context)[0])
+    short_spec, short_kw = _windowed(graph_specs(short, drafter, fuse_context)[0], short_tc, window_kv)
+    short_spec = fused_spec(short_spec)
+    kw = {"window_kv": True} if window_kv and plain.sliding(tc) is not None else {}  # plain_spec is windowed then
     name = "target.truncated"
     with progress.step(f"{name}.onnx: the templates end to end ({short_tc.num_layers} layers, the real embedding "
                        f"and head), ONNX Runtime's fused ops") as step:
         with W.DataFile(tmp / f"{name}.onnx.data") as data:
             build = template(short_tc, "fused")  # the family's fused-op templates (gqa.build)
-            model = build(short_tc, short_dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer)
+            model = build(short_tc, short_dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer,
+                          **short_kw)
         onnx.save_model(model, str(tmp / f"{name}.onnx"))
         del model
     checked[name] = validated(progress, f"{name}.onnx: validating against PyTorch on ONNX Runtime", short_spec,
@@ -235,7 +257,7 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
             native = GgufBlocks(q.native, tc.num_heads, tc.num_kv_heads)
         with W.DataFile(tmp / "target.onnx.data") as data:
             model = template(tc, "fused")(tc, dc, tw, dw, fuse_context, max_seq_len, data, progress=step.layer,
-                                          quant=q, native=native)
+                                          quant=q, native=native, **kw)
         files = tr.write_graph(model, tmp, spec, dc.num_drafts, check=False)
     if q is None:
         checked["target"] = validated(progress, "target.onnx: validating against PyTorch on ONNX Runtime", spec,
@@ -256,7 +278,7 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
             with W.DataFile(tmp / f"{name}.onnx.data") as data:
                 build = template(short_tc, "fused")
                 model_short = build(short_tc, short_dc, tw, dw, fuse_context, max_seq_len, data,
-                                    progress=step.layer, quant=q, native=native)
+                                    progress=step.layer, quant=q, native=native, **short_kw)
             onnx.save_model(model_short, str(tmp / f"{name}.onnx"))
             del model_short
             failures, steps, dev = deviation.measure(short_spec, tmp / f"{name}.onnx")
@@ -284,7 +306,7 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
 
 
 def template_drafter(tmp: Path, spec, drafter, tc, dc, sources, fuse_context: bool, max_seq_len: int,
-                     q: qz.OrtQuant | None, progress: Progress, dtype: str):
+                     q: qz.OrtQuant | None, progress: Progress, dtype: str, window_kv: bool = False):
     """The drafter from the same templates as the fused target (dflash2.export.fused_drafter), weights streamed
     from both checkpoints; fp32: validated like every graph; with q (the drafter's own quantization, the plan's
     GraphJob.quant) written quantized and its deviation measured. Returns (files, validations, quantization report)."""

@@ -197,7 +197,10 @@ class WindowSignature:
     keep: int
     length: str | None = None
 
-    def problems(self, where: str) -> list[str]:
+    def problems(self, where: str, io: "GraphIo | None" = None) -> list[str]:
+        """The binding is well formed and, where the graph's io is given, agrees with its tensors: past an input
+        [rows, len(layers), ...] and present an output of the same row and element type, base an int64 [1] input,
+        length an int32 [1] input. (Fields that failed their type check are None here, already reported.)"""
         out, w = [], f"{where}.window"
         if self.kind is not None and self.kind not in WINDOW_KINDS:
             out.append(f"{w}.kind: expected one of {list(WINDOW_KINDS)}, found {self.kind!r}")
@@ -214,6 +217,36 @@ class WindowSignature:
         if len(set(names)) != len(names):
             out.append(f"{w}: expected distinct tensor names, found past {self.past}, present {self.present}, "
                        f"base {self.base!r}, length {self.length!r}")
+        if out or io is None or None in (self.past, self.present, self.base, self.layers) or \
+                io.inputs is None or io.outputs is None:
+            return out
+        return out + self._io_problems(w, io)
+
+    def _io_problems(self, w: str, io: "GraphIo") -> list[str]:
+        out = []
+        ins = {s.name: s for s in io.inputs if s is not None}
+        outs = {s.name: s for s in io.outputs if s is not None}
+        past, present = ins.get(self.past[0]), outs.get(self.present[0])
+        for name, spec, side, have in ((self.past[0], past, "input", ins), (self.present[0], present, "output", outs)):
+            if spec is None:
+                out.append(f"{w}: {name} is not an {side} of the graph ({sorted(have)})")
+                continue
+            shape = list(spec.shape or [])
+            if len(shape) != 5 or shape[1] != len(self.layers):
+                out.append(f"{w}: {name} expected shape [rows, {len(self.layers)} (window.layers), 2, kv, hd], "
+                           f"found {shape}")
+        if past is not None and present is not None:
+            if list(past.shape or [])[1:] != list(present.shape or [])[1:] or past.dtype != present.dtype:
+                out.append(f"{w}: {self.present[0]} expected the rows of {self.past[0]} ({past.dtype} "
+                           f"{list(past.shape or [])[1:]}), found {present.dtype} {list(present.shape or [])[1:]}")
+        for name, dt in ((self.base, "int64"), (self.length, "int32")):
+            if name is None:
+                continue
+            spec = ins.get(name)
+            if spec is None:
+                out.append(f"{w}: {name} is not an input of the graph ({sorted(ins)})")
+            elif spec.dtype != dt or list(spec.shape or []) != [1]:
+                out.append(f"{w}: {name} expected {dt} [1], found {spec.dtype} {list(spec.shape or [])}")
         return out
 
 
@@ -290,7 +323,7 @@ class Signature:
             if graph and graph != "target":
                 out.append(f"{where}.window: expected none (only a target graph has sliding-window layers), found "
                            f"a {self.window.kind!r} binding")
-            out += self.window.problems(where)
+            out += self.window.problems(where, io)
         if out or io is None or self.inputs is None or self.outputs is None or io.inputs is None or io.outputs is None:
             return out
         ins, outs = self.names()

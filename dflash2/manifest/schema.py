@@ -97,11 +97,24 @@ class ModelFacts:
 
         rows = self.kv.rows if self.kv is not None else None
         gqa = kind("target") == "gqa-shared"
+        target_sig = (graphs.get("target") or (None,) * 3)[2]
+        window = target_sig.window if target_sig is not None else None
+        full_rows = rows and rows.target
+        window_rule = []
+        if window is not None and full_rows and isinstance(window.layers, list) and isinstance(full_rows[0], int):
+            # kv.rows.target counts every layer; the window buffer takes its layers off the KV binding's row
+            full_rows = [full_rows[0] - len(window.layers), *full_rows[1:]]
+            past = window.past[0] if window.past else None
+            shape = next((s.shape for s in (graphs["target"][0] or []) if s is not None and s.name == past), None)
+            window_rule = [("kv.rows.target (the window buffer's layers)", [len(window.layers), *rows.target[1:]],
+                            shape, slice(1, None))]
         rules = [("kv.rows.drafter", rows and rows.drafter, dims("drafter", 0, "kv"), slice(1, None)),
                  # a gqa target's per-layer buffers [1, kv, cap, hd]: kv heads and head_dim
                  ("kv.rows.target[2:]", rows and rows.target and rows.target[2:], dims("target", 0, "kv"),
                   slice(1, None, 2)) if gqa else
-                 ("kv.rows.target", rows and rows.target, dims("target", 0, "kv"), slice(1, None)),
+                 ("kv.rows.target" + (" (less the window buffer's layers)" if window is not None else ""),
+                  full_rows, dims("target", 0, "kv"), slice(1, None)),
+                 *window_rule,
                  ("context.width", self.context and self.context.width, dims("target", 1, "context"), -1),
                  ("num_drafts", self.num_drafts, dims("drafter", 1, "draft_ids"), -1),
                  # the logits' rows: a resealed vocab_size reached ONNX Runtime as "invalid dimensions"

@@ -40,6 +40,7 @@ class RowCheck:
     argmax_flips: int = 0  # of them, another argmax id (a speculative output that would differ)
     max_abs: float = 0.0  # over the finite entries
     per_k: dict[int, dict] = field(default_factory=dict)
+    compactions: int = 0  # a windowed target's: the fewest window-buffer compactions one pass crossed
 
     @property
     def ok(self) -> bool:
@@ -62,13 +63,20 @@ def _prompt(vocab: int, n: int) -> list[int]:
     return [(7919 * i + 104_729) % max(m - 1, 1) + 1 for i in range(n)]
 
 
-def sizes(max_seq_len: int, block_size: int) -> tuple[int, int]:
-    """(prompt tokens, continuation) that fit the session: PROMPT_TOKENS + CONTINUATION where they do, else a
+def continuation_for(window_capacity: int | None) -> int:
+    """Tokens the check generates after its prompt: CONTINUATION, or for a windowed target (runtime.window) enough
+    to pass its window buffer's capacity twice, so every k pass crosses compactions (at other commit points than
+    the 1-row decode's: what ALIGN there is for)."""
+    return CONTINUATION if window_capacity is None else max(CONTINUATION, 2 * window_capacity)
+
+
+def sizes(max_seq_len: int, block_size: int, want: int = CONTINUATION) -> tuple[int, int]:
+    """(prompt tokens, continuation) that fit the session: PROMPT_TOKENS + `want` (CONTINUATION) where they do, else a
     shorter prompt first (a continuation of at least B tokens checks every k), then a shorter continuation.
     The last call writes row prompt + continuation - 1 and the gqa kernel one spare row after it."""
     room = max_seq_len - 1
     prompt = max(1, min(PROMPT_TOKENS, room - block_size))
-    return prompt, max(0, min(CONTINUATION, room - prompt))
+    return prompt, max(0, min(want, room - prompt))
 
 
 def _poison(kv, start: int) -> None:
@@ -87,9 +95,13 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def check_rows(session, continuation: int = CONTINUATION) -> RowCheck:
-    """Compare every k-row verify (k = 2..B) row with the 1-row decode at the same position."""
-    n_prompt, fits = sizes(session.max_seq_len, session.block_size)
+def check_rows(session, continuation: int | None = None) -> RowCheck:
+    """Compare every k-row verify (k = 2..B) row with the 1-row decode at the same position. continuation: tokens
+    after the prompt (None: continuation() for the session's target), as many as max_seq_len leaves room for."""
+    window = getattr(session, "window", None)
+    if continuation is None:
+        continuation = continuation_for(window.capacity if window is not None else None)
+    n_prompt, fits = sizes(session.max_seq_len, session.block_size, continuation)
     continuation = min(continuation, fits)
     prompt = _prompt(session.vocab_size, n_prompt)
     first = session.prefill(prompt)
@@ -102,6 +114,9 @@ def check_rows(session, continuation: int = CONTINUATION) -> RowCheck:
     for k in range(2, min(session.block_size, continuation) + 1):
         session.prefill(prompt)
         _poison(session.target_kv, n_prompt)
+        window = getattr(session, "window", None)
+        if window is not None:  # the window buffer's rows past the prompt's (its row r holds position base + r)
+            _poison(window, n_prompt - window.base)
         n = d = flips = 0
         for p in range(0, continuation - k + 1, k):  # rows p..p+k-1 predict tokens p+1..p+k, as in a verify
             v = session.verify(tokens[p:p + k])
@@ -116,6 +131,8 @@ def check_rows(session, continuation: int = CONTINUATION) -> RowCheck:
                 out.max_abs = max(out.max_abs, float(finite.max()) if finite.size else 0.0)
             session.commit(k)
         out.per_k[k] = {"rows": n, "differing": d}
+        if window is not None:
+            out.compactions = window.compactions if k == 2 else min(out.compactions, window.compactions)
         out.rows, out.differing, out.argmax_flips = out.rows + n, out.differing + d, out.argmax_flips + flips
     session.reset()
     return out
@@ -130,4 +147,6 @@ def validation(session, what: str = "target", hint: str = "") -> mf.Validation:
     steps = {"rows": r.rows, "differing": r.differing, "argmax_flips": r.argmax_flips, "max_abs": r.max_abs,
              "per_k": {str(k): v for k, v in r.per_k.items()}, "rule": "bitwise equal logits and equal argmax ids",
              "k_max": max(r.per_k)}
+    if getattr(session, "window", None) is not None:  # the window buffer's compactions a pass crossed (fewest)
+        steps["window_compactions"] = r.compactions
     return mf.Validation(ok=r.ok, failures=r.failures(what, hint), steps=steps)

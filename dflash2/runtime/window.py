@@ -1,18 +1,19 @@
 """The sliding-window layers' bounded KV: `CompactingKv`, built once from the target graph's `WindowSignature`.
 
 A graph with a window binding keeps its sliding layers' K|V rows [C, Lw, 2, kv, hd] apart from the other layers'
-(which stay on the ordinary KV binding, max_seq_len rows). C = keep + step + slack rows, keep = the past rows any
-later query can see (W - 1 for a causal window W), step = the most rows one step writes: the buffer never grows
-with the sequence. Row r holds real position base + r; the graph reads base (`window_base`) and computes the
+(which stay on the ordinary KV binding, max_seq_len rows). C = keep + ALIGN - 1 + step + slack rows, keep = the
+past rows any later query can see (W - 1 for a causal window W), step = the most rows one step writes: the buffer
+never grows with the sequence. Row r holds real position base + r; the graph reads base (`window_base`) and computes the
 rotary and the window mask from real positions.
 
 Why compaction, and only at commit points: a verify of n rows may be accepted in part, and the next step must see
 the window as if the rejected rows were never written. A wrapping ring would overwrite rows a rejected verify still
 needs to roll back to (ONNX Runtime's own windowed cache has exactly that bug, plan section 0 item 6). Here a step
 never evicts: it writes at [v, v + n), v = pos - base, so rollback is only a smaller pos (as for PrefixKv). Before a
-step at committed position pos, when v + n would pass C, the binding moves rows [v - keep, v) to [0, keep) and sets
-base = pos - keep; the rows of a rejected verify (past pos) are dropped with it. One move of `keep` rows every
->= slack tokens (plan section 3.2). No torch: the runtime imports it.
+step at committed position pos, when v + n would pass C, the binding moves the rows from base' = pos - keep
+aligned down to ALIGN (row invariance: ALIGN's comment) to the front and sets base = base'; the rows of a rejected
+verify (past pos) are dropped with it. One move of about `keep` rows every >= slack tokens (plan section 3.2). No torch: the runtime
+imports it.
 """
 
 from __future__ import annotations
@@ -25,13 +26,23 @@ from dflash2.errors import Dflash2Error
 # the most rows one step writes, beyond the block: a long prefill is cut into steps of this many rows, so a big
 # window (Muse-Glimmer's 2048) costs window + 2 x 512 rows rather than a prompt's length
 MAX_STEP = 512
+# the buffer's base (the real position of row 0) is always a multiple of ALIGN. Why: a key's column in the window
+# rows is its position - base, and ONNX Runtime's softmax sums a row's columns in SIMD lanes (8 floats with AVX2,
+# 16 with AVX-512, unrolled): a k-row verify and the 1-row decodes at the same positions compact at different
+# commit points, and with bases that differ by other than a multiple of the lane pattern the same keys land in
+# other lanes and the sums round differently (measured: 70 of 270 rows of the tiny Muse-Glimmer pair's row check
+# differed by ~4e-6 with base = pos - keep; none with ALIGN 8 .. 64). 64 covers 16 lanes x 4; it costs ALIGN - 1
+# rows of the buffer
+ALIGN = 64
 
 
 def window_rows(sig: mf.WindowSignature, block_size: int) -> tuple[int, int]:
     """(step, capacity C) of a window buffer: step = the most rows one step may write (>= the block, so a verify
-    always fits; >= keep + 1 up to MAX_STEP), C = keep + 2 x step (slack = step: a compaction every >= step tokens)."""
+    always fits; >= keep + 1 up to MAX_STEP), C = keep + ALIGN - 1 + 2 x step: a compaction keeps keep .. keep +
+    ALIGN - 1 rows (its base aligned down), then room for a step and slack of another (a compaction every >= step
+    tokens)."""
     step = max(block_size, min(sig.keep + 1, MAX_STEP))
-    return step, sig.keep + 2 * step
+    return step, sig.keep + ALIGN - 1 + 2 * step
 
 
 def window_bytes(sig: mf.WindowSignature | None, row: list[int], block_size: int, itemsize: int) -> int:
@@ -77,13 +88,13 @@ class CompactingKv:
         return ins, {}
 
     def _compact(self, pos: int) -> None:
-        """Rows [v - keep, v) -> [0, keep), base = pos - keep. The source and the target overlap when v < 2 keep:
-        moved in ascending chunks of at most v - keep rows, each chunk's source lies past everything written
-        before it (Buffer.move_rows)."""
-        v, keep = pos - self.base, self.keep
-        if v > keep:
-            self.buffer.move_rows(v - keep, keep, 0)
-            self.base = pos - keep
+        """base' = pos - keep aligned down to ALIGN (module comment: row invariance); rows [base' - base, v) ->
+        [0, pos - base'), keep .. keep + ALIGN - 1 of them. The source and the target may overlap (Buffer.move_rows
+        moves as if through a temporary)."""
+        base = (pos - self.keep) // ALIGN * ALIGN
+        if base > self.base:
+            self.buffer.move_rows(base - self.base, pos - base, 0)
+            self.base = base
             self.compactions += 1
 
     def step(self, pos: int, n: int) -> tuple[dict, dict]:
