@@ -80,14 +80,15 @@ def transformers_loop(hf, asst, prompt):
     return out[0, len(prompt):].tolist(), counts[1:]  # counts[0]: the prefill, no candidates
 
 
-def exported(root):
-    """dflash2-export of the pair into root/out, once per module (the windowed test below reuses it)."""
+def exported(root, name: str = "out", window_kv: bool = True):
+    """dflash2-export of the pair into root/name, once per module: the windowed target (its sliding layers on the
+    window buffer, the default), or with window_kv=False every layer on the max_seq_len-row KV."""
     from dflash2 import manifest as mf
     from dflash2.export.api import export
 
-    if not (root / "out" / "manifest.json").exists():
-        export(root / "drafter", root / "target", root / "out", max_seq_len=160, quiet=True)
-    return mf.load(root / "out", mf.ExportManifest, check_files=False)
+    if not (root / name / "manifest.json").exists():
+        export(root / "drafter", root / "target", root / name, max_seq_len=160, quiet=True, window_kv=window_kv)
+    return mf.load(root / name, mf.ExportManifest, check_files=False)
 
 
 def test_exported_pair_matches_transformers_dflash_loop_round_by_round(trained):
@@ -103,27 +104,47 @@ def test_exported_pair_matches_transformers_dflash_loop_round_by_round(trained):
     m = exported(root)
     assert all(v.ok for v in m.validation.values()), m.validation
     assert m.drafter_config["format"] == META and list(m.drafter_config["layer_window"]) == [WINDOW + 1] * 2
+    assert m.graphs["target"].signature.window is not None  # the default: the window buffer
     rt = Runtime(root / "out")
     rt.manifest.eos_token_ids = []
     gen = rt.generate(prompt.tolist(), NEW, draft_len=B - 1)
-    assert gen.ids == greedy
+    assert gen.ids == greedy and rt.session.window.high <= rt.session.window.capacity
     ours = list(gen.stats.accepted)
     ours[-1] = min(ours[-1], gen.stats.emitted[-1] - 1)  # transformers recounts the last round after the length cut
     assert ours == want_counts and set(gen.stats.verified) == {B - 1}
 
 
-def test_the_window_buffer_keeps_the_round_by_round_parity(trained):
-    """The same pair with the target's sliding layers on the bounded window buffer (tests/window_kv_pair.py,
-    runtime.window.CompactingKv): the same ids and accepted counts as transformers' loop in every round, every
-    round past the target's window (prompt 12 > 8), the buffer compacted in between."""
-    from dflash2.speculative import generate
-    from tests.window_kv_pair import build_windowed, windowed_session
+def test_the_parity_holds_with_every_layer_unbounded_too(trained):
+    """The same pair exported with --window-kv off (every layer on the max_seq_len-row KV, the sliding ones masked):
+    the same ids and accepted counts as transformers' loop in every round."""
+    from dflash2.runtime.api import Runtime
 
     hf, asst, root, prompt = trained
     want_ids, want_counts = transformers_loop(hf, asst, prompt)
+    m = exported(root, "full", window_kv=False)
+    assert m.graphs["target"].signature.window is None and all(v.ok for v in m.validation.values())
+    rt = Runtime(root / "full")
+    rt.manifest.eos_token_ids = []
+    gen = rt.generate(prompt.tolist(), NEW, draft_len=B - 1)
+    assert gen.ids == want_ids
+    ours = list(gen.stats.accepted)
+    ours[-1] = min(ours[-1], gen.stats.emitted[-1] - 1)  # transformers recounts the last round after the length cut
+    assert ours == want_counts
+
+
+def test_the_window_buffer_compacts_and_keeps_the_parity(trained, monkeypatch):
+    """The exported windowed target with ALIGN 1 (runtime/window.py: a compaction every few rounds at this size,
+    where ALIGN 64's buffer would hold the whole run): the same ids and accepted counts as transformers' loop in
+    every round past the target's window (prompt 12 > 8), the buffer compacted in between."""
+    from dflash2.runtime import window
+    from dflash2.speculative import generate
+    from tests.window_kv_pair import windowed_session
+
+    monkeypatch.setattr(window, "ALIGN", 1)
+    hf, asst, root, prompt = trained
+    want_ids, want_counts = transformers_loop(hf, asst, prompt)
     exported(root)
-    sig = build_windowed(root / "out", root / "target", root / "drafter", "muse_glimmer")
-    s = windowed_session(root / "out", sig)
+    s = windowed_session(root / "out")
     s.manifest.eos_token_ids = []
     gen = generate(s, prompt.tolist(), NEW, draft_len=B - 1)
     assert gen.ids == want_ids and s.window.compactions > 2 and s.window.high <= s.window.capacity

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         out = {"ids": gen.ids, "stop_reason": gen.stop_reason, "backend": rt.backend_name,
                "speculative": not a.no_spec, "weights": label(rt.manifest), "draft_len": a.draft_len,
                "sampling": sampling.describe(),
-               "schedule": schedule, "start_s": round(start_s, 3), **stats}
+               "schedule": schedule, "start_s": round(start_s, 3), **stats,
+               "kv": rt.session.kv_report()}  # the bytes a windowed target's buffer bounds (docs/families)
         if (a.folder / "tokenizer.json").is_file():
             out["text"] = rt.text.decode(gen.ids)
         print(json.dumps(out))

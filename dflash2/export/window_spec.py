@@ -24,7 +24,6 @@ from torch import nn
 
 from dflash2.export import signature as N
 from dflash2.export.graphs import STALE_ROWS, GraphSpec, TargetGraph, _gen
-from dflash2.export.plain import sliding  # noqa: F401 (re-exported: the export's one rule)
 
 
 class WindowedTargetGraph(nn.Module):

@@ -182,6 +182,18 @@ class SpecSession:
             out |= {f"states.{n}": b.ptr for n, b in self.states.named_buffers().items()}
         return out
 
+    def kv_report(self) -> dict:
+        """The KV buffers' bytes as allocated (dflash2-run --json): the target's KV binding (max_seq_len rows; its
+        full-attention layers only where a window buffer holds the sliding ones), the window buffer (its rows fixed
+        by the window, whatever the sequence: runtime.window), the drafter's context KV; with a window buffer also
+        its rows, the most of them a step saw, its compactions and layers."""
+        out = {"target_bytes": self.kv.nbytes, "window_bytes": 0, "drafter_bytes": self.ctx_kv.nbytes}
+        if self.window is not None:
+            w = self.window
+            out |= {"window_bytes": w.buffer.nbytes, "window_rows": w.capacity, "window_rows_used": w.high,
+                    "window_compactions": w.compactions, "window_layers": list(self.target_sig.window.layers)}
+        return out
+
     def check_capacity(self, prompt_len: int, max_new_tokens: int) -> None:
         need = prompt_len + max_new_tokens + self.block_size
         if need > self.max_seq_len:
