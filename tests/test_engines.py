@@ -82,6 +82,35 @@ def test_profile_limits_rejected(export_dir, kw, needle):
     assert needle in str(e.value)
 
 
+def test_window_profiles_bind_the_whole_window_buffer(export_dir):
+    """A windowed target's fixed flavour (manifest.WindowSignature: window_cache [window_cap, Lw, ...] + window_len +
+    window_base): both target profiles fix window_cap at the runtime's window capacity (runtime.window.window_rows),
+    whatever the step; the static [1] inputs need no entry. The export's target edited to that io here (the windowed
+    Muse-Glimmer export goes through the fake TensorRT in tests/test_window_export.py)."""
+    import dataclasses
+
+    from dflash2.export import signature as sg
+    from dflash2.runtime import window
+
+    m = _export_manifest(export_dir)
+    g = m.graphs["target"]
+    io = g.tensorrt
+    ins = [dataclasses.replace(s, shape=["cap", 1, 2, 2, 16]) if s.name == "kv_cache" else s for s in io.inputs]
+    ins += [mf.IoSpec("window_cache", "float32", ["window_cap", 3, 2, 2, 16]), mf.IoSpec("window_len", "int32", [1]),
+            mf.IoSpec("window_base", "int64", [1])]
+    trt_sig = dataclasses.replace(g.tensorrt_signature, window=sg.window_signature("fixed", [0, 1, 2], 7))
+    m.graphs["target"] = dataclasses.replace(g, tensorrt_io=mf.GraphIo(ins, io.outputs), tensorrt_signature=trt_sig)
+    C = 7 + window.ALIGN - 1 + 2 * 8  # keep + ALIGN - 1 + 2 steps of a block
+    kv, win = [64, 1, 2, 2, 16], [C, 3, 2, 2, 16]
+    plan = [p.to_dict() for p in pr.plan_profiles(m, 64, 32)["target"]]
+    assert [p["dims"] for p in plan] == [{"n": [1, 32, 32], "cap": [64, 64, 64], "window_cap": [C, C, C]},
+                                         {"n": [1, 8, 8], "cap": [64, 64, 64], "window_cap": [C, C, C]}]
+    for p in plan:
+        assert p["shapes"]["kv_cache"] == {"min": kv, "opt": kv, "max": kv}
+        assert p["shapes"]["window_cache"] == {"min": win, "opt": win, "max": win}
+        assert "window_len" not in p["shapes"] and "window_base" not in p["shapes"]
+
+
 def test_unknown_symbolic_dim_rejected():
     with pytest.raises(pr.ProfileError, match="symbolic dim\\(s\\) \\['seq'\\]"):
         pr.input_shapes("target", [mf.IoSpec("x", "float32", ["seq", 4])], {"n": pr.DimRange(1, 1, 1)})

@@ -132,3 +132,24 @@ def test_window_kv_off_is_said_in_the_plan(pair):
     assert "window KV:   on: sliding layers [0, 1, 2] in a bounded buffer (keep 7 rows" in cli(export_cli.main, *args)
     assert "window KV:   off (--window-kv off" in cli(export_cli.main, *args, "--window-kv", "off")
     assert not (pair / "never").exists()
+
+
+def test_windowed_engines_on_the_fake_tensorrt_match_onnxruntime(exported, tmp_path, fake_plugin, fake):
+    """dflash2-build's real code over the fake TensorRT (tests/fake_trt.py: set_input_shape enforces the active
+    profile): the target engine's profiles take the whole window buffer, and generation on the fixed bindings
+    (device buffers, the window buffer moved by cudaMemcpyAsync) gives ONNX Runtime's ids through compactions."""
+    from dflash2.engines import build as eb
+    from dflash2.engines import plan as ep
+    from dflash2.runtime.api import Runtime
+
+    if mf.load(exported, mf.ExportManifest, check_files=False).quantization is not None:
+        pytest.skip("--quantize int8's fused graph has no TensorRT flavour")
+    plan = ep.plan_build(exported, tmp_path / "engines", max_seq_len=T, max_prefill=32, plugin=fake_plugin,
+                         timing_cache=tmp_path / "timing.cache", workspace_mb=256)
+    eb.build(plan, quiet=True)
+    for speculative in (True, False):
+        want = Runtime(exported).generate(PROMPT, NEW, speculative=speculative).ids
+        rt = Runtime(tmp_path / "engines")
+        assert rt.backend_name == "tensorrt" and rt.session.window.buffer.whole().device == "cuda"
+        assert rt.generate(PROMPT, NEW, speculative=speculative).ids == want
+        assert rt.session.window.compactions >= 2
