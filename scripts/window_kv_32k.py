@@ -1,13 +1,13 @@
 """Issue 48's long run: a 32k-token generation on a tiny windowed target whose sliding layers' KV stays at the window.
 
 dflash2-make-tiny's Muse-Glimmer pair (3 sliding layers of window 8, 1 NoPE full layer, hidden 64) with a DFlash2
-drafter of block 8, exported by dflash2-export, its target rebuilt with the window buffer (tests/window_kv_pair.py:
-dflash2-export does not write that flavour yet), generated greedily and speculatively by the runtime for
+drafter of block 8, exported by dflash2-export (which writes the windowed target for it: --window-kv on, the
+default), generated greedily and speculatively by the runtime (tests/window_kv_pair.py's session) for
 --tokens tokens. Prints, at 1k / 8k / 32k tokens, the KV bytes in use: the window buffer (allocated once, its
 capacity), the full layer's rows, the drafter's context rows, and what the sliding layers would hold without the
 window buffer, and the process's resident memory; then compares speculative decoding (the pair's drafter) with
 target-only greedy over the first --spec-check tokens. Two steps, so that the run's peak RSS (/usr/bin/time -v) is the
-runtime's (no torch: the export and the windowed build import it):
+runtime's (no torch: the export imports it):
 
     PYTHONPATH=. python scripts/window_kv_32k.py --dir /tmp/wkv --prepare
     OMP_NUM_THREADS=1 PYTHONPATH=. /usr/bin/time -v python scripts/window_kv_32k.py --dir /tmp/wkv --tokens 32768
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import json
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ MARKS = (1024, 8192, 32768)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, required=True, help="where the pair, its export and the windowed graph live")
-    ap.add_argument("--prepare", action="store_true", help="make the pair, export it, build the windowed target")
+    ap.add_argument("--prepare", action="store_true", help="make the pair and export it (the windowed target)")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--speculative", action="store_true", help="the long run speculative (default target-only)")
     ap.add_argument("--spec-check", type=int, default=2048,
@@ -41,17 +40,13 @@ def main() -> None:
     root = args.dir
     if args.prepare:
         return prepare(root)
-    from dflash2 import manifest as mf
-    from dflash2.manifest.jsonio import _convert
     from dflash2.speculative import generate
     from tests.window_kv_pair import windowed_session
 
-    problems: list[str] = []
-    sig = _convert(mf.Signature, json.loads((root / "window_signature.json").read_text()), "signature", problems)
-    assert not problems, problems
     assert "torch" not in sys.modules  # the run measures the runtime alone
     T = len(PROMPT) + args.tokens + 64
-    s = windowed_session(root / "out", sig, max_seq_len=T)
+    s = windowed_session(root / "out", max_seq_len=T)
+    sig = s.target_sig
     s.manifest.eos_token_ids = []
     w, kv, ctx = s.window, s.target_kv.buffer, s.drafter_kv.buffer
     print(f"window layers {sig.window.layers} (keep {sig.window.keep}), buffer {w.buffer.shape} = "
@@ -83,7 +78,7 @@ def main() -> None:
           f"{w.high} <= capacity {w.capacity}, {w.compactions} compactions")
     assert w.high <= w.capacity and w.buffer.shape[0] == w.capacity
     n = min(args.spec_check, args.tokens)
-    other = windowed_session(root / "out", sig, max_seq_len=T)
+    other = windowed_session(root / "out", max_seq_len=T)
     other.manifest.eos_token_ids = []
     same = generate(other, PROMPT, n, speculative=not args.speculative).ids == g.ids[:n]
     print(f"speculative ids == target-only greedy over the first {n}: {same} ({other.window.compactions} "
@@ -95,14 +90,11 @@ def main() -> None:
 def prepare(root: Path) -> None:
     from dflash2 import tiny
     from dflash2.export.api import export
-    from dflash2.manifest.jsonio import _plain
-    from tests.window_kv_pair import build_windowed
 
     target = tiny.make_target(root / "target", family="muse_glimmer")
     drafter = tiny.make_drafter(root / "drafter", target, version=2, block_size=8)
-    export(drafter, target, root / "out", max_seq_len=160, quiet=True)
-    sig = build_windowed(root / "out", target, drafter, "muse_glimmer")
-    (root / "window_signature.json").write_text(json.dumps(_plain(sig), indent=1))
+    m = export(drafter, target, root / "out", max_seq_len=160, quiet=True)
+    assert m.graphs["target"].signature.window is not None  # the windowed target: dflash2-export's default here
     print(f"prepared {root}")
 
 
