@@ -175,6 +175,10 @@ def test_export_is_validated_and_row_invariant(exported):
     rows = m.validation["target.rows"]
     assert not rows.skipped and rows.steps["rows"] > 0 and rows.steps["differing"] == 0
     assert m.kv.target_attention == "plain"
+    # dflash2-export's default: the sliding layers on the window buffer, both flavours, the row check through it
+    window = m.graphs["target"].signature.window
+    assert window.layers == [0, 2] and window.keep == 7 and m.graphs["target"].tensorrt_signature.window.length
+    assert rows.steps["window_compactions"] >= 1
 
 
 def test_speculative_decoding_through_the_exported_graphs_is_lossless_past_the_window(exported):
