@@ -223,29 +223,24 @@ class WindowSignature:
         return out + self._io_problems(w, io)
 
     def _io_problems(self, w: str, io: "GraphIo") -> list[str]:
-        out = []
-        ins = {s.name: s for s in io.inputs if s is not None}
-        outs = {s.name: s for s in io.outputs if s is not None}
-        past, present = ins.get(self.past[0]), outs.get(self.present[0])
-        for name, spec, side, have in ((self.past[0], past, "input", ins), (self.present[0], present, "output", outs)):
+        out, sides = [], ({s.name: s for s in io.inputs if s}, {s.name: s for s in io.outputs if s})
+        specs = [sides[0].get(self.past[0]), sides[1].get(self.present[0])]
+        for side, (name, spec) in enumerate(zip((self.past[0], self.present[0]), specs)):
+            shape = list(spec.shape or []) if spec is not None else None
             if spec is None:
-                out.append(f"{w}: {name} is not an {side} of the graph ({sorted(have)})")
-                continue
-            shape = list(spec.shape or [])
-            if len(shape) != 5 or shape[1] != len(self.layers):
+                out.append(f"{w}: {name} is not an {('input', 'output')[side]} of the graph ({sorted(sides[side])})")
+            elif len(shape) != 5 or shape[1] != len(self.layers):
                 out.append(f"{w}: {name} expected shape [rows, {len(self.layers)} (window.layers), 2, kv, hd], "
                            f"found {shape}")
-        if past is not None and present is not None:
-            if list(past.shape or [])[1:] != list(present.shape or [])[1:] or past.dtype != present.dtype:
-                out.append(f"{w}: {self.present[0]} expected the rows of {self.past[0]} ({past.dtype} "
-                           f"{list(past.shape or [])[1:]}), found {present.dtype} {list(present.shape or [])[1:]}")
+        rows = [(s.dtype, list(s.shape or [])[1:]) for s in specs if s is not None]
+        if len(rows) == 2 and rows[0] != rows[1]:
+            out.append(f"{w}: {self.present[0]} expected the rows of {self.past[0]} ({rows[0][0]} {rows[0][1]}), "
+                       f"found {rows[1][0]} {rows[1][1]}")
         for name, dt in ((self.base, "int64"), (self.length, "int32")):
-            if name is None:
-                continue
-            spec = ins.get(name)
-            if spec is None:
-                out.append(f"{w}: {name} is not an input of the graph ({sorted(ins)})")
-            elif spec.dtype != dt or list(spec.shape or []) != [1]:
+            spec = sides[0].get(name)
+            if name is not None and spec is None:
+                out.append(f"{w}: {name} is not an input of the graph ({sorted(sides[0])})")
+            elif name is not None and (spec.dtype != dt or list(spec.shape or []) != [1]):
                 out.append(f"{w}: {name} expected {dt} [1], found {spec.dtype} {list(spec.shape or [])}")
         return out
 
