@@ -3,8 +3,9 @@
 default, and dflash2-run on it with a prompt past the window and enough new tokens to compact the buffer several
 times: the speculative ids equal --no-spec's, --check-rows holds through compactions, and --json reports the KV
 bytes: the full layer's max_seq_len rows and the window buffer's fixed rows (the bound). The manifest's window
-binding is checked against the graphs' io (a wrong layer count is one clear error), and --window-kv off writes the
-unbounded target."""
+binding is checked against the graphs' io (a wrong layer count is one clear error), the export's validation fails
+on a window buffer one row short, the engines' profiles hold it (fake TensorRT), and --window-kv off is said in the
+plan."""
 
 from __future__ import annotations
 
@@ -47,13 +48,19 @@ def pair(tmp_path_factory):
     return root
 
 
+def export_once(pair, kind: str):
+    """dflash2-export of the module's pair (fp32 or --quantize int8) into pair/out-KIND, once per module."""
+    out = pair / f"out-{kind}"
+    if not (out / mf.NAME).exists():
+        quant = ["--quantize", "int8"] if kind == "int8" else []
+        cli(export_cli.main, "--model", str(pair / "pair" / "drafter"), "--target", str(pair / "pair" / "target"),
+            "--out", str(out), "--max-seq-len", str(T), "--quiet", *quant)
+    return out
+
+
 @pytest.fixture(scope="module", params=["fp32", pytest.param("int8", marks=pytest.mark.slow)])
 def exported(request, pair):
-    out = pair / f"out-{request.param}"
-    quant = ["--quantize", "int8"] if request.param == "int8" else []
-    cli(export_cli.main, "--model", str(pair / "pair" / "drafter"), "--target", str(pair / "pair" / "target"),
-        "--out", str(out), "--max-seq-len", str(T), "--quiet", *quant)
-    return out
+    return export_once(pair, request.param)
 
 
 def test_the_export_writes_the_window_binding_and_checks_it(exported):
@@ -92,9 +99,7 @@ def test_a_window_binding_that_disagrees_with_the_graph_is_one_clear_error(pair,
     """The manifest's window.layers one short: refused on load, naming the field, the graph's shape and the rows."""
     import shutil
 
-    src = pair / "out-fp32"
-    if not src.exists():
-        pytest.skip("the fp32 export is the module's first param")
+    src = export_once(pair, "fp32")
     out = tmp_path / "edited"
     shutil.copytree(src, out)
 
@@ -153,3 +158,23 @@ def test_windowed_engines_on_the_fake_tensorrt_match_onnxruntime(exported, tmp_p
         assert rt.backend_name == "tensorrt" and rt.session.window.buffer.whole().device == "cuda"
         assert rt.generate(PROMPT, NEW, speculative=speculative).ids == want
         assert rt.session.window.compactions >= 2
+
+
+def test_the_validation_sees_a_window_buffer_one_row_short(pair, tmp_path):
+    """The export's check of the windowed target (export/window_spec.py) can fail: its feeds with keep - 1 rows after
+    the compaction (one visible row missing from the graph's keys, a zero row in the reference's) fail on the
+    exported graph; the right keep passes."""
+    from dflash2.export.graphs import graph_specs
+    from dflash2.export.validate import validate_graph
+    from dflash2.export.window_spec import windowed_spec
+    from dflash2.reference.load import load_drafter
+    from dflash2.reference.muse_glimmer import load_target
+
+    out = export_once(pair, "fp32")
+    m = mf.load(out, mf.ExportManifest, check_files=False)
+    ref = load_target(pair / "pair" / "target", tuple(m.tap_ids))
+    spec = graph_specs(ref, load_drafter(pair / "pair" / "drafter", ref), m.context.fused)[0]
+    layers, keep = m.graphs["target"].signature.window.layers, m.graphs["target"].signature.window.keep
+    good, _ = validate_graph(windowed_spec(spec, layers, keep), out / "target.onnx", "float32")
+    bad, _ = validate_graph(windowed_spec(spec, layers, keep - 1), out / "target.onnx", "float32")
+    assert good == [] and bad and all("(step 2)" in f for f in bad), bad
