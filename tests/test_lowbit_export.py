@@ -51,6 +51,8 @@ def test_quantized_export_is_checked_and_lossless(tmp_path, family, checkpoint, 
     rows = m.validation["target.rows"]
     assert not rows.skipped and rows.steps["rows"] > 0 and rows.steps["differing"] == 0
     assert m.kv.target_attention == "gqa"
+    # the default: the sliding layers on the window buffer, the row check through its compactions
+    assert m.graphs["target"].signature.window is not None and rows.steps["window_compactions"] >= 1
     dev = m.validation["target"].deviation
     print(f"{family} {checkpoint} {method}: top-1 agreement with fp32 {dev.top1_agreement}")
 
