@@ -78,6 +78,7 @@ def measure(spec: GraphSpec, path: Path, save_dir: Path | None = None) -> tuple[
                 ref, ref_logits = _reference(spec, feed, probe is not None)
                 if replay is not None:
                     replay.add({k: np_of(v) for k, v in feed.items()}, ref)
+                release_freed()  # the reference pass's heap (its streamed layers) back before the graph runs
                 g = dict(zip(names, sess.run(names, {k: np_of(v) for k, v in feed.items()})))
                 failures += _compared(spec, step, feed, g, ref, ref_logits, report)
                 del g, ref, ref_logits

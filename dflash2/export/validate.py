@@ -126,6 +126,7 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
                     replay.add({k: np_of(v) for k, v in feed.items()}, ref)
                 if providers is None:
                     continue
+                release_freed()  # the reference pass's heap (its streamed layers) back before the graph runs
                 one = sess or open_session(runnable, providers, weights_in_place=weights_in_place)
                 got = run(one, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # in the graph's dtype
                 del one  # the per-feed session closed (its mapping gone) before the comparison's temporaries
