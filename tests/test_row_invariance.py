@@ -66,6 +66,21 @@ def test_check_passes_on_the_real_session_and_catches_a_one_ulp_multirow_differe
     assert flips.differing == flips.rows
 
 
+def test_lean_runtime_checks_the_same_rows_without_a_drafter_session(exports):
+    """The export's row check opens its runtime lean (no drafter session unless a draft runs, no CPU arena): the
+    same check result, and a lean session that does draft opens the drafter then and generates the same ids."""
+    folder = exports[("llama", 2)]
+    plain, lean = Runtime(folder).session, Runtime(folder, lean=True).session
+    assert set(plain.backend._sessions) == {"target", "drafter"} and set(lean.backend._sessions) == {"target"}
+    a, b = check_rows(plain), check_rows(lean)
+    assert b.ok and (a.rows, a.per_k) == (b.rows, b.per_k) and "drafter" not in lean.backend._sessions
+    prompt = _prompt(lean.vocab_size, 12)
+    want = generate(plain, prompt, 40)
+    got = generate(lean, prompt, 40)
+    assert got.ids == want.ids and got.stats.accepted == want.stats.accepted
+    assert "drafter" in lean.backend._sessions and any(got.stats.accepted)
+
+
 def test_infinities_in_both_do_not_hide_a_difference(exports):
     s = Runtime(exports[("llama", 2)]).session
 

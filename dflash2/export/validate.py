@@ -8,7 +8,7 @@ replays the check.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -106,39 +106,46 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
     feeds = own_storage(spec.feeds())
     release_freed()  # the feeds' reference passes freed: their heap back to the OS before the session's
     providers = providers_for(dtype)
-    sess = None
-    if providers is not None and selector_drafts is not None:
-        with _with_function(path, selector_drafts) as runnable:
-            sess = open_session(runnable, providers, weights_in_place=weights_in_place)
-    elif providers is not None:
-        sess = open_session(path, providers, weights_in_place=weights_in_place)
     failures, report = [], {}
-    # one feed at a time: its reference, its replay files' part, its run and comparison, then the next (a hybrid
-    # target's outputs hold per-row recurrent states, ~300 MB a feed at Qwen3.5-0.8B's shape: every feed's reference
-    # and graph outputs at once held GBs)
-    with ReplayWriter(save_dir, name) if save_dir is not None else nullcontext() as replay:
-        for step, feed in enumerate(feeds):
-            ref = reference_outputs(spec, [feed])[0]
-            if replay is not None:
-                replay.add({k: np_of(v) for k, v in feed.items()}, ref)
-            if sess is None:
-                continue
-            got = run(sess, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # fed in the graph's dtype
-            walked = _on_graph_candidates(spec, feed, got, dtype)
-            if walked is not None:
-                ref = walked[0]
-            if spec.trim is not None:
-                got = {k: spec.trim(k, v, feed) for k, v in got.items()}
-                ref = {k: spec.trim(k, v, feed) for k, v in ref.items()}
-            f, r = compare(name, got, ref, dtype, step)
-            if walked is not None:  # recorded: what was judged on the graph's own choices
-                r["walked_on_graph_candidates"] = True
-                r["positions_after_a_walk_tie"] = walked[1]
-            failures += f
-            report[f"step{step}"] = r
-            del got, ref
-            release_freed()
-    if sess is None:
+    with ExitStack() as stack:
+        runnable = path
+        if providers is not None and selector_drafts is not None:
+            runnable = stack.enter_context(_with_function(path, selector_drafts))
+        sess = open_session(runnable, providers, weights_in_place=weights_in_place) if providers is not None and \
+            not weights_in_place else None
+        # one feed at a time: its reference, its replay files' part, its run and comparison, then the next (a hybrid
+        # target's outputs hold per-row recurrent states, ~300 MB a feed at Qwen3.5-0.8B's shape: every feed's
+        # reference and graph outputs at once held GBs). The bounded-memory session (weights_in_place: the weights
+        # where ONNX Runtime maps the data file, nothing prepacked or folded, so opening it costs a mapping) is open
+        # only while its feed runs: the truncated build's mapped fp32 embedding, which the head reads whole (1 GB
+        # at Qwen3.5-0.8B's shape), is then not resident beside the next feed's reference pass.
+        with ReplayWriter(save_dir, name) if save_dir is not None else nullcontext() as replay:
+            for step, feed in enumerate(feeds):
+                ref = reference_outputs(spec, [feed])[0]
+                if replay is not None:
+                    replay.add({k: np_of(v) for k, v in feed.items()}, ref)
+                if providers is None:
+                    continue
+                release_freed()  # the reference pass's heap (its streamed layers) back before the graph runs
+                one = sess or open_session(runnable, providers, weights_in_place=weights_in_place)
+                got = run(one, {k: graph_array(v) for k, v in feed.items()}, spec.outputs)  # in the graph's dtype
+                del one  # the per-feed session closed (its mapping gone) before the comparison's temporaries
+                walked = _on_graph_candidates(spec, feed, got, dtype)
+                if walked is not None:
+                    ref = walked[0]
+                if spec.trim is not None:
+                    got = {k: spec.trim(k, v, feed) for k, v in got.items()}
+                    ref = {k: spec.trim(k, v, feed) for k, v in ref.items()}
+                f, r = compare(name, got, ref, dtype, step)
+                if walked is not None:  # recorded: what was judged on the graph's own choices
+                    r["walked_on_graph_candidates"] = True
+                    r["positions_after_a_walk_tie"] = walked[1]
+                failures += f
+                report[f"step{step}"] = r
+                del got, ref
+                release_freed()
+        del sess
+    if providers is None:
         return [], {"skipped": "ONNX Runtime's CPU provider has no bfloat16 kernels; validate with "
                                "`dflash2-compare --engines` on a GPU"}
     return failures, report

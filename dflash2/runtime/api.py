@@ -50,7 +50,7 @@ def check_runnable(folder: Path, manifest: mf.Manifest, name: str, provider: str
 
 
 def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None,
-                 threads: int | None = None, drafter_threads: int | None = None):
+                 threads: int | None = None, drafter_threads: int | None = None, lean: bool = False):
     check_runnable(folder, manifest, name, provider)
     if name == "tensorrt":
         from dflash2.runtime.trt import TrtBackend
@@ -63,14 +63,14 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
         manifest = mf.load(folder, mf.ExportManifest, check_files=False)  # weights not rehashed at every start
     graphs = {name: g.flavours.portable for name, g in manifest.graphs.items()}
     return OrtBackend(folder, graphs, {name: manifest.signature(name) for name in graphs}, provider, threads,
-                      manifest=manifest, drafter_threads=drafter_threads)
+                      manifest=manifest, drafter_threads=drafter_threads, lean=lean)
 
 
 class Runtime:
     def __init__(self, folder: str | Path, backend: str | None = None, verify: bool | str = True,
                  max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None,
                  log: Callable[[str], None] | None = None, schedule_cache: bool | None = None,
-                 drafter_threads: int | None = None):
+                 drafter_threads: int | None = None, lean: bool = False):
         """log: where a line about what is allocated goes before allocating (dflash2-run: stderr).
         threads: ONNX Runtime's intra-op threads (None: DFLASH2_THREADS, else ONNX Runtime's default, one per core);
         drafter_threads: the drafter session's own (None: DFLASH2_DRAFTER_THREADS, else as threads;
@@ -78,7 +78,9 @@ class Runtime:
         schedule_cache: start `--draft-len auto` from what it learned about this export on this machine
         (dflash2.runtime.schedule_cache; default on unless DFLASH2_SCHEDULE_CACHE=0).
         verify: True checks every file's size and sha256, hashing only files changed since their last check
-        (dflash2.manifest.hashcache); "full" hashes every file; False checks nothing."""
+        (dflash2.manifest.hashcache); "full" hashes every file; False checks nothing.
+        lean: ONNX Runtime only, the export's row check: the drafter's session opened at its first draft, no CPU
+        arena (dflash2.runtime.ort.OrtBackend); not for generation, whose first round would then load the drafter."""
         self.folder = Path(folder)
         self.manifest = mf.load(self.folder, check_files=False)
         self.backend_name = pick_backend(self.manifest, backend)
@@ -86,7 +88,8 @@ class Runtime:
         if verify:
             mf.check_files(self.folder, self.manifest, rehash=verify == "full")
         self.checked_at = time.perf_counter()  # the start before the engine sessions ends here (dflash2-run's start_s)
-        backend = make_backend(self.folder, self.manifest, self.backend_name, provider, threads, drafter_threads)
+        backend = make_backend(self.folder, self.manifest, self.backend_name, provider, threads, drafter_threads,
+                               lean)
         self.session = SpecSession(self.manifest, backend, max_seq_len, log)
         self._text: Text | None = None
         self._auto: AutoSchedule | None = None

@@ -92,6 +92,30 @@ class OrtEngine:
         self.session.run_with_iobinding(self.binding)
 
 
+class DeferredEngine:
+    """An OrtEngine whose session opens at its first run: the views bound before are bound then. The export's row
+    check builds a whole SpecSession (the target's binding and buffers exactly as generation's) but never drafts,
+    so its drafter session (0.22 GiB at Qwen3.5-0.8B's shape, int4) is never opened (OrtBackend's `lean`)."""
+
+    def __init__(self, name: str, opener):
+        self.name, self._open, self._engine = name, opener, None
+        self._fixed: list[tuple[dict, dict]] = []
+
+    def bind(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        if self._engine is not None:
+            self._engine.bind(inputs, outputs)
+        else:
+            self._fixed.append((dict(inputs), dict(outputs)))
+
+    def run(self, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        if self._engine is None:
+            self._engine = OrtEngine(self.name, self._open())
+            for i, o in self._fixed:
+                self._engine.bind(i, o)
+            self._fixed = []
+        self._engine.run(inputs, outputs)
+
+
 def _env_threads(name: str) -> int | None:
     """A thread count from the environment (unset or empty: None), named when it is not a positive integer."""
     raw = os.environ.get(name, "").strip()
@@ -117,7 +141,12 @@ class OrtBackend:
 
     def __init__(self, folder: Path, graphs: dict[str, str], signatures: dict[str, Signature],
                  provider: str | None = None, threads: int | None = None, manifest=None,
-                 drafter_threads: int | None = None):
+                 drafter_threads: int | None = None, lean: bool = False):
+        """lean: the export's row check (dflash2.runtime.invariance) in the least memory that leaves what it checks
+        as generation runs it: the drafter's session opens only if a draft runs (DeferredEngine), and the
+        sessions keep no CPU arena (intermediate tensors given back when freed). The graphs, kernels, prepacked
+        weights, threads, binding and buffers are generation's; only where ONNX Runtime places intermediate tensors
+        differs (64-byte aligned either way)."""
         import onnxruntime as ort
 
         available = ort.get_available_providers()
@@ -131,6 +160,7 @@ class OrtBackend:
         # against 2.8-2.9 with 2, a k = 1 round 5% cheaper; the main command did not gain from it (docs/quantization.md),
         # so it is a knob, not a default. A large drafter on many cores wants them all.
         self.drafter_threads = drafter_threads or _env_threads("DFLASH2_DRAFTER_THREADS")
+        self.lean = lean
         self._sessions: dict[str, object] = {}
 
     def session(self, graph: str):
@@ -139,7 +169,8 @@ class OrtBackend:
             # from the verify that follows; the target's spinning speeds up back-to-back steps. SmolLM2, 2 cores,
             # ms per round (verify + draft): both spin 37.6 + 8.6, none 26.0 + 6.4, target only 21.7 + 7.2.
             threads = self.drafter_threads if graph == "drafter" and self.drafter_threads else self.threads
-            session = open_session(self.folder / self.graphs[graph], self.providers, threads, graph == "target")
+            session = open_session(self.folder / self.graphs[graph], self.providers, threads, graph == "target",
+                                   arena=not self.lean)
             if self.manifest is not None:  # the manifest must describe the file that runs, not a swapped one
                 from dflash2.runtime.graphcheck import check_graph
 
@@ -147,7 +178,9 @@ class OrtBackend:
             self._sessions[graph] = session
         return self._sessions[graph]
 
-    def engine(self, graph: str) -> OrtEngine:
+    def engine(self, graph: str) -> OrtEngine | DeferredEngine:
+        if self.lean and graph == "drafter" and graph not in self._sessions:
+            return DeferredEngine(graph, lambda: self.session(graph))
         return OrtEngine(graph, self.session(graph))
 
     def signature(self, graph: str) -> Signature:
