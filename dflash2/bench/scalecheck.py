@@ -216,9 +216,9 @@ def make_pair(shape: Shape, root: Path | None = None, out_bytes_per_param: float
         (drafter / "config.json").write_text(json.dumps(dcfg, indent=2))
     from dflash2.bench.scalecut import check_disk, pair_sizes
 
-    pair_bytes, params = pair_sizes(shape, target, drafter)
+    pair_bytes, params, scratch = pair_sizes(shape, target, drafter)
     cached = (root / "DONE").is_file()
-    check_disk(0 if cached else pair_bytes, root, int(params * out_bytes_per_param), Path(out_root or root),
+    check_disk(0 if cached else pair_bytes, root, int(params * out_bytes_per_param) + scratch, Path(out_root or root),
                shape.name)
     if cached:
         return drafter, target

@@ -76,16 +76,24 @@ def check_disk(pair_bytes: int, pair_root: Path, out_bytes: int, out_root: Path,
                 f"on one file system; {free[dev] / 1e9:.1f} GB is free (truncate it: --layers N)")
 
 
-def pair_sizes(shape: Shape, target: Path, drafter: Path) -> tuple[int, int]:
-    """(bytes on disk of the pair as written, target parameters) from the written config.json files."""
+def pair_sizes(shape: Shape, target: Path, drafter: Path) -> tuple[int, int, int]:
+    """(bytes on disk of the pair as written, target parameters, the export's scratch bytes) from the written
+    config.json files. The scratch is the templates' end-to-end check (dflash2.export.stages.gqa_target): an fp32
+    build of truncated_depth() layers with the real embedding and head, written beside the export whatever the mode
+    (10 GB at the 27B shape's untied 248,320 x 5120 vocabulary) and deleted once validated."""
     from dflash2.checkpoint import drafter_tensor_shapes, family_tensor_shapes
     from dflash2.config import load_drafter_config, load_target_config
+    from dflash2.export.stages import truncated_depth
 
     item = {"bfloat16": 2, "float32": 4}[shape.dtype]
-    t = family_tensor_shapes(load_target_config(target))
+    tc = load_target_config(target)
+    t = family_tensor_shapes(tc)
     d = drafter_tensor_shapes(load_drafter_config(drafter), shape.hidden)
     params = sum(math.prod(v) for v in t.values())
-    return item * (params + sum(math.prod(v) for v in d.values())), params
+    per_layer = sum(math.prod(v) for k, v in t.items() if ".layers." in k) / tc.num_layers
+    vocab = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    scratch = int(4 * (vocab + truncated_depth(tc) * per_layer))
+    return item * (params + sum(math.prod(v) for v in d.values())), params, scratch
 
 
 def per_layer(shapes: list[Shape], rows: list) -> list[dict]:
