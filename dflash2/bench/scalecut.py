@@ -79,20 +79,22 @@ def check_disk(pair_bytes: int, pair_root: Path, out_bytes: int, out_root: Path,
 def pair_sizes(shape: Shape, target: Path, drafter: Path) -> tuple[int, int, int]:
     """(bytes on disk of the pair as written, target parameters, the export's scratch bytes) from the written
     config.json files. The scratch is the templates' end-to-end check (dflash2.export.stages.gqa_target): an fp32
-    build of truncated_depth() layers with the real embedding and head, written beside the export whatever the mode
-    (10 GB at the 27B shape's untied 248,320 x 5120 vocabulary) and deleted once validated."""
+    build of the truncated layers with the real embedding and head (10 GB of vocabulary at the 27B shape's untied
+    248,320 x 5120), written beside the export and deleted once validated; a quantized export skips it past
+    stages.TRUNCATED_CHECK_BYTES, so for those it is a bound, not a prediction."""
     from dflash2.checkpoint import drafter_tensor_shapes, family_tensor_shapes
     from dflash2.config import load_drafter_config, load_target_config
     from dflash2.export.stages import truncated_depth
+    from dflash2.reference.streamed import truncated
 
     item = {"bfloat16": 2, "float32": 4}[shape.dtype]
-    tc = load_target_config(target)
+    tc, dc = load_target_config(target), load_drafter_config(drafter)
     t = family_tensor_shapes(tc)
-    d = drafter_tensor_shapes(load_drafter_config(drafter), shape.hidden)
+    d = drafter_tensor_shapes(dc, shape.hidden)
     params = sum(math.prod(v) for v in t.values())
     per_layer = sum(math.prod(v) for k, v in t.items() if ".layers." in k) / tc.num_layers
     vocab = shape.vocab * shape.hidden * (1 if shape.tied else 2)
-    scratch = int(4 * (vocab + truncated_depth(tc) * per_layer))
+    scratch = int(4 * (vocab + truncated(tc, dc, truncated_depth(tc))[0].num_layers * per_layer))
     return item * (params + sum(math.prod(v) for v in d.values())), params, scratch
 
 
