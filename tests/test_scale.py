@@ -131,7 +131,8 @@ def test_per_layer_fit_splits_fixed_and_per_layer_cost_and_extrapolates():
     shapes = [truncate(HYBRID, 4), truncate(HYBRID, 8)]
     rows = [Measured(shapes[0].name, "int4", 0, 2.0, 100.0, output_gb=1.0),
             Measured(shapes[1].name, "int4", 0, 2.5, 140.0, output_gb=1.4),
-            Measured(shapes[1].name, "fp32", 1, None, 5.0)]  # failed: no fit from one point
+            Measured(shapes[1].name, "fp32", 1, None, 5.0),  # failed: no fit from one point
+            Measured(HYBRID.name, "fp32", 0, 4.0, 300.0, output_gb=3.0)]  # whole, alone: no fit either
     (fit,) = per_layer(shapes, rows)
     assert (fit["shape"], fit["mode"], fit["layers"], fit["full_layers"]) == ("tiny-hybrid", "int4", [4, 8], 12)
     assert fit["per_layer"] == {"peak_rss_gib": 0.125, "wall_s": 10.0, "output_gb": 0.1}

@@ -254,6 +254,8 @@ class Measured:
     stopped: str | None = None  # why the watchdog stopped it
     error: str | None = None  # the export's last stderr line when it failed
     run: dict | None = None  # --run-check: dflash2-run on the export (run_check)
+    load_average: list | None = None  # the machine's 1 / 5 / 15-minute load when the export ended (times compare
+    # only at like loads)
 
 
 def _rss_tree(pid: int) -> int:
@@ -424,11 +426,19 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(f"--layers {a.layers!r}: {e}")
     rows = []
+
+    def document() -> dict:
+        return {"machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                            "mem_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)},
+                "shapes": {s.name: asdict(s) for s in shapes}, "results": [asdict(r) for r in rows],
+                "per_layer": per_layer(shapes, rows)}
+
     for shape in shapes:
         name = shape.name
         for mode in modes:
             try:
                 rows.append(measure(shape, mode, a.out, a.max_rss_gib, a.timeout_min * 60))
+                rows[-1].load_average = [round(x, 2) for x in os.getloadavg()]
             except DiskTooSmall as e:
                 print(f"scale check: {e}", file=sys.stderr, flush=True)
                 rows.append(Measured(name, mode, -1, None, 0.0, error=f"not run: {e}"))
@@ -439,14 +449,11 @@ def main(argv=None) -> int:
             if not a.keep:
                 shutil.rmtree(a.out / f"{name}-{mode}", ignore_errors=True)
             print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+            if a.json:  # after every run: a long series stopped part way keeps what it measured
+                a.json.write_text(json.dumps(document(), indent=1) + "\n")
         if a.drop_pair:
             shutil.rmtree(cache_root() / "scale" / name, ignore_errors=True)
-    doc = {"machine": {"cpus": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PHYS_PAGES") *
-                                                                os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
-                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
-           "shapes": {s.name: asdict(s) for s in shapes},
-           "results": [asdict(r) for r in rows],
-           "per_layer": per_layer(shapes, rows)}
+    doc = document()
     print(json.dumps(doc, indent=1))
     for r in rows:
         print(step_table(r))

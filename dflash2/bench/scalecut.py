@@ -106,9 +106,10 @@ def per_layer(shapes: list[Shape], rows: list) -> list[dict]:
     groups: dict[tuple[str, str, int], list] = {}
     for r in rows:
         s = by.get(r.shape)
-        if s is None or s.full_layers is None or r.rc != 0:
+        if s is None or r.rc != 0:
             continue
-        groups.setdefault((s.name.rsplit("-L", 1)[0], r.mode, s.full_layers), []).append((s.layers, r))
+        base = s.name.rsplit("-L", 1)[0] if s.full_layers else s.name  # a whole run is a point of its line too
+        groups.setdefault((base, r.mode, s.full_layers or s.layers), []).append((s.layers, r))
     fits = []
     for (base, mode, full), pts in groups.items():
         if len({n for n, _ in pts}) < 2:
