@@ -138,3 +138,5 @@ def test_per_layer_fit_splits_fixed_and_per_layer_cost_and_extrapolates():
     assert fit["per_layer"] == {"peak_rss_gib": 0.125, "wall_s": 10.0, "output_gb": 0.1}
     assert fit["fixed"] == {"peak_rss_gib": 1.5, "wall_s": 60.0, "output_gb": 0.6}
     assert fit["extrapolated"] == {"peak_rss_gib": 3.0, "wall_s": 180.0, "output_gb": 1.8}
+    rows[1].peak_rss_gib = 1.9  # a peak that falls with depth (noise over depth-free steps): the largest kept
+    assert per_layer(shapes, rows)[0]["extrapolated"]["peak_rss_gib"] == 2.0

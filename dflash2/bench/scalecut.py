@@ -101,7 +101,8 @@ def pair_sizes(shape: Shape, target: Path, drafter: Path) -> tuple[int, int, int
 def per_layer(shapes: list[Shape], rows: list) -> list[dict]:
     """For each (real shape, mode) run cut at 2+ layer counts: the least-squares line of each measure over the kept
     layers (exact for two): per layer, fixed, and at the real layer count. Peak RSS is a maximum over steps, not a sum:
-    its line says how the largest step grows, which is what the floor is about."""
+    its line says how the largest step grows, which is what the floor is about. Wall time compares only at like
+    loads: on a shared machine the slope between two runs mixes depth with load (the JSON's load_average)."""
     by = {s.name: s for s in shapes}
     groups: dict[tuple[str, str, int], list] = {}
     for r in rows:
@@ -125,6 +126,10 @@ def per_layer(shapes: list[Shape], rows: list) -> list[dict]:
             slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
             fit["per_layer"][key] = round(slope, 4)
             fit["fixed"][key] = round(my - slope * mx, 3)
-            fit["extrapolated"][key] = round(my + slope * (full - mx), 2)
+            if key == "peak_rss_gib":  # a maximum over steps, most of them depth-free (the checks' truncated
+                # builds): never extrapolated below the largest measured; only a growing peak grows on
+                fit["extrapolated"][key] = round(max(ys) + max(0.0, slope) * (full - max(xs)), 2)
+            else:
+                fit["extrapolated"][key] = round(my + slope * (full - mx), 2)
         fits.append(fit)
     return fits
