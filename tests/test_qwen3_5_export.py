@@ -206,6 +206,22 @@ def test_past_the_budget_a_truncated_build_is_validated_against_the_streamed_ref
     assert m.validation["target"].skipped  # said, not passed: the whole graph was not run
 
 
+def test_quantized_export_past_the_fp32_check_budget_measures_the_quantized_truncated_build(pair, tmp_path,
+                                                                                              monkeypatch):
+    """The 27B shape's fp32 check (4 layers, a 248,320 x 5120 head) would hold 10.4 GiB: a quantized export past
+    TRUNCATED_CHECK_BYTES says it did not build it, why, and measures the int4 truncated build in its place."""
+    from dflash2.export import stages
+    from dflash2.export.plan import QuantFlags
+
+    monkeypatch.setattr(stages, "WHOLE_GRAPH_BYTES", 0)
+    monkeypatch.setattr(stages, "TRUNCATED_CHECK_BYTES", 0)
+    m = export(*pair, tmp_path / "q", max_seq_len=160, quiet=True, quantize=QuantFlags(method="int4"))
+    fp32 = m.validation["target.truncated"]
+    assert not fp32.ok and "past the 0 GiB a quantized export's fp32 check maps" in fp32.skipped
+    assert m.validation["target.truncated.int4"].ok and not m.validation["target.truncated.int4"].skipped
+    assert not list((tmp_path / "q").glob("target.truncated*"))
+
+
 def test_streamed_reference_equals_the_loaded_one(pair):
     from dflash2.reference.streamed import StreamedQwen35Target
 

@@ -93,3 +93,73 @@ def test_the_muse_glimmer_30b_shape_writes_the_configs_it_names(tmp_path, monkey
     params = sum(math.prod(s) for s in family_tensor_shapes(tc).values())
     assert 27e9 < params < 29e9, params  # the text model: the vision tower makes the rest of "30B"
     assert written["target"] and written["drafter"]
+
+# ------------------------------------------------------------------------------------ the layer cut (scalecut)
+
+HYBRID = Shape("tiny-hybrid", hidden=64, layers=12, heads=4, kv_heads=2, intermediate=128, vocab=512, tied=False,
+               draft_layers=2, taps=(1, 5, 10), block=4, top_k=4, rank=8, head_dim=16, tokens=500,
+               sliding_window=None, max_positions=1024, family="qwen3_5",
+               extra=(("full_attention_interval", 4), ("linear_num_key_heads", 2), ("linear_num_value_heads", 4)))
+
+
+def test_cut_taps_scaled_distinct_in_range_and_clipped_with_repeats_below_the_count():
+    from dflash2.bench.scalecut import cut_taps
+
+    assert cut_taps((5, 19, 33, 47, 61), 64, 8) == (1, 2, 4, 6, 7)  # the 27B drafter's taps on 8 of 64 layers
+    assert cut_taps((5, 19, 33, 47, 61), 64, 16) == (1, 5, 8, 12, 15)
+    assert cut_taps((60, 61, 62, 63), 64, 4) == (0, 1, 2, 3)  # all crowded at the end: pulled back, one layer each
+    assert cut_taps((1, 10, 19, 28, 37), 40, 4) == (0, 1, 2, 3, 3)  # fewer layers than taps: the count kept
+    assert cut_taps((1, 10, 19, 28, 37), 40, 40) == (1, 10, 19, 28, 37)
+
+
+def test_truncated_pair_keeps_the_hybrid_pattern_and_remaps_the_taps(tmp_path):
+    from dflash2.bench.scalecut import truncate
+    from dflash2.checkpoint import read_headers
+    from dflash2.config import load_drafter_config, load_target_config
+
+    with pytest.raises(ValueError, match=r"expected 1\.\.12 for tiny-hybrid \(12 layers\), found 13"):
+        truncate(HYBRID, 13)
+    assert truncate(HYBRID, 12) is HYBRID
+    cut = truncate(HYBRID, 8)
+    assert (cut.name, cut.layers, cut.full_layers, cut.taps) == ("tiny-hybrid-L8", 8, 12, (1, 3, 7))
+    drafter, target = make_pair(cut, tmp_path / cut.name)
+    tc, dc = load_target_config(target), load_drafter_config(drafter)
+    assert tc.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + \
+        ("full_attention",)
+    assert (dc.target_layer_ids, dc.num_target_layers) == ((1, 3, 7), 8)
+    layers = {int(n.split(".")[2]) for n in read_headers(target) if n.startswith("model.layers.")}
+    assert layers == set(range(8))
+    assert read_headers(drafter)["fc.weight"][1] == (64, 3 * 64)  # the real drafter's fc width: three taps
+
+
+def test_disk_check_refuses_with_the_numbers_before_writing(tmp_path, monkeypatch):
+    from dflash2.bench import scalecut
+
+    monkeypatch.setattr(scalecut, "_free_for", lambda path: (1 << 30, 1))  # 1.1 GB free, one file system
+    root = tmp_path / "pair"
+    with pytest.raises(scalecut.DiskTooSmall, match=r"tiny-hybrid: the pair \(0\.0 GB at .*\) and its export \(up to "
+                                                    r"0\.0 GB at .*\) need 4\.3 GB with a 2 GiB margin on one file "
+                                                    r"system; 1\.1 GB is free \(truncate it: --layers N\)"):
+        make_pair(HYBRID, root, 0.75, tmp_path / "out")
+    assert not list((root / "target").glob("*.safetensors")) and not (root / "DONE").exists()
+    monkeypatch.setattr(scalecut, "_free_for", lambda path: (100 << 30, 1))
+    make_pair(HYBRID, root, 0.75, tmp_path / "out")  # enough room: written
+    assert (root / "DONE").is_file()
+
+
+def test_per_layer_fit_splits_fixed_and_per_layer_cost_and_extrapolates():
+    from dflash2.bench.scalecheck import Measured
+    from dflash2.bench.scalecut import per_layer, truncate
+
+    shapes = [truncate(HYBRID, 4), truncate(HYBRID, 8)]
+    rows = [Measured(shapes[0].name, "int4", 0, 2.0, 100.0, output_gb=1.0),
+            Measured(shapes[1].name, "int4", 0, 2.5, 140.0, output_gb=1.4),
+            Measured(shapes[1].name, "fp32", 1, None, 5.0),  # failed: no fit from one point
+            Measured(HYBRID.name, "fp32", 0, 4.0, 300.0, output_gb=3.0)]  # whole, alone: no fit either
+    (fit,) = per_layer(shapes, rows)
+    assert (fit["shape"], fit["mode"], fit["layers"], fit["full_layers"]) == ("tiny-hybrid", "int4", [4, 8], 12)
+    assert fit["per_layer"] == {"peak_rss_gib": 0.125, "wall_s": 10.0, "output_gb": 0.1}
+    assert fit["fixed"] == {"peak_rss_gib": 1.5, "wall_s": 60.0, "output_gb": 0.6}
+    assert fit["extrapolated"] == {"peak_rss_gib": 3.0, "wall_s": 180.0, "output_gb": 1.8}
+    rows[1].peak_rss_gib = 1.9  # a peak that falls with depth (noise over depth-free steps): the largest kept
+    assert per_layer(shapes, rows)[0]["extrapolated"]["peak_rss_gib"] == 2.0

@@ -53,6 +53,8 @@ class Shape:
     max_positions: int = 40960
     family: str = "qwen3"  # dflash2.families name: its tiny_config writes the config.json
     extra: tuple[tuple[str, object], ...] = ()  # more config.json fields (a hybrid's GDN heads, layer interval)
+    draft_intermediate: int | None = None  # the drafter's MLP width where the target's differs (a MoE target's)
+    full_layers: int | None = None  # set by truncate(): the real model's layer count, of which `layers` are kept
 
 
 # Qwen3.5 / 3.8 dense hybrids: 3 Gated DeltaNet layers to 1 gated full-attention layer, GDN heads of 128 x 128
@@ -79,6 +81,17 @@ SHAPES = {
     "qwen3.8-27b": Shape("qwen3.8-27b", 5120, 64, 24, 4, 17408, 248_320, False, 5, (5, 19, 33, 47, 61), block=8,
                          head_dim=256, tokens=QWEN3_5_TOKENS, max_positions=262_144, family="qwen3_5",
                          extra=_hybrid(16, 48)),
+    # Qwen3.5-9B-shaped (32 layers = 24 GDN + 8 full, hidden 4096, untied head; z-lab's drafter 5 layers, block 16)
+    "qwen3.5-9b": Shape("qwen3.5-9b", 4096, 32, 16, 4, 12288, 248_320, False, 5, (1, 8, 15, 22, 29), head_dim=256,
+                        tokens=QWEN3_5_TOKENS, max_positions=262_144, family="qwen3_5", extra=_hybrid(16, 32)),
+    # Qwen3.6-35B-A3B-shaped (Qwen3_5Moe: 40 hybrid layers, hidden 2048, 256 experts top-8 of width 512 plus a
+    # shared expert of 512 on every layer; a DFlash2 drafter of 5 layers, block 8). The experts are ~95% of it.
+    "qwen3.6-35b-a3b": Shape("qwen3.6-35b-a3b", 2048, 40, 16, 2, 512, 248_320, False, 5, (1, 10, 19, 28, 37),
+                             block=8, head_dim=256, tokens=QWEN3_5_TOKENS, max_positions=262_144,
+                             family="qwen3_5_moe", draft_intermediate=6144,
+                             extra=_hybrid(16, 32) + (("num_experts", 256), ("num_experts_per_tok", 8),
+                                                      ("moe_intermediate_size", 512),
+                                                      ("shared_expert_intermediate_size", 512))),
     "wide-vocab": Shape("wide-vocab", 256, 2, 4, 2, 512, 151_936, False, 1, (0, 1), block=8, top_k=8, rank=32,
                         head_dim=64, tokens=QWEN3_TOKENS),
     # Muse-Glimmer-30B-shaped text target (text_config defaults, docs/families/plan_muse_glimmer_gpt_oss.md 1.1:
@@ -177,34 +190,49 @@ def write_tokenizer(folder: Path, tokens: int) -> None:
         "pad_token": "<|endoftext|>", "chat_template": tiny.CHAT_TEMPLATE}, indent=2))
 
 
-def make_pair(shape: Shape, root: Path | None = None) -> tuple[Path, Path]:
-    """(drafter folder, target folder) of random weights, written once (a DONE marker makes it reusable)."""
+def make_pair(shape: Shape, root: Path | None = None, out_bytes_per_param: float = 0.0,
+              out_root: Path | None = None) -> tuple[Path, Path]:
+    """(drafter folder, target folder) of random weights, written once (a DONE marker makes it reusable). The disk is
+    checked first: the pair, and the export of out_bytes_per_param per target parameter under out_root."""
     from dflash2 import tiny
     from dflash2.checkpoint import drafter_tensor_shapes, family_tensor_shapes
     from dflash2.config import load_drafter_config, load_target_config
 
     root = Path(root or cache_root() / "scale" / shape.name)
     target, drafter = root / "target", root / "drafter"
-    if (root / "DONE").is_file():
-        return drafter, target
     for d in (target, drafter):
         d.mkdir(parents=True, exist_ok=True)
     eos = tiny.SPECIALS.index("<|im_end|>")
     cfg = tiny.target_config(shape.family, shape.vocab, shape.hidden, shape.layers, shape.heads, shape.kv_heads,
                              shape.intermediate, shape.tied, eos, shape.dtype, head_dim=shape.head_dim,
                              rope_theta=1_000_000.0, max_position_embeddings=shape.max_positions, **dict(shape.extra))
-    (target / "config.json").write_text(json.dumps(cfg, indent=2))
-    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
+    tc_text = json.dumps(cfg, indent=2)
+    if (root / "DONE").is_file() and (target / "config.json").read_text() != tc_text:
+        raise RuntimeError(f"{root}: cached pair's target/config.json is not {shape.name}'s (a shape changed): "
+                           f"delete {root}")
+    (target / "config.json").write_text(tc_text)
+    if not (root / "DONE").is_file():
+        (target / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
+        tc = load_target_config(target)
+        extra = {}
+        if shape.sliding_window:
+            extra = {"layer_types": ["sliding_attention"] * shape.draft_layers, "sliding_window": shape.sliding_window}
+        dcfg = tiny.drafter_config(tc, 2, shape.draft_layers, shape.block, list(shape.taps), shape.tokens, shape.top_k,
+                                   shape.rank, 16, 2, 1.0, None, shape.draft_intermediate or shape.intermediate,
+                                   torch_dtype=shape.dtype, **extra)
+        (drafter / "config.json").write_text(json.dumps(dcfg, indent=2))
+    from dflash2.bench.scalecut import check_disk, pair_sizes
+
+    pair_bytes, params, scratch = pair_sizes(shape, target, drafter)
+    cached = (root / "DONE").is_file()
+    check_disk(0 if cached else pair_bytes, root, int(params * out_bytes_per_param) + scratch, Path(out_root or root),
+               shape.name)
+    if cached:
+        return drafter, target
     write_tokenizer(target, shape.tokens)
-    tc = load_target_config(target)
-    extra = {}
-    if shape.sliding_window:
-        extra = {"layer_types": ["sliding_attention"] * shape.draft_layers, "sliding_window": shape.sliding_window}
-    dcfg = tiny.drafter_config(tc, 2, shape.draft_layers, shape.block, list(shape.taps), shape.tokens, shape.top_k,
-                               shape.rank, 16, 2, 1.0, None, shape.intermediate, torch_dtype=shape.dtype, **extra)
-    (drafter / "config.json").write_text(json.dumps(dcfg, indent=2))
-    print(f"scale check: writing {shape.name} random weights to {root} ...", file=sys.stderr, flush=True)
-    write_safetensors(target, family_tensor_shapes(tc), shape.dtype, seed=0)
+    print(f"scale check: writing {shape.name} random weights ({pair_bytes / 1e9:.1f} GB) to {root} ...",
+          file=sys.stderr, flush=True)
+    write_safetensors(target, family_tensor_shapes(load_target_config(target)), shape.dtype, seed=0)
     write_safetensors(drafter, drafter_tensor_shapes(load_drafter_config(drafter), shape.hidden), shape.dtype, seed=1)
     (root / "DONE").write_text("random weights: dflash2.bench.scalecheck.make_pair\n")
     return drafter, target
@@ -233,6 +261,8 @@ class Measured:
     stopped: str | None = None  # why the watchdog stopped it
     error: str | None = None  # the export's last stderr line when it failed
     run: dict | None = None  # --run-check: dflash2-run on the export (run_check)
+    load_average: list | None = None  # the machine's 1 / 5 / 15-minute load when the export ended (times compare
+    # only at like loads)
 
 
 def _rss_tree(pid: int) -> int:
@@ -252,8 +282,10 @@ def _rss_tree(pid: int) -> int:
 
 def measure(shape: Shape, mode: str, out_root: Path, max_rss_gib: float, timeout_s: float,
             python: str = sys.executable) -> Measured:
-    drafter, target = make_pair(shape)
+    from dflash2.bench.scalecut import OUT_BYTES_PER_PARAM
+
     out = out_root / f"{shape.name}-{mode}"
+    drafter, target = make_pair(shape, out_bytes_per_param=OUT_BYTES_PER_PARAM[mode], out_root=out_root)
     if mode.startswith("target-"):
         cmd = ["/usr/bin/time", "-v", python, "-m", "dflash2.bench.scalecheck", "--stage", STAGE, str(drafter), str(target),
                str(out), *MODES[mode]]
@@ -333,11 +365,11 @@ def step_table(r: Measured) -> str:
 
 
 def table(rows: list[Measured]) -> str:
-    head = f"{'shape':<12} {'mode':<5} {'rc':>3} {'peak RSS GiB':>12} {'wall s':>8} {'output GB':>9}  note"
+    head = f"{'shape':<20} {'mode':<5} {'rc':>3} {'peak RSS GiB':>12} {'wall s':>8} {'output GB':>9}  note"
     out = [head, "-" * len(head)]
     for r in rows:
         note = r.stopped or r.error or ""
-        out.append(f"{r.shape:<12} {r.mode:<5} {r.rc:>3} {r.peak_rss_gib or float('nan'):>12.2f} {r.wall_s:>8.1f} "
+        out.append(f"{r.shape:<20} {r.mode:<5} {r.rc:>3} {r.peak_rss_gib or float('nan'):>12.2f} {r.wall_s:>8.1f} "
                    f"{r.output_gb if r.output_gb is not None else float('nan'):>9.2f}  {note[:90]}")
     return "\n".join(out)
 
@@ -380,6 +412,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-rss-gib", type=float, default=20.0, help="stop an export past this resident memory")
     p.add_argument("--timeout-min", type=float, default=30.0, help="stop an export running longer")
     p.add_argument("--keep", action="store_true", help="keep the exports (default: removed after measuring)")
+    p.add_argument("--layers", default="",
+                   help="comma-separated: the target cut to its first N layers, one run per N (2+ N: the per-layer cost "
+                        "and the whole model's extrapolated, dflash2.bench.scalecut)")
+    p.add_argument("--drop-pair", action="store_true", help="delete each cached pair after its runs")
     p.add_argument("--run-check", action="store_true",
                    help="dflash2-run on each whole export: speculative ids == target-only ids, start before the sessions")
     a = p.parse_args(argv)
@@ -387,26 +423,51 @@ def main(argv=None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         p.error(f"--modes: expected some of {sorted(MODES)}, found {bad}")
+    import shutil
+
+    from dflash2.bench.scalecut import DiskTooSmall, per_layer, truncate
+
+    try:
+        cuts = [int(n) for n in a.layers.split(",") if n.strip()]
+        shapes = [truncate(SHAPES[n], k) for n in a.shape or ["qwen3-0.6b"] for k in cuts or [SHAPES[n].layers]]
+    except ValueError as e:
+        p.error(f"--layers {a.layers!r}: {e}")
     rows = []
-    for name in a.shape or ["qwen3-0.6b"]:
+
+    def document() -> dict:
+        return {"machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                            "mem_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)},
+                "shapes": {s.name: asdict(s) for s in shapes}, "results": [asdict(r) for r in rows],
+                "per_layer": per_layer(shapes, rows)}
+
+    for shape in shapes:
+        name = shape.name
         for mode in modes:
-            rows.append(measure(SHAPES[name], mode, a.out, a.max_rss_gib, a.timeout_min * 60))
+            try:
+                rows.append(measure(shape, mode, a.out, a.max_rss_gib, a.timeout_min * 60))
+                rows[-1].load_average = [round(x, 2) for x in os.getloadavg()]
+            except DiskTooSmall as e:
+                print(f"scale check: {e}", file=sys.stderr, flush=True)
+                rows.append(Measured(name, mode, -1, None, 0.0, error=f"not run: {e}"))
+                continue
             if a.run_check and rows[-1].rc == 0 and not mode.startswith("target-"):
                 rows[-1].run = run_check(a.out / f"{name}-{mode}")
                 print(f"  {name} {mode}: dflash2-run: {json.dumps(rows[-1].run)}", file=sys.stderr, flush=True)
             if not a.keep:
-                import shutil
-
                 shutil.rmtree(a.out / f"{name}-{mode}", ignore_errors=True)
             print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-    doc = {"machine": {"cpus": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PHYS_PAGES") *
-                                                                os.sysconf("SC_PAGE_SIZE") / 2**30, 1)},
-           "shapes": {n: asdict(SHAPES[n]) for n in (a.shape or ["qwen3-0.6b"])},
-           "results": [asdict(r) for r in rows]}
+            if a.json:  # after every run: a long series stopped part way keeps what it measured
+                a.json.write_text(json.dumps(document(), indent=1) + "\n")
+        if a.drop_pair:
+            shutil.rmtree(cache_root() / "scale" / name, ignore_errors=True)
+    doc = document()
     print(json.dumps(doc, indent=1))
     for r in rows:
         print(step_table(r))
     print(table(rows))
+    for fit in doc["per_layer"]:
+        print(f"{fit['shape']} {fit['mode']}: per layer {fit['per_layer']}, fixed {fit['fixed']}, "
+              f"{fit['full_layers']} layers extrapolated {fit['extrapolated']}")
     if a.json:
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0 if all(r.rc == 0 and (r.run is None or r.run.get("ids_equal")) for r in rows) else 1
