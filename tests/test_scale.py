@@ -79,7 +79,10 @@ def test_the_muse_glimmer_30b_shape_writes_the_configs_it_names(tmp_path, monkey
     from dflash2.checkpoint import family_tensor_shapes
     from dflash2.config import load_drafter_config, load_target_config
 
+    from dflash2.bench import scalecut
+
     written = {}
+    monkeypatch.setattr(scalecut, "_free_for", lambda path: (1 << 40, 1))  # the disk check passes: nothing written
     monkeypatch.setattr(scalecheck, "write_safetensors",
                         lambda folder, shapes, dtype, seed: written.setdefault(folder.name, shapes))
     drafter, target = make_pair(scalecheck.SHAPES["muse-glimmer-30b"], tmp_path)
