@@ -21,7 +21,6 @@ from dflash2.export.graphs import graph_specs
 from dflash2.export.plan import ExportPlan, GraphJob
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
-from dflash2.families import DENSE
 
 KV_BINDING = ("prefix-view: past_kv is the contiguous prefix buffer[:P] of one preallocated sequence-major buffer "
               "[max_seq_len, L, 2, kv, hd]; new_kv is bound to buffer[P:P+n], so a step copies nothing and "
@@ -63,10 +62,12 @@ def gqa_route(run: Run, job: GraphJob, spec) -> mf.Graph:
     if q_report is not None:
         run.quantized[job.name] = q_report
     io = tr.io_spec(run.tmp / files["portable"])
-    kind = "gqa-shared" if job.name == "target" and p.tc.family in DENSE else "prefix"
+    kind = "gqa-shared" if job.name == "target" else "prefix"
+    # a hybrid target's KV layers are its full-attention layers only
+    layers = len(p.tc.full_layers) if hasattr(p.tc, "full_layers") else p.tc.num_layers
     return mf.Graph(flavours=mf.Flavours(**files), data="", inputs=[mf.IoSpec(**d) for d in io["inputs"]],
                     outputs=[mf.IoSpec(**d) for d in io["outputs"]], seconds=time.perf_counter() - t0,
-                    signature=stages.graph_signature(job.name, kind, io, p.tc.num_layers, p.dc.block_size))
+                    signature=stages.graph_signature(job.name, kind, io, layers, p.dc.block_size))
 
 
 def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
@@ -190,7 +191,7 @@ def write_all(run: Run, tool_versions: dict[str, str]) -> mf.ExportManifest:
         context=mf.Context(fused=p.fuse_context, width=graphs["drafter"].inputs[0].shape[1], why=why),
         kv=mf.Kv(layout=["seq", "layer", "k|v", "kv_head", "head_dim"],
                  rows=mf.KvRows(target=list(run.target.kv_row_shape()), drafter=list(run.drafter.kv_row_shape())),
-                 dtype=p.dtype, binding=KV_BINDING if p.attention == "plain" or tc.family not in DENSE else
+                 dtype=p.dtype, binding=KV_BINDING if p.attention == "plain" else
                  f"target: {sig.GQA_BINDING} drafter: {KV_BINDING}", target_attention=p.attention),
         selector=selector, target_config=tc.to_dict(), drafter_config=dc.to_dict(), graphs=graphs,
         validation=run.validation,

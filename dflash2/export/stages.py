@@ -27,6 +27,7 @@ from dflash2.export.validate import validate_graph
 from dflash2.folders import OutputError
 from dflash2.progress import Progress
 from dflash2.quant_manifest import QUANT_OPS
+from dflash2.export.qwen3_5_gqa import hybrid_gqa_spec
 from dflash2.families import DENSE
 from dflash2.reference.streamed import streamed_target, truncated
 
@@ -209,8 +210,8 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
     checked = {}
     short_tc, short_dc = truncated(tc, dc, truncated_depth(tc))
     short = streamed_target(short_tc, short_dc.target_layer_ids, tw, like=target)
-    # the dense fused graph binds per-layer gqa-shared buffers; a hybrid's fused graph keeps the prefix binding
-    fused_spec = gqa.gqa_spec if tc.family in DENSE else (lambda s: s)
+    # every fused target graph binds per-layer gqa-shared buffers; a hybrid's also its GDN state rows
+    fused_spec = gqa.gqa_spec if tc.family in DENSE else hybrid_gqa_spec
     short_spec = fused_spec(graph_specs(short, drafter, fuse_context)[0])
     name = "target.truncated"
     with progress.step(f"{name}.onnx: the templates end to end ({short_tc.num_layers} layers, the real embedding "
