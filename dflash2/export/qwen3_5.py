@@ -130,10 +130,10 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     else:
         visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0],
                                        b.op("Unsqueeze", ["pos", ax1], "pos.col")[0]], "visible")[0]  # [n, T]
-    four = b.op("Concat", [b.const("kv_g", [kvh, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
-    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
-    scale = b.const("attn.scale", [hd ** -0.5], np.float32)
-    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
+        four = b.op("Concat", [b.const("kv_g", [kvh, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
+        neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
+        scale = b.const("attn.scale", [hd ** -0.5], np.float32)
+        kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
     w_rows = b.op("Min", [n, b.const("window", [B])], "window.rows")[0]  # [1] W' = min(n, W)
     split_at = b.op("Sub", [n, w_rows], "window.start")[0]  # [1] n - W': rows before it keep no state
     end = b.const("to_end", [2**62])

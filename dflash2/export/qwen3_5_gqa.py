@@ -56,11 +56,12 @@ class GqaShared:
         self.b = b
         n32 = b.op("Cast", [n], "gqa.n32", to=TensorProto.INT32)[0]
         end = b.op("Add", [N.PAST_LEN, n32], "gqa.end")[0]  # [1] past_len + n
-        pad = b.op("Max", [b.const("gqa.one", [1], np.int32),
+        one = b.const("gqa.one", [1], np.int32)
+        pad = b.op("Max", [one,
                            b.op("Sub", [b.const("gqa.min_keys", [MIN_KEYS], np.int32), end], "gqa.short")[0]],
                    "gqa.pad")[0]  # [1] int32: extra rows, >= 1
         total = b.op("Add", [end, pad], "gqa.total")[0]  # [1] past_len + n + pad >= 65
-        self.seqlens_k = b.op("Sub", [total, b.const("gqa.one_again", [1], np.int32)], "gqa.seqlens_k")[0]
+        self.seqlens_k = b.op("Sub", [total, one], "gqa.seqlens_k")[0]  # the kernel reads total - 1
         self.total_len = b.op("Squeeze", [total, b.const("gqa.axis0", [0])], "gqa.total_len")[0]  # [] int32
         self.pads = b.op("Concat", [b.const("gqa.z4", [0, 0, 0, 0]),
                                     b.op("Cast", [pad], "gqa.pad64", to=TensorProto.INT64)[0],
