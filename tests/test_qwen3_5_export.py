@@ -187,7 +187,10 @@ def test_int4_is_lossless_against_its_own_target(pair, tmp_path):
     assert m.kv.target_attention == "gqa" and m.validation["target.truncated"].ok  # written quantized, fp32 checked
     g = onnx.load(str(tmp_path / "int4" / "target.onnx"), load_external_data=False).graph
     weights = {t.name for t in g.initializer}
-    assert {"MatMulNBits", "GatherBlockQuantized", "Scan", "LinearAttention"} <= _ops(g)
+    assert {"MatMulNBits", "GatherBlockQuantized", "Scan", "LinearAttention", "GroupQueryAttention"} <= _ops(g)
+    # the full-attention layers' KV bound in place per layer (qwen3_5_gqa.py), no new_kv output to copy
+    sig = m.graphs["target"].signature
+    assert sig.kv.kind == "gqa-shared" and sig.state is not None and "new_kv" not in {o.name for o in g.output}
     assert not [n.name for n in g.node if n.op_type in ("MatMul", "Gemm") and weights & set(n.input)]  # all int4
     rt = Runtime(tmp_path / "int4")
     rt.manifest.eos_token_ids = []
@@ -254,15 +257,21 @@ def test_the_conditional_generation_wrapper_exports_with_its_vision_tower_and_mt
     assert rt.generate(PROMPT, 24).ids == want
 
 
-def test_head_dim_256_stays_row_invariant_past_64_keys(tmp_path):
+@pytest.mark.parametrize("method", [None, "int4"], ids=["standard-ops", "gqa-int4"])
+def test_head_dim_256_stays_row_invariant_past_64_keys(tmp_path, method):
     """Qwen3.5's head_dim 256: MLAS's SGEMM computes a 256-long q.k one way up to 64 keys and another past them, so a
     3-row verify at 62 past rows and the 1-row decode at the same position differed in the last bits, and the
     speculative output with them (seen at the 0.8B shape). Scores summed over 128-wide chunks keep them equal: rows of
-    every step of a verify-3 / commit-1 walk across 64 keys are bitwise the 1-row decode's."""
+    every step of a verify-3 / commit-1 walk across 64 keys are bitwise the 1-row decode's. The int4 graph's
+    GroupQueryAttention has the same break (one pass up to 64 keys): every call padded past 64 keys keeps it off."""
+    from dflash2.export.plan import QuantFlags
+
     target = tiny.make_target(tmp_path / "target", family="qwen3_5", num_heads=2, num_kv_heads=1, head_dim=256)
     drafter = tiny.make_drafter(tmp_path / "drafter", target, version=1, block_size=4)
-    m = export(drafter, target, tmp_path / "out", max_seq_len=128, quiet=True)
+    m = export(drafter, target, tmp_path / "out", max_seq_len=128, quiet=True,
+               quantize=QuantFlags(method=method) if method else None)
     assert m.validation["target.rows"].ok and m.validation["target.rows"].steps["rows"] > 0
+    assert m.kv.target_attention == ("gqa" if method else "plain")
     s = Runtime(tmp_path / "out").session
     prompt = [(7 * i + 3) % 300 + 2 for i in range(56)]
     v = s.prefill(prompt)

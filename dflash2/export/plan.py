@@ -20,7 +20,7 @@ from dflash2.config import (DrafterConfig, TargetConfig, check_pair, check_token
                             load_drafter_config, load_target_config, tokenizer_id_count)
 from dflash2.drafter_formats import for_target
 from dflash2.errors import Dflash2Error
-from dflash2.export import gqa, plain, qdq, stages
+from dflash2.export import gqa, plain, qdq, qwen3_5_gqa, stages
 from dflash2.export import quantize as qz
 from dflash2.folders import OutputError, check_output
 
@@ -230,7 +230,9 @@ def check_inputs(drafter_dir: str | Path, target_dir: str | Path, out: Path, dty
 def resolve_attention(asked: str, quantize, tc, dc, max_seq_len: int) -> str:
     """auto -> gqa for the ONNX Runtime quantizations when the target fits the kernel, else plain."""
     fam = families.by_name(tc.family)
-    why = (gqa.unsupported(tc, dc, max_seq_len) if fam.name in families.DENSE else None) if "fused" in fam.templates \
+    why = (gqa.unsupported(tc, dc, max_seq_len) if fam.name in families.DENSE else
+           qwen3_5_gqa.unsupported(max_seq_len) if fam.fused_kv == "gqa-shared" else None) \
+        if "fused" in fam.templates \
         else f"expected a target family with fused-op templates, found {tc.arch} ({fam.name}, {fam.description})"
     if asked == "gqa" and why:
         raise OutputError(f"--target-attention gqa: {why}")

@@ -40,6 +40,7 @@ from onnx import TensorProto, helper
 
 from dflash2.config import RopeConfig
 from dflash2.export import moe
+from dflash2.export import qwen3_5_gqa as q35g
 from dflash2.export import signature as N
 from dflash2.export.plain import _fixed, _prefix
 from dflash2.export.qwen3_5_gdn import Gdn, GdnShared
@@ -87,14 +88,19 @@ def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=Non
     arguments: unused here."""
     if quant is not None and (data is None or quant.dynamic):
         raise ValueError("qwen3_5 fused: a quantized build writes through a DataFile, int4 / int8 (not dynamic)")
-    return build(c, dc, src, dsrc, fuse_context, "float32", data, progress, quant, fused=True)[0]
+    why = q35g.unsupported(max_seq_len)
+    if why:
+        raise ValueError(f"qwen3_5 fused: {why}")
+    return build(c, dc, src, dsrc, fuse_context, "float32", data, progress, quant, fused=True, gqa_kv=True)[0]
 
 
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
-          progress=None, quant=None, fused: bool = False) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+          progress=None, quant=None, fused: bool = False,
+          gqa_kv: bool = False) -> tuple[onnx.ModelProto, onnx.ModelProto | None]:
     """(portable, TensorRT flavour) of the Qwen3.5 target (module docstring). c: Qwen35Config; dc: the drafter's;
     src / dsrc: their weights (dflash2.export.weights); data: a DataFile both graphs point into; progress(i, L);
-    quant, fused: build_fused's (contrib ops: then the TensorRT flavour is not for use)."""
+    quant, fused: build_fused's (contrib ops: then the TensorRT flavour is not for use); gqa_kv: the full-attention
+    layers on GroupQueryAttention with per-layer KV bound in place (qwen3_5_gqa.py; no TensorRT flavour: None)."""
     if dtype not in DTYPES:
         raise ValueError(f"qwen3_5 templates: expected a dtype in {DTYPES}, found {dtype!r}")
     nh, kvh, hd, L, H = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.hidden_size
@@ -119,12 +125,15 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     b.op("Range", [b.const("zero", 0), n0, b.const("one", 1)], "steps", outputs=["steps"])  # [n]
     prologue_at = len(b.nodes)  # each flavour's prologue (plain.py): start, pos [n], k_pos [T]
     rot = ops.at("pos", "rope")  # [n, 1, rd] each
-    visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0],
-                                   b.op("Unsqueeze", ["pos", ax1], "pos.col")[0]], "visible")[0]  # [n, T]
-    four = b.op("Concat", [b.const("kv_g", [kvh, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
-    neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
-    scale = b.const("attn.scale", [hd ** -0.5], np.float32)
-    kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
+    if gqa_kv:  # the kernel masks and reads its own past (qwen3_5_gqa.py)
+        kernel = q35g.GqaShared(b, n)
+    else:
+        visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0],
+                                       b.op("Unsqueeze", ["pos", ax1], "pos.col")[0]], "visible")[0]  # [n, T]
+        four = b.op("Concat", [b.const("kv_g", [kvh, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
+        neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
+        scale = b.const("attn.scale", [hd ** -0.5], np.float32)
+        kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
     w_rows = b.op("Min", [n, b.const("window", [B])], "window.rows")[0]  # [1] W' = min(n, W)
     split_at = b.op("Sub", [n, w_rows], "window.start")[0]  # [1] n - W': rows before it keep no state
     end = b.const("to_end", [2**62])
@@ -176,6 +185,10 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         q = norm(q, _zc(src.get(f"{a}.q_norm.weight")), f"{p}.q_norm")
         k = norm(k, _zc(src.get(f"{a}.k_norm.weight")), f"{p}.k_norm")
         q, k = (partial_rope(t, f"{p}.{nm}_rope") for t, nm in ((q, "q"), (k, "k")))
+        if gqa_kv:  # writes present.{ia}.key|value itself
+            o = q35g.attention(b, kernel, q, k, v, nh, kvh, hd, ia, p)
+            o = b.op("Mul", [o, b.op("Sigmoid", [gate], f"{p}.gate")[0]], f"{p}.gated")[0]
+            return b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"]), None
         layer_kv = b.op("Gather", ["past", b.const(f"{p}.index", ia)], f"{p}.past", axis=1)[0]  # [P, 2, kv, hd]
         pk, pv = (b.op("Gather", [layer_kv, kv_index[j]], f"{p}.past_{nm}", axis=1)[0] for j, nm in ((0, "k"), (1, "v")))
         keys = b.op("Concat", [pk, k], f"{p}.keys", axis=0)[0]  # [T, kv, hd]
@@ -244,7 +257,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
         if i in tap_ids:
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
-    b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)
+    if not gqa_kv:
+        b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)
     y = norm(h, _zc(src.get("norm.weight")), "norm")
     head_name = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     if quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
@@ -274,6 +288,11 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     outputs += [helper.make_tensor_value_info(nm, F32, [W, *r]) for nm, r in zip(present_state, state_rows)]
     ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
     states = [helper.make_tensor_value_info(nm, F32, [1, *r]) for nm, r in zip(past_state, state_rows)]
+    if gqa_kv:  # no new_kv: the kernel writes the bound buffers
+        kv_in, kv_out = q35g.io(La, kvh, hd)
+        outputs = outputs[:2] + [outputs[3]] + kv_out + outputs[4:]
+        return (b.model("dflash2_target_qwen3_5_gqa", [ids_in, *kv_in, *states], outputs, prologue_at=prologue_at,
+                        prologue=q35g.prologue()), None)
     past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, F32, ["past", *row]), *states]
     cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, F32, ["cap", *row]),
              helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1]), *states]

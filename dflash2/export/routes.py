@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash2 import families
 from dflash2 import manifest as mf
 from dflash2.checkpoint import Weights
 from dflash2.export import dedupe, fused_drafter, stages
@@ -21,7 +22,6 @@ from dflash2.export.graphs import graph_specs
 from dflash2.export.plan import ExportPlan, GraphJob
 from dflash2.ops import contract as C
 from dflash2.progress import Progress
-from dflash2.families import DENSE
 
 KV_BINDING = ("prefix-view: past_kv is the contiguous prefix buffer[:P] of one preallocated sequence-major buffer "
               "[max_seq_len, L, 2, kv, hd]; new_kv is bound to buffer[P:P+n], so a step copies nothing and "
@@ -63,11 +63,13 @@ def gqa_route(run: Run, job: GraphJob, spec) -> mf.Graph:
     if q_report is not None:
         run.quantized[job.name] = q_report
     io = tr.io_spec(run.tmp / files["portable"])
-    kind = "gqa-shared" if job.name == "target" and p.tc.family in DENSE else "prefix"
+    gqa_kv = families.by_name(p.tc.family).fused_kv == "gqa-shared"
+    kind = "gqa-shared" if job.name == "target" and gqa_kv else "prefix"
+    # a hybrid target's GroupQueryAttention layers are its full-attention layers only
+    layers = len(p.tc.full_layers) if gqa_kv and hasattr(p.tc, "full_layers") else p.tc.num_layers
     return mf.Graph(flavours=mf.Flavours(**files), data="", inputs=[mf.IoSpec(**d) for d in io["inputs"]],
                     outputs=[mf.IoSpec(**d) for d in io["outputs"]], seconds=time.perf_counter() - t0,
-                    signature=stages.graph_signature(job.name, kind, io, p.tc.num_layers, p.dc.block_size,
-                                                     _window(p, job)))
+                    signature=stages.graph_signature(job.name, kind, io, layers, p.dc.block_size, _window(p, job)))
 
 
 def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
@@ -195,6 +197,7 @@ def write_all(run: Run, tool_versions: dict[str, str]) -> mf.ExportManifest:
                                output_multiplier=dc.output_multiplier, logit_softcap=dc.logit_softcap)
     why = ("target emits hidden_norm(fc(taps)): one H-wide row per token instead of n_taps*H (see docs/export.md "
            "for the measurement)" if p.fuse_context else "raw taps")
+    gqa_kv = families.by_name(tc.family).fused_kv == "gqa-shared"  # the target's fused graph binds GQA buffers
     return mf.ExportManifest(
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), tools=tool_versions, dtype=p.dtype,
         max_seq_len=p.max_seq_len, block_size=dc.block_size, num_drafts=dc.num_drafts, drafter_version=dc.version,
@@ -203,7 +206,7 @@ def write_all(run: Run, tool_versions: dict[str, str]) -> mf.ExportManifest:
         context=mf.Context(fused=p.fuse_context, width=graphs["drafter"].inputs[0].shape[1], why=why),
         kv=mf.Kv(layout=["seq", "layer", "k|v", "kv_head", "head_dim"],
                  rows=mf.KvRows(target=list(run.target.kv_row_shape()), drafter=list(run.drafter.kv_row_shape())),
-                 dtype=p.dtype, binding=KV_BINDING if p.attention == "plain" or tc.family not in DENSE else
+                 dtype=p.dtype, binding=KV_BINDING if p.attention == "plain" or not gqa_kv else
                  f"target: {sig.GQA_BINDING} drafter: {KV_BINDING}", target_attention=p.attention),
         selector=selector, target_config=tc.to_dict(), drafter_config=dc.to_dict(), graphs=graphs,
         validation=run.validation,

@@ -27,6 +27,8 @@ from dflash2.export.validate import validate_graph
 from dflash2.folders import OutputError
 from dflash2.progress import Progress
 from dflash2.quant_manifest import QUANT_OPS
+from dflash2.export.qwen3_5_gqa import hybrid_gqa_spec
+from dflash2 import families
 from dflash2.families import DENSE
 from dflash2.reference.streamed import streamed_target, truncated
 
@@ -244,8 +246,10 @@ def gqa_target(tmp: Path, plain_spec, target, drafter, tc, dc, sources, fuse_con
     checked = {}
     short_tc, short_dc = truncated(tc, dc, truncated_depth(tc))
     short = streamed_target(short_tc, short_dc.target_layer_ids, tw, like=target)
-    # the dense fused graph binds per-layer gqa-shared buffers; a hybrid's fused graph keeps the prefix binding
-    fused_spec = gqa.gqa_spec if tc.family in DENSE else (lambda s: s)
+    # the fused graph's KV binding (the family's fused_kv): a dense target's per-layer gqa-shared buffers, a hybrid's
+    # on its full-attention layers beside the GDN state rows, else the prefix binding (windowed where it slides)
+    gqa_kv = families.by_name(tc.family).fused_kv == "gqa-shared"
+    fused_spec = (gqa.gqa_spec if tc.family in DENSE else hybrid_gqa_spec) if gqa_kv else (lambda s: s)
     short_spec, short_kw = _windowed(graph_specs(short, drafter, fuse_context)[0], short_tc, window_kv)
     short_spec = fused_spec(short_spec)
     kw = {"window_kv": True} if window_kv and plain.sliding(tc) is not None else {}  # plain_spec is windowed then

@@ -74,6 +74,9 @@ class TargetFamily:
     tensor_dtypes: Callable[[Any], dict[str, str]] | None = None
     # dflash2-train takes its targets (False: exportable, but the training path is not checked for it yet)
     trainable: bool = True
+    # the KV binding of its fused-op target graph: "gqa-shared" (GroupQueryAttention's per-layer buffers bound in
+    # place: every layer of a dense target, the full-attention layers of a hybrid) or "prefix" (one past_kv view)
+    fused_kv: str = "prefix"
 
     @property
     def exportable(self) -> bool:

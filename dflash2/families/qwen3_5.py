@@ -223,4 +223,5 @@ QWEN3_5 = TargetFamily(
     read_config=lambda path, raw, arch: read_qwen3_5_config(raw, path), layer_states=_layer_states,
     tensor_shapes=tensor_shapes, tiny_config=tiny_config, hf_class="Qwen3_5ForCausalLM", ignored=IGNORED,
     reference="dflash2.reference.qwen3_5:load_target", templates={"plain": "dflash2.export.qwen3_5:build",
-                                                               "fused": "dflash2.export.qwen3_5:build_fused"})
+                                                               "fused": "dflash2.export.qwen3_5:build_fused"},
+    fused_kv="gqa-shared")

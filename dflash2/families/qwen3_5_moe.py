@@ -104,4 +104,5 @@ QWEN3_5_MOE = TargetFamily(
     tensor_shapes=tensor_shapes, tiny_config=tiny_config, hf_class="Qwen3_5MoeForCausalLM", ignored=IGNORED,
     reference="dflash2.reference.qwen3_5_moe:load_target",
     # the hybrid's builders, their MLP the experts' block (dflash2.export.moe) on every layer
-    templates={"plain": "dflash2.export.qwen3_5:build", "fused": "dflash2.export.qwen3_5:build_fused"})
+    templates={"plain": "dflash2.export.qwen3_5:build", "fused": "dflash2.export.qwen3_5:build_fused"},
+    fused_kv="gqa-shared")
