@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dflash2.export.moe import slot_feed, slot_sum
 from dflash2.families.gpt_oss import MXFP4_BLOCK
 from dflash2.reference.gpt_oss import mxfp4_to_int8
 
@@ -93,16 +94,8 @@ def _slots(b, u: str, src, c, m: str, fcs, bits: int, block: int, accuracy_level
     logits = b.linear(u, f"{m}.router", src, [f"{m}.router"], quantize=False)  # [n, E] + bias: never quantized
     top, idx = b.op("TopK", [logits, b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2, axis=-1)  # [n, k]: of logits
     top = b.op("Softmax", [top], f"{m}.softmax", axis=-1)[0]  # over the k kept
-    onehot = b.op("OneHot", [idx, b.const(f"{m}.depth", [E]), b.const(f"{m}.onehot_values", [-1e9, 0.0], np.float32)],
-                  f"{m}.onehot", axis=-1)[0]  # [n, k, E]
-    slot_logits = b.op("Reshape", [onehot, b.const(f"{m}.slot_logits_shape", [-1, E])], f"{m}.slot_logits")[0]
-    per_slot = b.op("Expand", [b.op("Unsqueeze", [u, b.const(f"{m}.ax1", [1])], f"{m}.rows3")[0],
-                               b.const(f"{m}.slots_shape", [1, k, 1])], f"{m}.per_slot")[0]  # [n, k, H]
-    slot_rows = b.op("Reshape", [per_slot, b.const(f"{m}.slot_rows_shape", [-1, H])], f"{m}.slot_rows")[0]  # [n k, H]
     twice = bits == 4 and accuracy_level < 4
-    if twice:
-        slot_rows = b.op("Concat", [slot_rows, slot_rows], f"{m}.twice", axis=0)[0]  # [2 n k, H]
-        slot_logits = b.op("Concat", [slot_logits, slot_logits], f"{m}.twice_logits", axis=0)[0]
+    slot_rows, slot_logits, per_slot = slot_feed(b, u, idx, E, k, H, m, twice)
     inputs, zps = [slot_rows, slot_logits], []
     for (fc, packed, scales, *zeros), (N, K) in zip(fcs, ((2 * I, H), (H, I))):
         inputs.append(b.chunked(f"{x}.{fc}_Q{bits}", packed, (E, N, K * bits // 8), np.uint8))
@@ -117,14 +110,4 @@ def _slots(b, u: str, src, c, m: str, fcs, bits: int, block: int, accuracy_level
     if accuracy_level:
         attrs["accuracy_level"] = accuracy_level
     y = b.op("QMoE", inputs, f"{x}.qmoe", domain="com.microsoft", **attrs)[0]  # [(2) n k, H]: expert(row) + bias
-    if twice:
-        nk = b.op("Mul", [b.op("Shape", [per_slot], f"{m}.n", start=0, end=1)[0], b.const(f"{m}.k1", [k])],
-                  f"{m}.nk_rows")[0]
-        y = b.op("Slice", [y, b.const(f"{m}.first", [0]), nk, b.const(f"{m}.axis0", [0])], f"{m}.kept")[0]
-    y = b.op("Reshape", [y, b.const(f"{m}.y3_shape", [-1, k, H])], f"{m}.y3")[0]  # [n, k, H]
-    y = b.op("Mul", [y, b.op("Unsqueeze", [top, b.const(f"{m}.ax2", [2])], f"{m}.w3")[0]], f"{m}.weighted")[0]
-    parts = b.op("Split", [y], f"{m}.slots", outputs=k, axis=1) if k > 1 else [y]  # k x [n, 1, H]
-    out = parts[0]
-    for j in range(1, k):  # slot order, the same for every row whatever the step's other rows
-        out = b.op("Add", [out, parts[j]], f"{m}.sum{j}")[0]
-    return b.op("Reshape", [out, b.const(f"{m}.out_rows", [-1, H])], f"{m}.out")[0]  # [n, H]
+    return slot_sum(b, y, top, per_slot, k, H, m, twice, f"{m}.out")  # [n, H]

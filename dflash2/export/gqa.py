@@ -223,15 +223,7 @@ def gqa_spec(plain: GraphSpec) -> GraphSpec:
     past_names, present_names = N.gqa_kv_names(L)
 
     def convert(feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        p, n = feed[N.PAST_KV], feed[N.INPUT_IDS].shape[0]
-        cap = p.shape[0] + n + STALE_ROWS
-        g = torch.Generator().manual_seed(cap)
-        out = {N.INPUT_IDS: feed[N.INPUT_IDS], N.PAST_LEN: torch.tensor([p.shape[0]], dtype=torch.int32)}
-        for j, name in enumerate(past_names):
-            buf = torch.randn(1, p.shape[3], cap, p.shape[4], generator=g).to(p.dtype)
-            buf[0, :, :p.shape[0]] = p[:, j // 2, j % 2].transpose(0, 1)
-            out[name] = buf
-        return out
+        return per_layer_past(feed, past_names, feed[N.PAST_KV].shape[0] + feed[N.INPUT_IDS].shape[0] + STALE_ROWS)
 
     def trim(name: str, value: np.ndarray, feed: dict) -> np.ndarray:
         if name not in present_names:
@@ -241,3 +233,16 @@ def gqa_spec(plain: GraphSpec) -> GraphSpec:
     return GraphSpec("target", GqaTargetGraph(plain.module), [N.INPUT_IDS, N.PAST_LEN, *past_names],
                      [N.NEXT_IDS, N.CONTEXT, N.LOGITS, *present_names], {}, (),
                      lambda: [convert(f) for f in plain.feeds()], trim=trim)
+
+
+def per_layer_past(feed: dict[str, torch.Tensor], past_names: list[str], cap: int) -> dict[str, torch.Tensor]:
+    """A plain feed's past_kv [P, L, 2, kv, hd] as GroupQueryAttention's per-layer buffers [1, kv, cap, hd] (rows
+    past P random: the kernel must not read them) with past_len, beside input_ids."""
+    p = feed[N.PAST_KV]
+    g = torch.Generator().manual_seed(cap)
+    out = {N.INPUT_IDS: feed[N.INPUT_IDS], N.PAST_LEN: torch.tensor([p.shape[0]], dtype=torch.int32)}
+    for j, name in enumerate(past_names):
+        buf = torch.randn(1, p.shape[3], cap, p.shape[4], generator=g).to(p.dtype)
+        buf[0, :, :p.shape[0]] = p[:, j // 2, j % 2].transpose(0, 1)
+        out[name] = buf
+    return out

@@ -147,17 +147,9 @@ def _qmoe_slots(b, rows: str, src, c, m: str, fcs) -> str:
     if c.norm_topk_prob:
         top = b.op("Div", [top, b.op("ReduceSum", [top, b.const(f"{m}.last", [-1])], f"{m}.top_sum",
                                      keepdims=1)[0]], f"{m}.top_norm")[0]
-    onehot = b.op("OneHot", [idx, b.const(f"{m}.depth", [E]), b.const(f"{m}.onehot_values", [-1e9, 0.0], np.float32)],
-                  f"{m}.onehot", axis=-1)[0]  # [n, k, E]
-    slot_logits = b.op("Reshape", [onehot, b.const(f"{m}.slot_logits_shape", [-1, E])], f"{m}.slot_logits")[0]
-    per_slot = b.op("Expand", [b.op("Unsqueeze", [rows, b.const(f"{m}.ax1", [1])], f"{m}.rows3")[0],
-                               b.const(f"{m}.slots_shape", [1, k, 1])], f"{m}.per_slot")[0]  # [n, k, H]
-    slot_rows = b.op("Reshape", [per_slot, b.const(f"{m}.slot_rows_shape", [-1, H])], f"{m}.slot_rows")[0]  # [n k, H]
     # int4 at accuracy level < 4 keeps fp32 activations: their M = 1 path (see fused) is avoided by feeding twice
     twice = q.bits == 4 and q.accuracy_level < 4
-    if twice:
-        slot_rows = b.op("Concat", [slot_rows, slot_rows], f"{m}.twice", axis=0)[0]  # [2 n k, H]
-        slot_logits = b.op("Concat", [slot_logits, slot_logits], f"{m}.twice_logits", axis=0)[0]
+    slot_rows, slot_logits, per_slot = slot_feed(b, rows, idx, E, k, H, m, twice)
     inputs, zps = [slot_rows, slot_logits], []
     for fc, get, (N, K) in fcs:
         scales, zeros = [], []
@@ -178,6 +170,28 @@ def _qmoe_slots(b, rows: str, src, c, m: str, fcs) -> str:
         attrs["accuracy_level"] = q.accuracy_level
     y = b.op("QMoE", inputs, f"{m}.qmoe", domain="com.microsoft", expert_weight_bits=q.bits,
              block_size=q.block_size, **attrs)[0]  # [(2) n k, H]: expert(row) per (row, slot)
+    return slot_sum(b, y, top, per_slot, k, H, m, twice, f"{m}.routed")
+
+
+def slot_feed(b, rows: str, idx: str, E: int, k: int, H: int, m: str, twice: bool) -> tuple[str, str, str]:
+    """QMoE's slot form, its input side: each (row, slot) of rows [n, H] one row of [n k, H] with one-hot logits
+    [n k, E] (0 for the slot's expert idx [n, k], -1e9 elsewhere: QMoE with k = 1 weighs it exactly 1); twice: the
+    rows fed twice (an M = 1 path avoided). -> (slot_rows, slot_logits, per_slot [n, k, H])."""
+    onehot = b.op("OneHot", [idx, b.const(f"{m}.depth", [E]), b.const(f"{m}.onehot_values", [-1e9, 0.0], np.float32)],
+                  f"{m}.onehot", axis=-1)[0]  # [n, k, E]
+    slot_logits = b.op("Reshape", [onehot, b.const(f"{m}.slot_logits_shape", [-1, E])], f"{m}.slot_logits")[0]
+    per_slot = b.op("Expand", [b.op("Unsqueeze", [rows, b.const(f"{m}.ax1", [1])], f"{m}.rows3")[0],
+                               b.const(f"{m}.slots_shape", [1, k, 1])], f"{m}.per_slot")[0]  # [n, k, H]
+    slot_rows = b.op("Reshape", [per_slot, b.const(f"{m}.slot_rows_shape", [-1, H])], f"{m}.slot_rows")[0]  # [n k, H]
+    if twice:
+        slot_rows = b.op("Concat", [slot_rows, slot_rows], f"{m}.twice", axis=0)[0]  # [2 n k, H]
+        slot_logits = b.op("Concat", [slot_logits, slot_logits], f"{m}.twice_logits", axis=0)[0]
+    return slot_rows, slot_logits, per_slot
+
+
+def slot_sum(b, y: str, top: str, per_slot: str, k: int, H: int, m: str, twice: bool, out: str) -> str:
+    """QMoE's slot form, its output side: y [(2) n k, H] (one expert output per (row, slot)) weighted by top [n, k]
+    and added in slot order, the same for every row whatever the step's other rows -> out [n, H]."""
     if twice:
         half = b.op("Shape", [per_slot], f"{m}.nk", start=0, end=1)[0]  # n (the first dim of [n, k, H])
         nk = b.op("Mul", [half, b.const(f"{m}.k1", [k])], f"{m}.nk_rows")[0]
@@ -185,7 +199,7 @@ def _qmoe_slots(b, rows: str, src, c, m: str, fcs) -> str:
     y = b.op("Reshape", [y, b.const(f"{m}.y3_shape", [-1, k, H])], f"{m}.y3")[0]  # [n, k, H]
     y = b.op("Mul", [y, b.op("Unsqueeze", [top, b.const(f"{m}.ax2", [2])], f"{m}.w3")[0]], f"{m}.weighted")[0]
     parts = b.op("Split", [y], f"{m}.slots", outputs=k, axis=1) if k > 1 else [y]  # k x [n, 1, H]
-    out = parts[0]
-    for j in range(1, k):  # slot order, the same for every row whatever the step's other rows
-        out = b.op("Add", [out, parts[j]], f"{m}.sum{j}")[0]
-    return b.op("Reshape", [out, b.const(f"{m}.out_rows", [-1, H])], f"{m}.routed")[0]  # [n, H]
+    acc = parts[0]
+    for j in range(1, k):
+        acc = b.op("Add", [acc, parts[j]], f"{m}.sum{j}")[0]
+    return b.op("Reshape", [acc, b.const(f"{m}.out_rows", [-1, H])], out)[0]  # [n, H]

@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 from torch import nn
 
 from dflash2.export import signature as N
+from dflash2.export.gqa import per_layer_past
 from dflash2.export.graphs import STALE_ROWS, GraphSpec
 
 MIN_KEYS = 65  # past the kernel's 64-key one-pass path (module docstring)
@@ -135,15 +136,8 @@ def hybrid_gqa_spec(plain: GraphSpec) -> GraphSpec:
     state_out = [nm for nm in plain.outputs if N.is_state(nm)]
 
     def convert(feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        p, n = feed[N.PAST_KV], feed[N.INPUT_IDS].shape[0]
-        cap = max(p.shape[0] + n + 1, MIN_KEYS) + STALE_ROWS
-        g = torch.Generator().manual_seed(cap)
-        out = {N.INPUT_IDS: feed[N.INPUT_IDS], N.PAST_LEN: torch.tensor([p.shape[0]], dtype=torch.int32)}
-        for j, name in enumerate(past_names):
-            buf = torch.randn(1, p.shape[3], cap, p.shape[4], generator=g).to(p.dtype)
-            buf[0, :, :p.shape[0]] = p[:, j // 2, j % 2].transpose(0, 1)
-            out[name] = buf
-        return out | {nm: feed[nm] for nm in state_in}
+        cap = max(feed[N.PAST_KV].shape[0] + feed[N.INPUT_IDS].shape[0] + 1, MIN_KEYS) + STALE_ROWS
+        return per_layer_past(feed, past_names, cap) | {nm: feed[nm] for nm in state_in}
 
     def trim(name: str, value: np.ndarray, feed: dict) -> np.ndarray:
         if name not in present_names:
