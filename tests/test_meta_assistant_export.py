@@ -137,10 +137,13 @@ def test_the_window_buffer_compacts_and_keeps_the_parity(trained, monkeypatch):
     where ALIGN 64's buffer would hold the whole run): the same ids and accepted counts as transformers' loop in
     every round past the target's window (prompt 12 > 8), the buffer compacted in between."""
     from dflash2.runtime import window
+    from dflash2.manifest import window as window_rule
     from dflash2.speculative import generate
     from tests.window_kv_pair import windowed_session
 
     monkeypatch.setattr(window, "ALIGN", 1)
+
+    monkeypatch.setattr(window_rule, "ALIGN", 1)  # the capacity rule reads it there
     hf, asst, root, prompt = trained
     want_ids, want_counts = transformers_loop(hf, asst, prompt)
     exported(root)

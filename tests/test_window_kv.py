@@ -22,6 +22,7 @@ from dflash2.export import signature as sg
 from dflash2.manifest.jsonio import _convert, _plain
 from dflash2.runtime.memory import HostBuffer
 from dflash2.runtime import window
+from dflash2.manifest import window as window_rule
 from dflash2.runtime.window import CompactingKv, window_rows
 
 ROW = [3, 2, 1, 2]  # [Lw, 2, kv, hd]
@@ -61,6 +62,7 @@ def write(kv: CompactingKv, pos: int, n: int) -> tuple[dict, dict]:
 def unaligned(monkeypatch):
     """ALIGN 1: base = pos - keep exactly at a compaction (the mechanics below count rows that way)."""
     monkeypatch.setattr(window, "ALIGN", 1)
+    monkeypatch.setattr(window_rule, "ALIGN", 1)  # the capacity rule reads it there
 
 
 @pytest.mark.parametrize("fixed", [False, True])
@@ -70,6 +72,7 @@ def test_steps_compact_at_commit_points_and_roll_back_exactly(fixed, align, monk
     min(pos, ...) committed positions in order, the past view never holds a rejected row, and no view passes C;
     the base always a multiple of ALIGN (row invariance: runtime/window.py)."""
     monkeypatch.setattr(window, "ALIGN", align)
+    monkeypatch.setattr(window_rule, "ALIGN", align)  # the capacity rule reads it there
     B = 8
     kv = CompactingKv(window_sig(fixed=fixed), HostBackend(), ROW, B, np.float32)
     step, C = window_rows(window_sig(), B)
@@ -108,6 +111,7 @@ def test_an_overlapping_move_keeps_every_row(monkeypatch, unaligned):
     from dflash2.runtime import window
 
     monkeypatch.setattr(window, "MAX_STEP", 4)
+    monkeypatch.setattr(window_rule, "MAX_STEP", 4)  # the capacity rule reads it there
     kv = CompactingKv(window_sig(keep=7), HostBackend(), ROW, 2, np.float32)
     assert (kv.step_rows, kv.capacity) == (4, 15)
     for p in range(0, 12):
@@ -282,6 +286,8 @@ def test_the_check_sees_a_window_one_row_short(muse, monkeypatch):
     from tests.window_kv_pair import windowed_session
 
     monkeypatch.setattr(window, "ALIGN", 1)
+
+    monkeypatch.setattr(window_rule, "ALIGN", 1)  # the capacity rule reads it there
     out, _, _ = muse
     sig = mf.load(out, mf.ExportManifest, check_files=False).graphs["target"].signature
     short = dataclasses.replace(sig, window=dataclasses.replace(sig.window, keep=sig.window.keep - 1))

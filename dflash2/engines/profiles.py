@@ -6,7 +6,7 @@ Every dynamic input dim of every graph is one of the export's symbolic dims (man
     cap   rows of the whole KV buffer (the fixed-shape TensorRT flavour): max_seq_len, always
     batch selector batch
     window_cap   rows of the whole window buffer (a windowed target's fixed flavour: manifest.WindowSignature):
-                 the runtime's capacity keep + 2 x step (runtime.window.window_rows), always
+                 the runtime's capacity keep + 2 x step (manifest.window.window_rows), always
     window_past  the window buffer's valid rows (its portable flavour): 0 .. capacity - 1
 A profile is a box of (min, opt, max) per symbolic dim; an input's min/opt/max shapes substitute
 those ranges into its io spec. TensorRT tunes kernels at `opt`, so the target gets two profiles:
@@ -93,7 +93,7 @@ def window_dims(export: ModelFacts) -> dict[str, DimRange]:
     sig = g and (g.tensorrt_signature or g.signature)
     if sig is None or sig.window is None:
         return {}
-    from dflash2.runtime.window import window_rows  # no torch: the runtime's own sizing rule, one place
+    from dflash2.manifest.window import window_rows  # the runtime's own sizing rule, one place
 
     C = window_rows(sig.window, export.block_size)[1]
     return {"window_cap": DimRange(C, C, C), "window_past": DimRange(0, sig.window.keep, C - 1)}
