@@ -182,3 +182,28 @@ def test_exact_costs_swaps_in_the_traces_table_after_calibration(tmp_path, capsy
                         "schedule.py", "--exact-costs", "--json", str(out)]) == 0
     assert list(json.loads(out.read_text())[str(path)]) == ["now", "now/exact", "oracle"]
     assert "now/exact" in capsys.readouterr().out
+
+
+def test_synthetic_trace_draws_the_asked_acceptance_and_replays_without_confidences():
+    """replay.synthetic_trace (a drafter known only by its published acceptance): a round of all S drafts yields tau
+    on average, seeded (the same trace every time), no confidences; a schedule that reuses draft tails replays it."""
+    from dflash2.bench.replay import geometric_rate, synthetic_trace
+
+    S = 15
+    for tau in (1.0, 3.26, 16.0):
+        a = geometric_rate(tau, S)
+        assert 1 + sum(a ** j for j in range(1, S + 1)) == pytest.approx(tau, abs=1e-9)
+    with pytest.raises(ValueError):
+        geometric_rate(17.0, S)
+    costs = {"decode": 10.0, "verify": [0.0] + [10.0 + 2 * (k - 1) for k in range(1, S + 2)], "draft_base": 2.0,
+             "draft_per_row": 0.0}
+    t = synthetic_trace(3.26, S + 1, costs, answers=8, tokens=64, seed=1)
+    assert t == synthetic_trace(3.26, S + 1, costs, answers=8, tokens=64, seed=1)
+    m = [p["match"] for ans in t["answers"] for p in ans["positions"]]
+    assert len(m) == 8 * 63 and all(0 <= x <= S for x in m)
+    assert 1 + sum(m) / len(m) == pytest.approx(3.26, rel=0.1)
+    assert all(p["confidence"] is None for ans in t["answers"] for p in ans["positions"])
+    r = replay(FixedSchedule(S), t)  # every round verifies all S: accepted = the matches at the anchors it visits
+    assert r["tokens"] == 8 * 63 and r["drafted"] == r["rounds"]
+    assert replay(ReusingFixed(2), t)["reused"] > 0
+    assert replay(AutoSchedule(S + 1), t)["tokens"] == 8 * 63

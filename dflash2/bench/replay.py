@@ -157,7 +157,8 @@ def replay(schedule: DraftSchedule | None, trace: dict) -> dict:
             from_tail = tail is not None and bool(schedule.wants_reuse())
             if from_tail:
                 q, o = tail
-                conf, match, d = pos[q]["confidence"][o:], max(pos[q]["match"] - o, 0), False
+                conf, match, d = pos[q]["confidence"], max(pos[q]["match"] - o, 0), False
+                conf = None if conf is None else conf[o:]  # (a drafter without confidences: None)
                 k = schedule.choose(conf, S - o)
             else:
                 q, o, match = p, 0, pos[p]["match"]
@@ -266,3 +267,36 @@ def load_schedules(items: Sequence[str]) -> dict:
                              f"`def wants_reuse(self): return False` to replay it")
         out[name] = mod.AutoSchedule
     return out
+
+
+def geometric_rate(tau: float, S: int) -> float:
+    """The per-draft acceptance a (each draft accepted with probability a once every draft before it was) at which a
+    round of all S drafts yields tau tokens on average: 1 + sum_{j=1..S} a^j = tau (bisection; tau in [1, S + 1])."""
+    if not 1.0 <= tau <= S + 1:
+        raise ValueError(f"tau: expected 1 .. {S + 1} (a round of {S} drafts), found {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if 1 + sum(a ** j for j in range(1, S + 1)) < tau else (lo, a)
+    return (lo + hi) / 2
+
+
+def synthetic_trace(tau: float, block_size: int, costs_ms: dict, answers: int = 32, tokens: int = 128,
+                    prompt_tokens: int = 40, seed: int = 0) -> dict:
+    """A trace as `record` writes one, for a drafter that is not here: at every anchor the drafts' matching prefix is
+    drawn (seeded) so that a round of all block_size - 1 drafts yields `tau` tokens on average (tau as model cards
+    publish it: accepted drafts + 1 per round at the full block). Draft j is accepted with probability a once drafts
+    1..j-1 were (a = geometric_rate(tau, S)), independently at each anchor: no confidences (a DFlash v1 drafter's
+    form; the schedule then learns one acceptance rate per draft position) and no runs of easy text: a schedule that
+    reads either may do better on a real trace of the same tau. Priced by `costs_ms` (`cost_table`); every answer's
+    first draft catches up `prompt_tokens` rows, as `record`'s traces say."""
+    rng, S = np.random.default_rng(seed), block_size - 1
+    a = geometric_rate(tau, S)
+    out = []
+    for i in range(answers):
+        draws = rng.random((tokens - 1, S)) < a  # anchors 0 .. tokens - 2; draws[p, j]: draft j + 1 right, given the rest
+        match = np.where(draws.all(axis=1), S, np.argmin(draws, axis=1))  # the leading run of True
+        out.append({"prompt": i, "prompt_tokens": prompt_tokens, "tokens": tokens,
+                    "positions": [{"match": int(m), "confidence": None, "target_p": None} for m in match]})
+    return {"export": None, "synthetic": {"tau": tau, "rate": a, "seed": seed}, "block_size": block_size,
+            "costs_ms": costs_ms, "answers": out}

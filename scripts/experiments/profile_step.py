@@ -21,6 +21,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 import tempfile
 from collections import defaultdict
@@ -43,6 +44,15 @@ def enable_ort_profiling(prefix_dir: str, only: str) -> None:
     ort.InferenceSession.__init__ = init
 
 
+def block(node: str) -> str:
+    """A node's block, from its name: the first name component after `layers.N` (dflash2: `layers.3.mlp.qmoe` ->
+    mlp; genai: `/model/layers.3/moe/...` -> moe), else the first component (the embedding, the head)."""
+    m = re.search(r"layers\.\d+[./]([A-Za-z0-9_]+)", node)
+    if m:
+        return m.group(1)
+    return node.strip("/").removeprefix("model/").split("/")[0].split(".")[0]
+
+
 def summarize(trace: list[dict], decode_runs: int) -> dict:
     """Per decode step: ms per op type, kernel sum, model_run wall, from a trace whose LAST `decode_runs`
     model_run events are decode steps (a trace holds warm-up, prefill and decode runs in order)."""
@@ -51,6 +61,7 @@ def summarize(trace: list[dict], decode_runs: int) -> dict:
     keep = runs[-decode_runs:]
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in keep]
     ops: dict[str, float] = defaultdict(float)
+    blocks: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     nodes = sorted((e for e in trace if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")),
                    key=lambda e: e["ts"])
@@ -64,12 +75,14 @@ def summarize(trace: list[dict], decode_runs: int) -> dict:
             op = e.get("args", {}).get("op_name", "?")
             ops[op] += e["dur"]
             counts[op] += 1
+            blocks[block(e["name"].removesuffix("_kernel_time"))] += e["dur"]
     n = max(len(keep), 1)
     kernels = sum(ops.values()) / n / 1e3
     wall = sum(e["dur"] for e in keep) / n / 1e3
     return {"steps": len(keep), "model_run_ms": wall, "kernels_ms": kernels, "executor_ms": wall - kernels,
             "ops_ms": {k: v / n / 1e3 for k, v in sorted(ops.items(), key=lambda kv: -kv[1])},
-            "nodes_per_step": {k: counts[k] / n for k in ops}}
+            "nodes_per_step": {k: counts[k] / n for k in ops},
+            "blocks_ms": {k: v / n / 1e3 for k, v in sorted(blocks.items(), key=lambda kv: -kv[1])}}
 
 
 def table(d: dict, g: dict | None, top: int) -> str:
@@ -86,6 +99,8 @@ def table(d: dict, g: dict | None, top: int) -> str:
         if g:
             row += f"{g['ops_ms'].get(k, 0):>8.3f} x{g['nodes_per_step'].get(k, 0):<3.0f}"
         lines.append(row)
+    for r, who in [(d, "dflash2")] + ([(g, "genai")] if g else []):
+        lines.append(f"blocks, {who} (ms per step): " + ", ".join(f"{k} {v:.2f}" for k, v in list(r["blocks_ms"].items())[:top]))
     return "\n".join(lines)
 
 
