@@ -70,6 +70,22 @@ def test_an_over_confident_drafter_turns_drafting_off_then_probes_with_backoff()
     assert s.backoff == AutoSchedule.MAX_BACKOFF
 
 
+def test_an_expensive_draft_backs_off_further_so_a_failed_probe_costs_the_same_share():
+    # draft 26 ms = 2.6 decode steps (a 248,320-word head): the cap grows to 64 x 2.6 / 0.4 = 416 rounds, and the probes
+    # of the last 1,600 rounds cost about as much plain decoding as a 0.4-step draft's probes every 64 rounds do
+    s = AutoSchedule(B, costs(CPU, draft_ms=26.0))
+    assert s.max_backoff() == 416
+    drafted = []
+    for _ in range(3000):
+        d = s.wants_draft()
+        drafted.append(d)
+        k = s.choose([0.9] * 7, 7) if d else 0
+        s.observe(Round(d, k, 0, 0.026 if d else 0.0, CPU[k] / 1e3))  # every draft is rejected
+    assert s.backoff == 416 and sum(drafted[-1600:]) <= 1600 / 256
+    restored = AutoSchedule.from_state(B, s.state())
+    assert restored is not None and restored.backoff == 416  # the saved back-off is not cut to the cheap cap
+
+
 def test_drafting_resumes_when_drafts_are_accepted_again():
     s = AutoSchedule(B, costs(CPU))
     s.probing, s.skip_left, s.backoff = True, 3, 4
@@ -234,9 +250,10 @@ def test_where_drafting_does_not_pay_a_real_win_halves_the_back_off_and_a_new_an
     k = s.choose([0.95] * 7, 7)
     assert k >= 1 and s.expected > 0  # the model finds the probe promising ...
     s.observe(Round(True, k, 0, 0.0032, INT4["verify_ms"][k] / 1e3))  # ... and it loses
-    assert s.probing and s.backoff == 64 and s.skip_left == 64
+    cap = s.max_backoff()  # 66: this draft costs 0.42 decode steps, a little over the 0.4 MAX_BACKOFF is set for
+    assert cap == 66 and s.probing and s.backoff == cap and s.skip_left == cap
     s.start()  # a new answer: its first round probes, the back-off stays
-    assert s.wants_draft() and s.backoff == 64
+    assert s.wants_draft() and s.backoff == cap
     k = s.choose([0.95] * 7, 7)
     s.observe(Round(True, k, k, 0.0032, INT4["verify_ms"][k] / 1e3))  # every draft accepted: a real win
-    assert not s.probing and s.backoff == 32
+    assert not s.probing and s.backoff == cap // 2

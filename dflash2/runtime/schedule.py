@@ -206,7 +206,8 @@ class AutoSchedule:
     probe (`scripts/experiments/bench_schedules.py`, docs/draft_len.md)."""
 
     name = "auto"
-    MAX_BACKOFF = 64  # rounds skipped between probes at most: a failed probe costs ~one draft call
+    MAX_BACKOFF = 64  # rounds skipped between probes at most where a draft costs <= PROBE_DRAFT decode steps
+    PROBE_DRAFT = 0.4  # the draft / decode ratio MAX_BACKOFF was tuned at (the int4 Qwen3 default: ~0.6% lost)
     LONG = 0.04  # weight of a drafted round's real gain in `value`
 
     def __init__(self, block_size: int, costs: CostModel | None = None, acceptance: AcceptanceModel | None = None):
@@ -227,6 +228,17 @@ class AutoSchedule:
         rate the session achieves."""
         ar = 1.0 / self.costs.decode if self.costs.decode > 0 else 0.0
         return max(ar, self.tokens / self.seconds if self.seconds > 0 else 0.0)
+
+    def max_backoff(self) -> int:
+        """MAX_BACKOFF rounds, or more where a draft costs more than PROBE_DRAFT decode steps, so that a failed probe
+        costs the same share of plain decoding whatever the drafter's head costs. Replayed
+        (`scripts/experiments/replay_published.py`, a reduced Qwen3.5-MoE whose 248,320-word head makes a draft 2.6
+        decode steps): 0.962-0.967x of plain decoding at tau 1-3.26 with the fixed cap, 0.977-0.982x priced; every
+        shipped-pair trace (draft <= 0.4) replays the same (docs/results/README.md, 2026-12-06)."""
+        c = self.costs
+        if self.calibration.active or c.decode <= 0:
+            return self.MAX_BACKOFF
+        return max(self.MAX_BACKOFF, int(self.MAX_BACKOFF * c.draft / (self.PROBE_DRAFT * c.decode)))
 
     def start(self) -> None:
         """A new answer: the drafter may do better on it than on the last one, so its first round probes
@@ -298,7 +310,7 @@ class AutoSchedule:
                 self.surplus, self.probing = self.expected, False
                 self.backoff = 1 if pays else max(1, self.backoff // 2)
             else:
-                self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+                self.backoff = min(2 * self.backoff, self.max_backoff())
                 self.skip_left = self.backoff
             return
         self.surplus += 0.3 * (self.expected - self.surplus)
@@ -338,7 +350,8 @@ class AutoSchedule:
             if set(acc.hits) != set(acc.trials) or not all(0 <= acc.hits[k] <= acc.trials[k] < math.inf for k in acc.hits):
                 return None
             s = cls(block_size, costs, acc)
-            s.value, s.backoff = float(state["value"]), max(1, min(int(state["backoff"]), cls.MAX_BACKOFF))
+            s.value = float(state["value"])
+            s.backoff = max(1, min(int(state["backoff"]), s.max_backoff()))
             if not math.isfinite(s.value):
                 return None
             if s.value <= 0:  # drafting did not pay here: start skipping (start() makes the first round a probe)

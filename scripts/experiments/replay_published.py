@@ -22,15 +22,13 @@ from pathlib import Path
 
 
 def costed_backoff():
-    """A PROPOSAL for dflash2/runtime/schedule.py, replayed here only: AutoSchedule whose probes are priced. Today
-    the back-off between failed probes stops at MAX_BACKOFF = 64 rounds, and each new answer probes once; a probe
-    costs one draft call, which was ~0.4 of a decode step on the int4 Qwen3 target that rule was tuned on (64
-    rounds: ~0.6% of plain decoding) but is 2-3 decode steps where the head drafts over a 248,320-row vocabulary
-    (a reduced Qwen3.5-MoE: ~4% lost where nothing is accepted). Here the cap grows with draft / decode so that a
-    failed probe costs at most ~0.6% (64 x draft / (0.4 decode) rounds), a new answer's probe waits out the
-    back-off when drafting has not paid in this session (value <= 0), and a probe verifies at least one draft:
-    without confidences (a DFlash v1 drafter) a probe that verifies none learns nothing, so the acceptance model
-    stays at its prior and a drafter that would pay is never found."""
+    """What is left of a proposal for dflash2/runtime/schedule.py, replayed here only. Its first part landed:
+    `AutoSchedule.max_backoff` prices the back-off cap by draft / decode (a draft of a 248,320-word head costs 2-3
+    decode steps, not the ~0.4 the 64-round cap was tuned at). The rest: a new answer's probe waits out the back-off
+    while drafting has not paid in this session (value <= 0), and a probe verifies at least one draft (without
+    confidences, a DFlash v1 drafter, a probe that verifies none learns nothing). Replayed on the committed traces of
+    the shipped pair those two lose up to 2.6% (fp32_shipped4: 1.128x -> 1.099x; r3fp32_shipped: 1.144x -> 1.115x), so
+    they stay a proposal."""
     from dflash2.runtime.schedule import AutoSchedule
 
     class CostedBackoff(AutoSchedule):
@@ -43,12 +41,6 @@ def costed_backoff():
         def choose(self, confidence, available: int) -> int:
             k = super().choose(confidence, available)
             return 1 if k == 0 and available and self.probing and not self.calibration.active else k
-
-        def observe(self, r) -> None:
-            super().observe(r)
-            c = self.costs
-            if not self.calibration.active and c.decode > 0:  # the cap, per instance, from the measured costs
-                self.MAX_BACKOFF = max(AutoSchedule.MAX_BACKOFF, int(AutoSchedule.MAX_BACKOFF * c.draft / (0.4 * c.decode)))
     return CostedBackoff
 
 
