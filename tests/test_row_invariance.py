@@ -17,6 +17,8 @@ from dflash2.export import quantize as qz
 from dflash2.export.api import ROWS, export
 from dflash2.runtime.api import Runtime
 from dflash2.runtime.invariance import _prompt, check_rows, sizes, validation
+from dflash2.runtime.ort import OrtBackend
+from dflash2.runtime.state import RowStates
 from dflash2.speculative import generate
 
 
@@ -164,3 +166,27 @@ def test_run_check_rows_cli(exports, capsys):
     assert run_cli._check_rows(fake) == 1
     out, err = capsys.readouterr()
     assert json.loads(out)["row_invariant"] is False and "expected a k-row verify bitwise equal" in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTNEED zero-fills on Linux only")
+def test_the_check_hands_back_the_state_rows_no_step_reads():
+    """RowStates.release_stale, run by the check before its prefills and verifies: the row the next step reads keeps
+    its bytes, every other row of both buffers reads as zeros (its pages wholly inside: 16 KiB rows here, the middle
+    8 KiB of each always) and is handed back; after a reset no row is live."""
+    sig = mf.StateSignature("rows", ["s"], ["s_out"], [[4096]], ["float32"], 4)
+    s = RowStates(sig, OrtBackend(None, {}, {}))
+    s.step(4)
+    s.commit(3, 4)  # the state after row 2 of a 4-row step: current = (A, 2)
+    k, r = s.current
+    for bufs in s.buffers[:2]:
+        bufs[0].host[...] = 7
+    released = s.release_stale()
+    assert (s.buffers[k][0].host[r] == 7).all()
+    stale = [(j, i) for j in range(2) for i in range(4) if (j, i) != (k, r)]
+    assert all(not s.buffers[j][0].host[i, 1024:3072].any() for j, i in stale)
+    assert released >= len(stale) * 8192
+    s.reset()
+    assert s.release_stale() >= 8192 and not s.buffers[k][0].host[r, 1024:3072].any()
+    s.step(2)  # its rows are what the commit makes current: not stale until then
+    with pytest.raises(Dflash2Error, match="no step awaiting its commit, found a 2-row step not committed"):
+        s.release_stale()

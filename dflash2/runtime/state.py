@@ -27,6 +27,21 @@ import numpy as np
 from dflash2 import dtypes
 from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
+from dflash2.runtime.memory import HostBuffer
+
+try:  # Linux: madvise through libc (release_stale; MADV_DONTNEED zero-fills there, not on macOS); elsewhere None
+    import ctypes
+    import ctypes.util
+    import mmap
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        raise OSError("MADV_DONTNEED zero-fills on Linux only")
+    _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _DONTNEED, _PAGE = mmap.MADV_DONTNEED, mmap.PAGESIZE
+except (OSError, AttributeError):
+    _LIBC = None
 
 INITIAL = 2  # buffer index of the zero initial state (0 and 1 are A and B)
 
@@ -110,6 +125,34 @@ class RowStates:
             raise Dflash2Error(f"recurrent state commit of {a} rows: expected an accepted row whose state the target "
                                f"graph kept, found {what}")
         self.current, self._written = (self._written, self.current[1] if self._in_place else r), None
+
+    def release_stale(self) -> int:
+        """Hands back to the OS the pages of every A / B row that holds no state the next step can read (all but
+        `current`'s row; after reset() all of them): they read as zeros until a step writes them again. Returns the
+        bytes released. For the export's row check (dflash2.runtime.invariance), which runs verifies of every k up
+        to W and so, with prefills that write W rows, touches both buffers whole: 2 x 16 rows x 19 MiB = 0.6 GiB at
+        Qwen3.5-0.8B's shape, where 1 + 16 rows are live at most. A step writes every row it outputs before anything
+        reads it and reads only `current`'s row, so what it computes is unchanged; only host buffers (ONNX Runtime's
+        CPU provider) are released, and generation does not call it (each re-touched row costs page faults)."""
+        if self._written is not None:  # the rows a step just wrote are what its commit will make current
+            raise Dflash2Error("recurrent state release: expected no step awaiting its commit, found a "
+                               f"{self._n}-row step not committed")
+        if _LIBC is None:
+            return 0
+        released = 0
+        for k in range(2):
+            live = self.current[1] if self.current[0] == k else None
+            for b in self.buffers[k]:
+                if not isinstance(b, HostBuffer):  # a device buffer's ptr is not host memory (its host a mirror)
+                    continue
+                spans = [(0, b.nbytes)] if live is None else [(0, live * b.row_bytes),
+                                                              ((live + 1) * b.row_bytes, b.nbytes)]
+                for start, stop in spans:  # whole pages inside the span only: a page shared with a live row stays
+                    lo = -(-(b.ptr + start) // _PAGE) * _PAGE
+                    hi = (b.ptr + stop) // _PAGE * _PAGE
+                    if hi > lo and _LIBC.madvise(lo, hi - lo, _DONTNEED) == 0:
+                        released += hi - lo
+        return released
 
     def named_buffers(self) -> dict:
         """name -> buffer, for the session's address check (constant for the session)."""
