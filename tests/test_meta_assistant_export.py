@@ -105,10 +105,13 @@ def test_exported_pair_matches_transformers_dflash_loop_round_by_round(trained):
     assert all(v.ok for v in m.validation.values()), m.validation
     assert m.drafter_config["format"] == META and list(m.drafter_config["layer_window"]) == [WINDOW + 1] * 2
     assert m.graphs["target"].signature.window is not None  # the default: the window buffer
+    # Meta's drafter slides on every layer (inclusive window 4: q - k < 5): its context KV on the window buffer too
+    assert m.graphs["drafter"].signature.window.keep == WINDOW and m.graphs["drafter"].signature.window.layers == [0, 1]
     rt = Runtime(root / "out")
     rt.manifest.eos_token_ids = []
     gen = rt.generate(prompt.tolist(), NEW, draft_len=B - 1)
     assert gen.ids == greedy and rt.session.window.high <= rt.session.window.capacity
+    assert rt.session.drafter_kv.high <= rt.session.drafter_kv.capacity
     ours = list(gen.stats.accepted)
     ours[-1] = min(ours[-1], gen.stats.emitted[-1] - 1)  # transformers recounts the last round after the length cut
     assert ours == want_counts and set(gen.stats.verified) == {B - 1}
@@ -123,6 +126,7 @@ def test_the_parity_holds_with_every_layer_unbounded_too(trained):
     want_ids, want_counts = transformers_loop(hf, asst, prompt)
     m = exported(root, "full", window_kv=False)
     assert m.graphs["target"].signature.window is None and all(v.ok for v in m.validation.values())
+    assert m.graphs["drafter"].signature.window is None  # every context row kept
     rt = Runtime(root / "full")
     rt.manifest.eos_token_ids = []
     gen = rt.generate(prompt.tolist(), NEW, draft_len=B - 1)
@@ -133,9 +137,9 @@ def test_the_parity_holds_with_every_layer_unbounded_too(trained):
 
 
 def test_the_window_buffer_compacts_and_keeps_the_parity(trained, monkeypatch):
-    """The exported windowed target with ALIGN 1 (runtime/window.py: a compaction every few rounds at this size,
-    where ALIGN 64's buffer would hold the whole run): the same ids and accepted counts as transformers' loop in
-    every round past the target's window (prompt 12 > 8), the buffer compacted in between."""
+    """The exported windowed target and drafter with ALIGN 1 (runtime/window.py: a compaction every few rounds at
+    this size, where ALIGN 64's buffer would hold the whole run): the same ids and accepted counts as transformers'
+    loop in every round past both windows (prompt 12 > 8), both buffers compacted in between."""
     from dflash2.runtime import window
     from dflash2.manifest import window as window_rule
     from dflash2.speculative import generate
@@ -151,6 +155,8 @@ def test_the_window_buffer_compacts_and_keeps_the_parity(trained, monkeypatch):
     s.manifest.eos_token_ids = []
     gen = generate(s, prompt.tolist(), NEW, draft_len=B - 1)
     assert gen.ids == want_ids and s.window.compactions > 2 and s.window.high <= s.window.capacity
+    d = s.drafter_kv  # the drafter's window buffer (keep 4 + 2 x 5 rows) compacted too, the drafts the same
+    assert d.compactions > 2 and d.high <= d.capacity < len(prompt) + NEW
     ours = list(gen.stats.accepted)
     ours[-1] = min(ours[-1], gen.stats.emitted[-1] - 1)  # transformers recounts the last round after the length cut
     assert ours == want_counts

@@ -166,8 +166,8 @@ def test_problems_name_each_broken_field(change, want):
     w = dataclasses.replace(window_sig(), **change)
     sig = mf.Signature({"ids": sg.INPUT_IDS}, {}, sg.KV[("target", "prefix")], window=w)
     assert any(p.startswith(want) for p in sig.problems("t", None)), sig.problems("t", None)
-    assert "d.window: expected none (only a target graph" in " ".join(
-        mf.Signature({}, {}, sg.KV[("drafter", "prefix")], window=window_sig()).problems("d", None, "drafter"))
+    assert "s.window: expected none (only a target or drafter graph" in " ".join(
+        mf.Signature({}, {}, None, window=window_sig()).problems("s", None, "selector"))
 
 
 # --- (c) a tiny Muse-Glimmer pair through the runtime, far past the window ---------------------------------------

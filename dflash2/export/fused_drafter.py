@@ -72,14 +72,31 @@ def build(dc, tc, dsrc, tsrc, fuse_context: bool, max_seq_len: int, draft_ids: n
                   fused=True)
 
 
+def sliding(dc) -> tuple[list[int], int] | None:
+    """(layers, keep) of a drafter whose every layer has a sliding window: its context KV on the window buffer
+    (manifest.WindowSignature, runtime.window.CompactingKv), keep = W - 1 for the widest window W (as a layer's
+    rule q - k < W reads it: Meta's inclusive window is stored as W + 1, drafter_formats). Why W - 1: context rows
+    sit before the block, and the block's first query (at the block start, after the step's new rows) is the one
+    that sees furthest back; the window's other side (k - q < W, Meta's bidirectional one) only reaches block keys,
+    never the buffer. None: a layer without a window (mixed drafters keep every row: one KV tensor of every layer)."""
+    windows = list(dc.layer_window)
+    if not windows or any(w is None for w in windows):
+        return None
+    return list(range(len(windows))), max(windows) - 1
+
+
 def build_plain(dc, tc, dsrc, tsrc, fuse_context: bool, dtype: str = "float32", draft_ids: np.ndarray | None = None,
-                data: W.DataFile | None = None, progress=None) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+                data: W.DataFile | None = None, progress=None,
+                window: bool = False) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(portable, TensorRT flavour) in standard ONNX ops (templates.StandardOps), fp32 or fp16: what the traced
     DrafterGraph computes, both flavours from one pass sharing every initializer. They differ only in the
     prologue that says where the context cache is (as plain.py's target): portable `past_ctx_kv` [past, ...] is
     the valid prefix; TensorRT `ctx_kv_cache` [cap, ...] the whole buffer with `past_len` [1] valid rows, stale
     rows placed after the block so the context mask (position < block start) hides them. The selector node
-    gets its portable function (or stays the plugin's bare node) when written (trace.write_graph)."""
+    gets its portable function (or stays the plugin's bare node) when written (trace.write_graph).
+    window (a drafter whose every layer slides, `sliding`): the portable flavour's `past_ctx_kv` is the window
+    buffer's valid rows at real positions window_base .. (an int64 [1] input): the rotary and the window mask read
+    real positions. The TensorRT flavour stays the max_seq_len-row buffer (its window binding is not written yet)."""
     np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
     b = Builder(data, dtype=np_dt)
     ops = StandardOps(b, dc.rope, dc.head_dim, float(dc.rms_norm_eps), opset=OPSET)
@@ -88,7 +105,10 @@ def build_plain(dc, tc, dsrc, tsrc, fuse_context: bool, dtype: str = "float32", 
     at = len(b.nodes)  # each flavour's prologue: ctx.past, ctx.start [] int64, ctx.past_pos [rows] int64
     _body(b, ops, dc, tc, dsrc, tsrc, fuse_context, draft_ids, None, progress, "ctx.past", "ctx.start",
           "ctx.past_pos")
-    return (_model(b, at, _prefix(), _io(dc, tc, fuse_context, ops.dt, fixed=False), "dflash2_drafter"),
+    portable = _io(dc, tc, fuse_context, ops.dt, fixed=False)
+    if window:
+        portable[0].append(helper.make_tensor_value_info(N.WINDOW_BASE, TensorProto.INT64, [1]))
+    return (_model(b, at, _window_prefix() if window else _prefix(), portable, "dflash2_drafter"),
             _model(b, at, _fixed(), _io(dc, tc, fuse_context, ops.dt, fixed=True), "dflash2_drafter_fixed"))
 
 
@@ -262,6 +282,17 @@ def _prefix() -> list[onnx.NodeProto]:
             helper.make_node("Shape", [N.PAST_CTX_KV], ["ctx.past.rows"], name="ctx.past.rows", end=1),
             helper.make_node("Squeeze", ["ctx.past.rows", "axis0"], ["ctx.start"], name="ctx.start"),
             helper.make_node("Range", ["zero", "ctx.start", "one"], ["ctx.past_pos"], name="ctx.past_pos")]
+
+
+def _window_prefix() -> list[onnx.NodeProto]:
+    """past_ctx_kv is the window buffer's valid rows, row r at real position window_base + r: the new rows from
+    window_base + past (runtime.window.CompactingKv keeps base + rows = the committed context length)."""
+    return [helper.make_node("Identity", [N.PAST_CTX_KV], ["ctx.past"], name="ctx.past"),
+            helper.make_node("Shape", [N.PAST_CTX_KV], ["ctx.past.rows"], name="ctx.past.rows", end=1),
+            helper.make_node("Squeeze", ["ctx.past.rows", "axis0"], ["ctx.rows"], name="ctx.rows"),
+            helper.make_node("Squeeze", [N.WINDOW_BASE, "axis0"], ["ctx.base"], name="ctx.base"),
+            helper.make_node("Add", ["ctx.base", "ctx.rows"], ["ctx.start"], name="ctx.start"),
+            helper.make_node("Range", ["ctx.base", "ctx.start", "one"], ["ctx.past_pos"], name="ctx.past_pos")]
 
 
 def _fixed() -> list[onnx.NodeProto]:

@@ -78,7 +78,7 @@ def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
     p, t0 = run.plan, time.perf_counter()
     if job.truncated_check:  # the templates end to end at bounded memory, both flavours
         check = stages.plain_truncated if job.name == "target" else stages.drafter_truncated
-        kw = {"window_kv": p.window is not None} if job.name == "target" else {}
+        kw = {"window_kv": (p.window if job.name == "target" else _window(p, job)) is not None}
         run.validation.update(check(run.tmp, run.target, run.drafter, p.tc, p.dc, run.sources, p.fuse_context,
                                     p.dtype, run.progress, **kw))
     ids = None if run.drafter.draft_ids is None else run.drafter.draft_ids.numpy()
@@ -92,7 +92,7 @@ def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
                 model, fixed = build(p.tc, p.dc, tw, dw, p.fuse_context, p.dtype, data, progress=step.layer, **kw)
             else:
                 model, fixed = fused_drafter.build_plain(p.dc, p.tc, dw, tw, p.fuse_context, p.dtype, ids, data,
-                                                         progress=step.layer)
+                                                         progress=step.layer, window=_window(p, job) is not None)
         files = tr.write_graph(model, run.tmp, spec, p.dc.num_drafts, fixed)
         del model, fixed
     return _checked(run, job, spec, files, t0)
@@ -143,12 +143,18 @@ def _checked(run: Run, job: GraphJob, spec, files: dict, t0: float) -> mf.Graph:
                                                      _window(p, job)),
                     tensorrt_signature=None if tensorrt_io is None else
                     stages.graph_signature(job.name, "fixed", tr.io_spec(tmp / files["tensorrt"]), p.tc.num_layers,
-                                           p.dc.block_size, _window(p, job)))
+                                           p.dc.block_size, _window(p, job, "fixed")))
 
 
-def _window(p: ExportPlan, job: GraphJob) -> tuple[list[int], int] | None:
-    """The window binding (sliding layers, keep) of the job's graph: the target's, where the plan has one."""
-    return p.window if job.name == "target" else None
+def _window(p: ExportPlan, job: GraphJob, kind: str = "prefix") -> tuple[list[int], int] | None:
+    """The window binding (sliding layers, keep) of the job's graph: the target's, where the plan has one; the
+    drafter's where every drafter layer slides (fused_drafter.sliding), --window-kv on, and the drafter is written
+    from the templates in its portable flavour (the fused, traced and TensorRT drafters keep max_seq_len rows)."""
+    if job.name == "target":
+        return p.window
+    if job.name == "drafter" and p.window_kv and job.route == "templates" and kind == "prefix":
+        return fused_drafter.sliding(p.dc)
+    return None
 
 
 def _quantize_after(run: Run, job: GraphJob, spec, files: dict, tensorrt_io):
@@ -180,6 +186,11 @@ def write_all(run: Run, tool_versions: dict[str, str]) -> mf.ExportManifest:
         from dflash2.export.window_spec import windowed_spec
 
         specs["target"] = windowed_spec(specs["target"], *p.window)
+    drafter_window = next((_window(p, j) for j in p.jobs if j.name == "drafter"), None)
+    if drafter_window is not None:  # every drafter layer slides: its context KV on the window buffer
+        from dflash2.export.window_spec import windowed_drafter_spec
+
+        specs["drafter"] = windowed_drafter_spec(specs["drafter"], drafter_window[1])
     graphs = {job.name: ROUTES[job.route](run, job, specs[job.name]) for job in p.jobs}
     with run.progress.step("each weight once: graphs share the bytes they have in common") as step:
         written = [f for g in graphs.values() for f in dataclasses.asdict(g.flavours).values() if f]

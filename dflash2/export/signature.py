@@ -36,9 +36,14 @@ PAST_WINDOW_KV, NEW_WINDOW_KV, WINDOW_CACHE = "past_window_kv", "new_window_kv",
 WINDOW_BASE, WINDOW_LEN = "window_base", "window_len"
 
 
-def window_signature(kind: str, layers: list[int], keep: int) -> mf.WindowSignature:
+def window_signature(kind: str, layers: list[int], keep: int, graph: str = "target") -> mf.WindowSignature:
     """The window binding of a target graph of KV kind `kind` (prefix or fixed) whose sliding layers `layers` see
-    `keep` past rows at most."""
+    `keep` past rows at most; of a drafter graph whose every layer slides: its own KV binding's tensors plus the base
+    (manifest.WindowSignature: the window buffer replaces the drafter's context KV)."""
+    if graph == "drafter":
+        kv = KV[("drafter", kind)]
+        return mf.WindowSignature("compacting", list(kv.past), list(kv.present), WINDOW_BASE, list(layers), keep,
+                                  kv.length)
     if kind == "fixed":
         return mf.WindowSignature("compacting", [WINDOW_CACHE], [NEW_WINDOW_KV], WINDOW_BASE, list(layers), keep,
                                   WINDOW_LEN)
@@ -139,7 +144,7 @@ def signature(graph: str, kind: str, inputs: list[str], outputs: list[str], num_
                              f"state_window and the io dict; found state tensors {named}, state_window "
                              f"{state_window}, io {'given' if io is not None else 'none'}")
         state = state_signature(state_window, io)
-    win = window_signature(kind, *window) if window is not None else None
+    win = window_signature(kind, *window, graph=graph) if window is not None else None
     sig = mf.Signature({r: n for r, n in in_roles.items() if n in inputs},
                        {r: n for r, n in out_roles.items() if n in outputs}, kv, state=state, window=win)
     need_in, need_out = REQUIRED[graph]

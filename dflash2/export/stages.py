@@ -77,11 +77,12 @@ def truncated_drafter(dc):
 
 
 def drafter_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context: bool, dtype: str,
-                      progress: Progress) -> dict[str, mf.Validation]:
+                      progress: Progress, window_kv: bool = False) -> dict[str, mf.Validation]:
     """The plain drafter's templates end to end at bounded memory (the drafter past WHOLE_GRAPH_BYTES: its LM head
     alone is 1.2 GB fp16 at a 151,936 x 4096 vocabulary, and ONNX Runtime's CPU kernels run fp16 MatMuls on fp32
     copies): a build of its first layers (truncated_drafter) with the real context projection, embedding, head and
-    selector, both flavours, validated against the layer-streamed reference; its files removed once checked."""
+    selector, both flavours, validated against the layer-streamed reference; its files removed once checked.
+    window_kv: the windowed drafter's build (every layer slides: fused_drafter.sliding), fed through a compaction."""
     from dflash2.checkpoint import drafter_tensor_shapes
     from dflash2.reference.streamed import StreamedDrafter
 
@@ -90,13 +91,18 @@ def drafter_truncated(tmp: Path, target, drafter, tc, dc, sources, fuse_context:
     short = StreamedDrafter(short_dc, target, dw, list(drafter_tensor_shapes(short_dc, tc.hidden_size)))
     short.set_draft_vocab(None if drafter.draft_ids is None else drafter.draft_ids.tolist())
     spec = graph_specs(target, short, fuse_context)[1]
+    window = fused_drafter.sliding(short_dc) if window_kv else None
+    if window is not None:
+        from dflash2.export.window_spec import windowed_drafter_spec
+
+        spec = windowed_drafter_spec(spec, window[1])
     name = "drafter.truncated"
     ids = None if drafter.draft_ids is None else drafter.draft_ids.numpy()
     with progress.step(f"{name}.onnx + {name}.trt.onnx: the drafter's templates end to end ({short_dc.num_layers} "
                        f"of {dc.num_layers} layers, the real head and selector), {dtype}") as step:
         with W.DataFile(tmp / f"{name}.onnx.data") as data:
             model, fixed = fused_drafter.build_plain(short_dc, tc, dw, tw, fuse_context, dtype, ids, data,
-                                                     progress=step.layer)
+                                                     progress=step.layer, window=window is not None)
         files = tr.write_graph(model, tmp, dataclasses.replace(spec, name=name), dc.num_drafts, fixed)
         del model, fixed
     return _checked_truncated(tmp, name, spec, files, dtype, progress, dc.num_drafts if spec.has_selector else None)

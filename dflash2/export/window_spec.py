@@ -1,4 +1,5 @@
-"""The windowed target's validation spec: what the export checks the window-buffer graphs against.
+"""The windowed graphs' validation specs: what the export checks the window-buffer graphs against (the target's
+sliding layers: `windowed_spec`; a drafter whose every layer slides: `windowed_drafter_spec`, at the end).
 
 A target whose config has sliding-window layers and at least one full-attention layer is exported with its
 sliding layers' K|V in the bounded window buffer (export.plain.KvLayout, manifest.WindowSignature,
@@ -126,3 +127,62 @@ def _fixed(spec: GraphSpec, layers: list[int]) -> GraphSpec:
     return dataclasses.replace(spec, module=module, inputs=inputs, dynamic=dynamic,
                                example=tuple(ex[n] for n in inputs), feeds=lambda: [convert(f) for f in spec.feeds()],
                                tensorrt=None)
+
+
+class WindowedDrafterGraph(nn.Module):
+    """The windowed drafter (every layer slides: fused_drafter.sliding): DrafterGraph's inputs + window_base [1]
+    int64, past_ctx_kv the window buffer's valid rows at real positions window_base ..; the reference (DrafterGraph /
+    SamplingDrafterGraph, whose every past row is at its index) reads them put back at their positions in an
+    every-row past, rows before window_base zero (no block query can see them: q - k < W, its own mask says so)."""
+
+    def __init__(self, graph: nn.Module):
+        super().__init__()
+        self.graph = graph
+
+    @staticmethod
+    def whole_past(window: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        b = int(base.reshape(-1)[0])
+        whole = torch.zeros(b + window.shape[0], *window.shape[1:], dtype=window.dtype)
+        whole[b:] = window
+        return whole
+
+    def forward(self, context, past_ctx_kv, anchor, *rest):
+        *rest, base = rest
+        return self.graph(context, self.whole_past(past_ctx_kv, base), anchor, *rest)
+
+    def on_candidates(self, got, atol, rtol, context, past_ctx_kv, anchor, *rest):
+        *rest, base = rest
+        return self.graph.on_candidates(got, atol, rtol, context, self.whole_past(past_ctx_kv, base), anchor, *rest)
+
+
+def windowed_drafter_spec(spec: GraphSpec, keep: int) -> GraphSpec:
+    """The windowed drafter's portable spec from the export's drafter spec (graph_specs): feeds past the window and
+    through a compaction, as generation does: 0. a context of max(9, keep + 4) rows, nothing before it; 1. 3 new rows
+    after it, the buffer holding every row (base 0); 2. the same after a compaction: the buffer holds the last
+    `keep` rows only, base = P - keep. Its TensorRT flavour stays the drafter's max_seq_len-row one (no window)."""
+    graph = spec.module
+    module = WindowedDrafterGraph(graph)
+    ctx_row, kv_row = spec.example[0].shape[1:], spec.example[1].shape[1:]
+    dtype = spec.example[0].dtype
+    feeds0 = spec.feeds()  # the drafter's own: their anchors and sampling inputs (greedy, then sampled)
+
+    def feeds():
+        g = _gen(4)
+        P = max(9, keep + 4)
+        c0 = torch.randn(P, *ctx_row, generator=g).to(dtype)
+        c1 = torch.randn(3, *ctx_row, generator=g).to(dtype)
+        empty = torch.zeros(0, *kv_row, dtype=dtype)
+        first = {**feeds0[0], N.CONTEXT: c0, N.PAST_CTX_KV: empty}
+        with torch.no_grad():
+            whole = graph(*[first[n] for n in spec.inputs])[-1]  # the context's rows [P, Ld, 2, kv, hd]
+        out = []
+        for ctx, past, rows, base in ((c0, empty, 0, 0), (c1, whole, P, 0), (c1, whole, keep, P - keep)):
+            out.append({**feeds0[0 if rows == 0 else 1], N.CONTEXT: ctx, N.PAST_CTX_KV: past[past.shape[0] - rows:],
+                        N.WINDOW_BASE: torch.tensor([base], dtype=torch.int64)})
+        return out
+
+    example = (*spec.example, torch.tensor([0], dtype=torch.int64))
+    on_candidates = module.on_candidates if spec.on_candidates is not None else None
+    return dataclasses.replace(spec, module=module, inputs=[*spec.inputs, N.WINDOW_BASE],
+                               dynamic={**spec.dynamic, N.WINDOW_BASE: {}}, example=example, feeds=feeds,
+                               on_candidates=on_candidates, tensorrt=spec.tensorrt)

@@ -43,7 +43,8 @@ from dflash2.manifest.records import (CAPABILITY_ROLES, KV_KINDS, REQUIRED_ROLES
                                       Deviation, DraftVocab, EngineEntry, FileEntry, Flavours, Graph, GraphIo, IoSpec,
                                       Kv, KvRows, KvSignature, Plugin, ProfileRecord, QuantizedGraph, Quantization,
                                       Selector, Signature, Sources, StateSignature, Tokenizer, Validation,
-                                      WINDOW_KINDS, WindowSignature, capabilities_of)
+                                      capabilities_of)
+from dflash2.manifest.window import WINDOW_KINDS, WindowSignature
 from dflash2.manifest.schema import (ENGINE_FORMAT, EXPORT_FORMAT, FORMAT_VERSION, KINDS, MIN_CONTRACT_VERSION, NAME,
                                      EngineManifest, ExportManifest, Manifest, ManifestError, ModelFacts, Sealed)
 from dflash2.manifest.sealing import (check_files, checked_file_problems, file_problems, file_table, remember_hashes,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash2.dtypes import BY_NAME as DTYPE_NAMES
+from dflash2.manifest.window import WindowSignature  # a Signature field: jsonio resolves its type hint here
 
 @dataclass
 class FileEntry:
@@ -174,77 +175,6 @@ class StateSignature:
         return out
 
 
-WINDOW_KINDS = ("compacting",)
-
-
-@dataclass
-class WindowSignature:
-    """The sliding-window layers' own KV binding (dflash2.runtime.window.CompactingKv): their rows live in a buffer
-    of about window + a step + slack rows, not max_seq_len. The graph keeps the other layers on `kv`.
-    compacting  past = [the valid rows [0, v) of the window buffer], present = [the step's rows, written at
-                [v, v + n)], base = an int64 [1] input: the real position of row 0 (rotary and window mask
-                read real positions); length (the fixed flavour): past is the whole buffer and length its valid
-                rows. Before a step at a committed position, and only there, the runtime moves the last `keep`
-                rows to the front when the step would not fit (base moves with them): inside a verify nothing
-                is evicted, so rollback stays "commit fewer rows".
-    layers: the model's layer indices the buffer holds, in its order; keep: the rows any later query can see
-    (W - 1 for a causal window q - k < W)."""
-    kind: str
-    past: list[str]
-    present: list[str]
-    base: str
-    layers: list[int]
-    keep: int
-    length: str | None = None
-
-    def problems(self, where: str, io: "GraphIo | None" = None) -> list[str]:
-        """The binding is well formed and, where the graph's io is given, agrees with its tensors: past an input
-        [rows, len(layers), ...] and present an output of the same row and element type, base an int64 [1] input,
-        length an int32 [1] input. (Fields that failed their type check are None here, already reported.)"""
-        out, w = [], f"{where}.window"
-        if self.kind is not None and self.kind not in WINDOW_KINDS:
-            out.append(f"{w}.kind: expected one of {list(WINDOW_KINDS)}, found {self.kind!r}")
-        for name in ("past", "present"):
-            value = getattr(self, name)
-            if value is not None and len(value) != 1:
-                out.append(f"{w}.{name}: expected one tensor, found {value}")
-        if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)
-                                        or any(not isinstance(i, int) or i < 0 for i in self.layers)):
-            out.append(f"{w}.layers: expected distinct layer indices >= 0 (at least one), found {self.layers}")
-        if self.keep is not None and self.keep < 0:
-            out.append(f"{w}.keep: expected >= 0, found {self.keep}")
-        names = [n for n in (self.past or []) + (self.present or []) + [self.base, self.length] if n is not None]
-        if len(set(names)) != len(names):
-            out.append(f"{w}: expected distinct tensor names, found past {self.past}, present {self.present}, "
-                       f"base {self.base!r}, length {self.length!r}")
-        if out or io is None or None in (self.past, self.present, self.base, self.layers) or \
-                io.inputs is None or io.outputs is None:
-            return out
-        return out + self._io_problems(w, io)
-
-    def _io_problems(self, w: str, io: "GraphIo") -> list[str]:
-        out, sides = [], ({s.name: s for s in io.inputs if s}, {s.name: s for s in io.outputs if s})
-        specs = [sides[0].get(self.past[0]), sides[1].get(self.present[0])]
-        for side, (name, spec) in enumerate(zip((self.past[0], self.present[0]), specs)):
-            shape = list(spec.shape or []) if spec is not None else None
-            if spec is None:
-                out.append(f"{w}: {name} is not an {('input', 'output')[side]} of the graph ({sorted(sides[side])})")
-            elif len(shape) != 5 or shape[1] != len(self.layers):
-                out.append(f"{w}: {name} expected shape [rows, {len(self.layers)} (window.layers), 2, kv, hd], "
-                           f"found {shape}")
-        rows = [(s.dtype, list(s.shape or [])[1:]) for s in specs if s is not None]
-        if len(rows) == 2 and rows[0] != rows[1]:
-            out.append(f"{w}: {self.present[0]} expected the rows of {self.past[0]} ({rows[0][0]} {rows[0][1]}), "
-                       f"found {rows[1][0]} {rows[1][1]}")
-        for name, dt in ((self.base, "int64"), (self.length, "int32")):
-            spec = sides[0].get(name)
-            if name is not None and spec is None:
-                out.append(f"{w}: {name} is not an input of the graph ({sorted(sides[0])})")
-            elif name is not None and (spec.dtype != dt or list(spec.shape or []) != [1]):
-                out.append(f"{w}: {name} expected {dt} [1], found {spec.dtype} {list(spec.shape or [])}")
-        return out
-
-
 @dataclass
 class Signature:
     """A graph's typed contract with the runtime: tensor name per role (`ids`, `next_ids`, `draft_ids`, ...),
@@ -315,9 +245,11 @@ class Signature:
                            f"a {self.state.kind!r} binding")
             out += self.state.problems(where, io)
         if self.window is not None:
-            if graph and graph != "target":
-                out.append(f"{where}.window: expected none (only a target graph has sliding-window layers), found "
-                           f"a {self.window.kind!r} binding")
+            if graph == "drafter":  # every drafter layer slides: its context KV on the window buffer
+                out += self.window.drafter_problems(where, kv)
+            elif graph and graph != "target":
+                out.append(f"{where}.window: expected none (only a target or drafter graph has sliding-window "
+                           f"layers), found a {self.window.kind!r} binding")
             out += self.window.problems(where, io)
         if out or io is None or self.inputs is None or self.outputs is None or io.inputs is None or io.outputs is None:
             return out

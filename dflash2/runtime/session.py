@@ -15,6 +15,11 @@ Buffer plan (T = max_seq_len):
     window                       a windowed target's sliding layers' KV, keep + 2 step rows, not T (the target
                                  KV then holds only the other layers; dflash2.runtime.window.CompactingKv:
                                  compacted at commit points; a prefill longer than a step runs in steps)
+                                 A drafter whose every layer slides (its signature's window binding) keeps its
+                                 context KV the same way: drafter_kv is a CompactingKv. The drafter writes
+                                 committed context rows only (a verify's rows reach it at the next draft, once
+                                 committed), so each of its calls is at a commit point and a rejected verify
+                                 never touches it; its calls are cut to the buffer's step rows.
     uniforms [S], temperature [1], draft_probs [S, K] fp32   DFlash2's sampled walk (T > 0) and its q
 Views that never move (KV buffers of the gqa binding, the anchor, drafts, the walk's inputs) are bound once
 at session start; a step binds only what changes. Rollback after a rejection moves `pos`; rows past it
@@ -41,19 +46,24 @@ from dflash2.runtime.window import CompactingKv, window_bytes
 from dflash2.speculative import Drafted, Verified
 
 
-def buffer_bytes(manifest: mf.ModelFacts, max_seq_len: int, target: mf.Signature | None = None) -> int:
+def buffer_bytes(manifest: mf.ModelFacts, max_seq_len: int, target: mf.Signature | None = None,
+                 drafter: mf.Signature | None = None) -> int:
     """Bytes of the session's buffers (plan in the module docstring): known before allocating.
-    target: the target graph's signature (None: the manifest's own, where it is an export or engine manifest);
-    a hybrid target's recurrent state counts too, and a windowed target's sliding layers at their window rows."""
+    target / drafter: the graphs' signatures (None: the manifest's own, where it is an export or engine manifest);
+    a hybrid target's recurrent state counts too, a windowed target's sliding layers and a windowed drafter's
+    context KV at their window rows."""
     m = manifest
     itemsize = dtypes.get(m.dtype).itemsize
-    if target is None and isinstance(m, (mf.ExportManifest, mf.EngineManifest)):
-        target = m.signature("target")
+    if isinstance(m, (mf.ExportManifest, mf.EngineManifest)):
+        target = target if target is not None else m.signature("target")
+        drafter = drafter if drafter is not None else m.signature("drafter")
     window = target.window if target is not None else None
+    dwin = drafter.window if drafter is not None else None
     full, slide = target_rows(m.kv.rows.target, window)
-    row = int(np.prod(full)) + int(np.prod(m.kv.rows.drafter)) + m.context.width
+    row = int(np.prod(full)) + (0 if dwin else int(np.prod(m.kv.rows.drafter))) + m.context.width
     state = state_bytes(target.state if target is not None else None)
-    extra = state + window_bytes(window, slide, m.block_size, itemsize)
+    extra = state + window_bytes(window, slide, m.block_size, itemsize) + \
+        window_bytes(dwin, m.kv.rows.drafter, m.block_size, itemsize)
     return max_seq_len * (row * itemsize + 2 * 4) + extra  # + ids / next_ids int32
 
 
@@ -94,7 +104,7 @@ class SpecSession:
         self.vocab_size = m.vocab_size
         self.max_seq_len = T = min(max_seq_len or m.max_seq_len, m.max_seq_len)
         ts, ds = self.target_sig, self.drafter_sig = backend.signature("target"), backend.signature("drafter")
-        self.buffer_bytes = need = buffer_bytes(m, T, ts)
+        self.buffer_bytes = need = buffer_bytes(m, T, ts, ds)
         what = "KV, context and recurrent-state" if ts.state is not None else "KV and context"
         if log is not None:
             log(f"allocating {need / 2**20:.1f} MiB of {what} buffers (max_seq_len {T})")
@@ -112,7 +122,10 @@ class SpecSession:
         full, slide = target_rows(m.kv.rows.target, ts.window)
         self.window = CompactingKv(ts.window, backend, slide, self.block_size, dt) if ts.window is not None else None
         self.target_kv = make_kv(ts.kv, backend, "target", full, T, dt)
-        self.drafter_kv = make_kv(ds.kv, backend, "drafter", m.kv.rows.drafter, T, dt)
+        if ds.window is not None:  # every drafter layer slides: its context KV on the window buffer (docstring)
+            self.drafter_kv = CompactingKv(ds.window, backend, m.kv.rows.drafter, self.block_size, dt, "drafter")
+        else:
+            self.drafter_kv = make_kv(ds.kv, backend, "drafter", m.kv.rows.drafter, T, dt)
         self.kv, self.ctx_kv = self.target_kv.buffer, self.drafter_kv.buffer
         self.gqa = ts.kv.kind == "gqa-shared"
         self.context = backend.device_buffer((T, m.context.width), dt)
@@ -141,6 +154,8 @@ class SpecSession:
         # an engine's drafter profile takes max(max_prefill, B) context rows at once; ONNX Runtime any number
         limit = min(getattr(m, "max_prefill", None) or T, backend.max_rows("drafter") or T)
         self.max_draft_rows = max(limit, self.block_size)
+        if ds.window is not None:  # a window buffer takes at most its step's rows per call
+            self.max_draft_rows = min(self.max_draft_rows, self.drafter_kv.step_rows)
         self.reset()
 
     def _bind_fixed(self) -> None:
@@ -171,6 +186,8 @@ class SpecSession:
             self.states.reset()
         if self.window is not None:
             self.window.reset()
+        if self.drafter_sig.window is not None:
+            self.drafter_kv.reset()
 
     def buffers(self) -> dict[str, int]:
         """name -> base address: constant for the life of the session (tested)."""
@@ -186,12 +203,16 @@ class SpecSession:
         """The KV buffers' bytes as allocated (dflash2-run --json): the target's KV binding (max_seq_len rows; its
         full-attention layers only where a window buffer holds the sliding ones), the window buffer (its rows fixed
         by the window, whatever the sequence: runtime.window), the drafter's context KV; with a window buffer also
-        its rows, the most of them a step saw, its compactions and layers."""
+        its rows, the most of them a step saw, its compactions and layers; a windowed drafter's (drafter_bytes then
+        its window buffer's, fixed whatever the sequence) the same under drafter_window_*."""
         out = {"target_bytes": self.kv.nbytes, "window_bytes": 0, "drafter_bytes": self.ctx_kv.nbytes}
+        for key, w, sig in (("window", self.window, self.target_sig), ("drafter_window", self.drafter_kv,
+                                                                         self.drafter_sig)):
+            if sig.window is not None:
+                out |= {f"{key}_rows": w.capacity, f"{key}_rows_used": w.high, f"{key}_compactions": w.compactions,
+                        f"{key}_layers": list(sig.window.layers)}
         if self.window is not None:
-            w = self.window
-            out |= {"window_bytes": w.buffer.nbytes, "window_rows": w.capacity, "window_rows_used": w.high,
-                    "window_compactions": w.compactions, "window_layers": list(self.target_sig.window.layers)}
+            out["window_bytes"] = self.window.buffer.nbytes
         return out
 
     def check_capacity(self, prompt_len: int, max_new_tokens: int) -> None:
