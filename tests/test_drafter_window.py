@@ -74,6 +74,18 @@ def pair(tmp_path_factory):
     return root / "out", root / "full"
 
 
+def test_the_plan_says_the_drafter_window(pair):
+    from dflash2.cli import export as export_cli
+    from tests.test_window_export import cli
+
+    root = pair[0].parent
+    args = ["--model", str(root / "drafter"), "--target", str(root / "target"), "--out", str(root / "never"), "--print"]
+    assert f"drafter: every layer slides, its context KV in a bounded buffer (keep {WINDOW - 1} rows)" in cli(
+        export_cli.main, *args)
+    assert "drafter: every layer" not in cli(export_cli.main, *args, "--window-kv", "off")
+    assert not (root / "never").exists()
+
+
 def test_the_export_binds_the_drafter_window_and_validates_it(pair):
     out, full = pair
     m, f = (mf.load(p, mf.ExportManifest) for p in pair)

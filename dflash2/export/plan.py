@@ -20,7 +20,7 @@ from dflash2.config import (DrafterConfig, TargetConfig, check_pair, check_token
                             load_drafter_config, load_target_config, tokenizer_id_count)
 from dflash2.drafter_formats import for_target
 from dflash2.errors import Dflash2Error
-from dflash2.export import gqa, plain, qdq, qwen3_5_gqa, stages
+from dflash2.export import fused_drafter, gqa, plain, qdq, qwen3_5_gqa, stages
 from dflash2.export import quantize as qz
 from dflash2.folders import OutputError, check_output
 
@@ -185,13 +185,22 @@ class ExportPlan:
 
 
     def _window_line(self) -> str:
+        drafter = self._drafter_window_note()
         if self.window is not None:
             layers, keep = self.window
             return (f"on: sliding layers {layers} in a bounded buffer (keep {keep} rows; the other "
-                    f"{self.tc.num_layers - len(layers)} layers on max_seq_len rows)")
+                    f"{self.tc.num_layers - len(layers)} layers on max_seq_len rows){drafter}")
         if plain.sliding(self.tc) is not None:
             return "off (--window-kv off: the sliding layers keep max_seq_len rows)"
-        return "none (no sliding-window layers beside full-attention ones)"
+        return "none (no sliding-window layers beside full-attention ones)" + drafter
+
+    def _drafter_window_note(self) -> str:
+        """The drafter's half of the line: its context KV on the window buffer where every drafter layer slides and the
+        drafter is written from the templates in its portable flavour (export.routes._window decides it)."""
+        d = fused_drafter.sliding(self.dc) if self.window_kv else None
+        if d is None or not any(j.name == "drafter" and j.route == "templates" for j in self.jobs):
+            return ""
+        return f"; drafter: every layer slides, its context KV in a bounded buffer (keep {d[1]} rows)"
 
 
 def default_max_seq_len(tc) -> int:
