@@ -102,12 +102,10 @@ class ModelFacts:
         full_rows = rows and rows.target
         window_rule = []
         if window is not None and full_rows and isinstance(window.layers, list) and isinstance(full_rows[0], int):
-            # kv.rows.target counts every layer; the window buffer takes its layers off the KV binding's row
-            full_rows = [full_rows[0] - len(window.layers), *full_rows[1:]]
+            full_rows, slide_rows = window.split_rows(full_rows)
             past = window.past[0] if window.past else None
             shape = next((s.shape for s in (graphs["target"][0] or []) if s is not None and s.name == past), None)
-            window_rule = [("kv.rows.target (the window buffer's layers)", [len(window.layers), *rows.target[1:]],
-                            shape, slice(1, None))]
+            window_rule = [("kv.rows.target (the window buffer's layers)", slide_rows, shape, slice(1, None))]
         rules = [("kv.rows.drafter", rows and rows.drafter, dims("drafter", 0, "kv"), slice(1, None)),
                  # a gqa target's per-layer buffers [1, kv, cap, hd]: kv heads and head_dim
                  ("kv.rows.target[2:]", rows and rows.target and rows.target[2:], dims("target", 0, "kv"),

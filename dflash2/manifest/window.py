@@ -60,6 +60,13 @@ class WindowSignature:
     keep: int
     length: str | None = None
 
+    def split_rows(self, row: list[int]) -> tuple[list[int], list[int]]:
+        """(the KV binding's row, this buffer's row) from a manifest row [L, 2, kv, hd] that counts every layer: the
+        buffer takes its layers off the first axis (kv.rows.target counts them all; the runtime and the manifest's io
+        check both read it this way). Unchecked: callers judge the counts."""
+        Lw = len(self.layers)
+        return [row[0] - Lw, *row[1:]], [Lw, *row[1:]]
+
     def problems(self, where: str, io: "GraphIo | None" = None) -> list[str]:
         """The binding is well formed and, where the graph's io is given, agrees with its tensors: past an input
         [rows, len(layers), ...] and present an output of the same row and element type, base an int64 [1] input,

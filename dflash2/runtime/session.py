@@ -76,7 +76,7 @@ def target_rows(row: list[int], window: mf.WindowSignature | None) -> tuple[list
     if Lw >= L or max(window.layers) >= L:
         raise Dflash2Error(f"target signature: window.layers expected {Lw} of the {L} layers (kv.rows.target {row}) "
                            f"with at least one left on the KV binding, found {window.layers}")
-    return [L - Lw, *row[1:]], [Lw, *row[1:]]
+    return window.split_rows(list(row))
 
 
 def available_host_bytes() -> int | None:
