@@ -69,17 +69,24 @@ def measure(spec: GraphSpec, path: Path, save_dir: Path | None = None) -> tuple[
     release_freed()  # the feeds' reference passes (per-row states) freed: their heap back to the OS
     probe = _with_logits(path) if spec.name == "target" else None
     failures, report = [], {}
+    names = list(spec.outputs) + ([LOGITS] if probe else [])
     try:
-        # the session generation opens (prepacked weights, every fusion: the kernels that run), without the arena
-        sess = open_session(probe or path, arena=False)
-        names = list(spec.outputs) + ([LOGITS] if probe else [])
         with ReplayWriter(save_dir, spec.name) if save_dir is not None else nullcontext() as replay:
             for step, feed in enumerate(feeds):
                 ref, ref_logits = _reference(spec, feed, probe is not None)
                 if replay is not None:
                     replay.add({k: np_of(v) for k, v in feed.items()}, ref)
-                release_freed()  # the reference pass's heap (its streamed layers) back before the graph runs
+                release_freed()  # the reference pass's heap (its streamed layer, its activations) back first
+                # the session opened per feed, after its reference pass: the pass's layer and activations and the
+                # session's weights are never resident together (held across the feeds, the session sat beside
+                # every pass: 10.06 GiB at Muse-Glimmer-30B's shape, where the 2,052-row windowed prompt's pass
+                # holds a 1.8 GiB fp32 layer, its attention and its [n, V] logits beside the 2.9 GiB int4
+                # session). The session generation opens (prepacked weights, every fusion: the kernels that run),
+                # without the arena; a fresh one computes what a kept one would, bit for bit.
+                sess = open_session(probe or path, arena=False)
                 g = dict(zip(names, sess.run(names, {k: np_of(v) for k, v in feed.items()})))
+                del sess  # its weights and prepacked copies gone before the comparison and the next pass
+                release_freed()
                 failures += _compared(spec, step, feed, g, ref, ref_logits, report)
                 del g, ref, ref_logits
                 release_freed()
