@@ -167,6 +167,39 @@ def test_quantized_build_deviates_little(tmp_path, method):
         assert overlap >= (0.8 if bits == 8 else 0.4), overlap
 
 
+
+def test_the_deviation_never_holds_its_session_beside_a_reference_pass(tmp_path, monkeypatch):
+    """deviation.measure opens the quantized graph's session per feed, after that feed's reference pass, and closes
+    it before the next: a session held across the feeds sat beside every pass (issue 48: the Muse-Glimmer-30B-shaped
+    int4 export's peak, a 1.8 GiB fp32 layer and a 2,052-row prompt's activations beside the 2.8 GiB session)."""
+    import weakref
+
+    from dflash2.export import deviation
+
+    target, drafter = load_pair(*_pair(tmp_path, "llama-v2"))
+    with W.DataFile(tmp_path / "drafter.onnx.data") as data:
+        m = _build(drafter, target, data=data, quant=qz.OrtQuant("int4").for_graph("drafter"))
+    onnx.save(m, str(tmp_path / "drafter.onnx"))
+    spec = next(s for s in graph_specs(target, drafter) if s.name == "drafter")
+    opened, live_at_pass = [], []
+    open_session, reference = deviation.open_session, deviation._reference
+
+    def tracked_open(*a, **kw):
+        sess = open_session(*a, **kw)
+        opened.append(weakref.ref(sess))
+        return sess
+
+    def tracked_reference(*a, **kw):
+        live_at_pass.append(sum(r() is not None for r in opened))
+        return reference(*a, **kw)
+
+    monkeypatch.setattr(deviation, "open_session", tracked_open)
+    monkeypatch.setattr(deviation, "_reference", tracked_reference)
+    failures, steps, _ = deviation.measure(spec, tmp_path / "drafter.onnx")
+    assert failures == [] and len(steps) == len(live_at_pass) == len(opened) >= 2
+    assert live_at_pass == [0] * len(steps)
+
+
 @pytest.mark.parametrize("fam,ver", [("llama", 2), ("qwen3", 1)])
 def test_gqa_export_uses_it_and_stays_lossless(tmp_path, pairs, fam, ver):
     d, t = pairs[(fam, ver)]
