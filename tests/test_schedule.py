@@ -58,14 +58,20 @@ def test_acceptance_without_confidence_is_per_position():
     assert a.probability(None, 2) == pytest.approx(0.125)  # never verified past a rejection: prior
 
 
-def test_an_over_confident_drafter_turns_drafting_off_then_probes_with_backoff():
-    s = AutoSchedule(B, costs(CPU))
+def rejected_rounds(s: AutoSchedule, rounds: int, draft_s: float) -> list[bool]:
+    """Whether each of `rounds` rounds drafted, the drafter confident (0.9) and every draft rejected."""
     drafted = []
-    for _ in range(400):
+    for _ in range(rounds):
         d = s.wants_draft()
         drafted.append(d)
         k = s.choose([0.9] * 7, 7) if d else 0
-        s.observe(Round(d, k, 0, 0.002 if d else 0.0, CPU[k] / 1e3))  # every draft is rejected
+        s.observe(Round(d, k, 0, draft_s if d else 0.0, CPU[k] / 1e3))
+    return drafted
+
+
+def test_an_over_confident_drafter_turns_drafting_off_then_probes_with_backoff():
+    s = AutoSchedule(B, costs(CPU))
+    drafted = rejected_rounds(s, 400, 0.002)
     assert sum(drafted[:20]) < 20 and sum(drafted[-200:]) <= 200 / 32  # rare probes at the end
     assert s.backoff == AutoSchedule.MAX_BACKOFF
 
@@ -75,12 +81,7 @@ def test_an_expensive_draft_backs_off_further_so_a_failed_probe_costs_the_same_s
     # of the last 1,600 rounds cost about as much plain decoding as a 0.4-step draft's probes every 64 rounds do
     s = AutoSchedule(B, costs(CPU, draft_ms=26.0))
     assert s.max_backoff() == 416
-    drafted = []
-    for _ in range(3000):
-        d = s.wants_draft()
-        drafted.append(d)
-        k = s.choose([0.9] * 7, 7) if d else 0
-        s.observe(Round(d, k, 0, 0.026 if d else 0.0, CPU[k] / 1e3))  # every draft is rejected
+    drafted = rejected_rounds(s, 3000, 0.026)
     assert s.backoff == 416 and sum(drafted[-1600:]) <= 1600 / 256
     restored = AutoSchedule.from_state(B, s.state())
     assert restored is not None and restored.backoff == 416  # the saved back-off is not cut to the cheap cap

@@ -121,7 +121,7 @@ def _body(b: Builder, ops, dc, tc, dsrc, tsrc, fuse_context: bool, draft_ids, qu
     """The drafter after its prologue: `past` the context cache, P the position of the first new context row,
     past_pos the cache rows' positions (None: 0 .. P - 1, the prefix binding, whose rows are all visible)."""
     H, nh, kv, hd, Ld = dc.hidden_size, dc.num_heads, dc.num_kv_heads, dc.head_dim, dc.num_layers
-    B, S, g = dc.block_size, dc.num_drafts, dc.num_heads // dc.num_kv_heads
+    B, g = dc.block_size, dc.num_heads // dc.num_kv_heads
     v2 = dc.version == 2
     ax0, ax1, one = "axis0", "axis1", "one"
 
@@ -387,7 +387,7 @@ def _sublayer(b: Builder, dc, src, u: str, conv: str, fn) -> str:
 def _selector(b: Builder, dc, src, hidden: str, logits: str, id_map: str | None, ax0: str) -> None:
     """Top-K of the draft logits (ONNX TopK: ties -> lower index = lower token id, ids ascending), the gate,
     the selector node in mode "sample" (its portable function attached at write time, selector_onnx)."""
-    K, R, S = dc.selector_top_k, dc.selector_rank, dc.num_drafts
+    K, R = dc.selector_top_k, dc.selector_rank
     vals, idx = b.op("TopK", [logits, b.const("top_k", [K])], "top_k", outputs=2, axis=-1, largest=1, sorted=1)
     cand = b.op("Cast", [idx], "cand.int32", to=TensorProto.INT32)[0]  # [1, S, K]: a batch of one, as the op takes
     if id_map is not None:
