@@ -257,21 +257,16 @@ def test_the_conditional_generation_wrapper_exports_with_its_vision_tower_and_mt
     assert rt.generate(PROMPT, 24).ids == want
 
 
-@pytest.mark.parametrize("method, gdn_heads", [(None, None), ("int4", None), ("int4", 4)],
-                         ids=["standard-ops", "gqa-int4", "gqa-int4-equal-gdn-heads"])
-def test_head_dim_256_stays_row_invariant_past_64_keys(tmp_path, method, gdn_heads):
+@pytest.mark.parametrize("method", [None, "int4"], ids=["standard-ops", "gqa-int4"])
+def test_head_dim_256_stays_row_invariant_past_64_keys(tmp_path, method):
     """Qwen3.5's head_dim 256: MLAS's SGEMM computes a 256-long q.k one way up to 64 keys and another past them, so a
     3-row verify at 62 past rows and the 1-row decode at the same position differed in the last bits, and the
     speculative output with them (seen at the 0.8B shape). Scores summed over 128-wide chunks keep them equal: rows of
     every step of a verify-3 / commit-1 walk across 64 keys are bitwise the 1-row decode's. The int4 graph's
-    GroupQueryAttention has the same break (one pass up to 64 keys): every call padded past 64 keys keeps it off.
-    gdn_heads: as many GDN key heads as value heads (Qwen3.5-0.8B's 16 / 16), where the fused graph l2-norms q and k
-    as one tensor."""
+    GroupQueryAttention has the same break (one pass up to 64 keys): every call padded past 64 keys keeps it off."""
     from dflash2.export.plan import QuantFlags
 
-    extra = {"linear_num_key_heads": gdn_heads, "linear_num_value_heads": gdn_heads} if gdn_heads else None
-    target = tiny.make_target(tmp_path / "target", family="qwen3_5", num_heads=2, num_kv_heads=1, head_dim=256,
-                              extra=extra)
+    target = tiny.make_target(tmp_path / "target", family="qwen3_5", num_heads=2, num_kv_heads=1, head_dim=256)
     drafter = tiny.make_drafter(tmp_path / "drafter", target, version=1, block_size=4)
     m = export(drafter, target, tmp_path / "out", max_seq_len=128, quiet=True,
                quantize=QuantFlags(method=method) if method else None)

@@ -230,37 +230,21 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         xr, xp = b.op("Split", [x, rope_split], f"{name}.parts", outputs=2, axis=-1)
         return b.op("Concat", [ops.rotate(xr, rot, name), xp], f"{name}.joined", axis=-1)[0]
 
-    def add_norm(h: str, y: str | None, w, name: str, residual: str) -> tuple[str, str]:
-        """(norm(h + y), h + y); y None: norm(h), h. fused: the residual Add and the norm as ONE
-        SkipSimplifiedLayerNormalization whose fourth output is the sum (48 Add nodes a decode step fewer at
-        Qwen3.5-0.8B's 24 layers; per row, row-invariant: a k-row call's rows are bitwise 1-row calls')."""
-        if y is None:
-            return norm(h, w, name), h
-        if not fused:
-            h = b.op("Add", [h, y], residual)[0]
-            return norm(h, w, name), h
-        out = b.op("SkipSimplifiedLayerNormalization", [h, y, b.weight(f"{name}.weight", np.asarray(w, np.float32))],
-                   name, outputs=[f"{name}.out", "", "", residual], domain="com.microsoft", epsilon=eps)
-        return out[0], out[3]
-
-    h, pending, tap_of = _embed(b, src, quant, matrix), None, None  # [n, H]; pending: the MLP output not yet added
+    h = _embed(b, src, quant, matrix)  # [n, H]
     taps, new_kv, gdn_layers = {}, [], 0
     for i, kind in enumerate(c.layer_types):
         p = f"layers.{i}"
         if progress is not None:
             progress(i, L)
-        u, h = add_norm(h, pending, _zc(src.get(f"{p}.input_layernorm.weight")), f"{p}.input_layernorm",
-                        f"layers.{i - 1}.mlp_residual")
-        if tap_of is not None:
-            taps[tap_of] = h
+        u = norm(h, _zc(src.get(f"{p}.input_layernorm.weight")), f"{p}.input_layernorm")
         if kind == "full_attention":
             y, kv_row = attention(u, p, len(new_kv))
             new_kv.append(kv_row)
         else:
             y, _, _ = gdn(u, p, gdn_layers)  # writes conv_states.{j}, rec_states.{j} itself
             gdn_layers += 1
-        u, h = add_norm(h, y, _zc(src.get(f"{p}.post_attention_layernorm.weight")), f"{p}.post_attention_layernorm",
-                        f"{p}.mix_residual")
+        h = b.op("Add", [h, y], f"{p}.mix_residual")[0]
+        u = norm(h, _zc(src.get(f"{p}.post_attention_layernorm.weight")), f"{p}.post_attention_layernorm")
         m = f"{p}.mlp"
         if sparse:  # u [n, H] -> [n, H]: ONNX Runtime's MoE / QMoE (fused graph) or the all-experts standard ops
             mlp = moe.fused(b, u, src, c, m) if fused else moe.standard(b, ops, u, src, c, m)
@@ -270,13 +254,12 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                             outputs=2, axis=-1)
             mlp = b.linear(b.op("Mul", [silu(gate, f"{p}.silu"), up], f"{p}.act")[0], f"{p}.down_proj", src,
                            [f"{m}.down_proj"])
-        pending, tap_of = mlp, (i if i in tap_ids else None)  # added by the next norm: the OUTPUT of layer i (HF
-        # hidden_states[i + 1]) is that norm's sum
+        h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
+        if i in tap_ids:
+            taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     if not gqa_kv:
         b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)
-    y, h = add_norm(h, pending, _zc(src.get("norm.weight")), "norm", f"layers.{L - 1}.mlp_residual")
-    if tap_of is not None:
-        taps[tap_of] = h
+    y = norm(h, _zc(src.get("norm.weight")), "norm")
     head_name = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     if quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
         logits = b.matmul_nbits(y, "lm_head", (H, c.vocab_size), (r.T for r in src.row_chunks(head_name)))

@@ -61,16 +61,15 @@ def _standard_row(x: Callable[[str], str], c: Callable[[str], str]) -> list[onnx
     ]
 
 
-def _fused_row(Hv: int, dk: int, x: Callable[[str], str], c: Callable[[str], str], state4: str, state4_out: str) \
+def _fused_row(Hv: int, x: Callable[[str], str], c: Callable[[str], str], state4: str, state4_out: str) \
         -> list[onnx.NodeProto]:
     """ONNX Runtime's LinearAttention over one row (within 1.2e-7 of the standard ops, docs/families/qwen3_5.md; 2.1x
     faster at Hv 16, 128 x 128): q, k, v, g, beta rows as [1, 1, heads * dim], the state [1, Hv, dk, dv] ->
-    o1 [1, 1, Hv * dv], state4_out [1, Hv, dk, dv]. q arrives l2-normed, unscaled: the kernel applies dk^-0.5
-    (its `scale`), one Mul node less per layer."""
+    o1 [1, 1, Hv * dv], state4_out [1, Hv, dk, dv]."""
     nodes = [helper.make_node("Reshape", [x(t), c("row")], [x(f"{t}1")]) for t in ("q", "k", "v", "g", "beta")]
     nodes.append(helper.make_node("LinearAttention", [x("q1"), x("k1"), x("v1"), state4, x("g1"), x("beta1")],
                                   [x("o1"), state4_out], domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv,
-                                  scale=dk ** -0.5, update_rule="gated_delta"))
+                                  scale=1.0, update_rule="gated_delta"))  # q arrives scaled by dk^-0.5
     return nodes
 
 
@@ -78,22 +77,20 @@ def _delta_body(Hv: int, dk: int, dv: int, fused: bool) -> onnx.GraphProto:
     """The Scan body over the window's rows: (state [Hv, dk, dv]; q, k [Hv, dk], v [Hv, dv], g, beta [Hv])
     -> (state', o [Hv, dv], state' as the row's scan output)."""
     same = lambda t: t  # noqa: E731
-    row_in = [[Hv, dk], [Hv, dk], [Hv, dv], [Hv], [Hv]]
-    o_row = [Hv, dv]
-    if fused:  # the rows arrive as the outer graph packs them (q, k [Hv, dk] or packed; v [Hv * dv]), o packed
-        nodes = [helper.make_node("Unsqueeze", ["S", "ax0"], ["S4"]), *_fused_row(Hv, dk, same, same, "S4", "S4o"),
+    if fused:
+        nodes = [helper.make_node("Unsqueeze", ["S", "ax0"], ["S4"]), *_fused_row(Hv, same, same, "S4", "S4o"),
                  helper.make_node("Squeeze", ["S4o", "ax0"], ["S2"]),
                  helper.make_node("Reshape", ["o1", "heads"], ["o"])]
-        consts = [("ax0", [0]), ("row", [1, 1, -1]), ("heads", [Hv * dv])]
-        row_in, o_row = [None] * 3 + row_in[3:], [Hv * dv]
+        consts = [("ax0", [0]), ("row", [1, 1, -1]), ("heads", [Hv, dv])]
     else:
         nodes, consts = _standard_row(same, same), list(STD_CONSTS)
     # a Scan body may not name one value as two outputs: the carried state and the row's kept copy
     nodes.append(helper.make_node("Identity", ["S2"], ["S_row"]))
-    outs = [helper.make_tensor_value_info("S2", F32, [Hv, dk, dv]), helper.make_tensor_value_info("o", F32, o_row),
+    outs = [helper.make_tensor_value_info("S2", F32, [Hv, dk, dv]), helper.make_tensor_value_info("o", F32, [Hv, dv]),
             helper.make_tensor_value_info("S_row", F32, [Hv, dk, dv])]
-    ins = [helper.make_tensor_value_info("S", F32, [Hv, dk, dv])] + \
-        [helper.make_tensor_value_info(nm, F32, shape) for nm, shape in zip(("q", "k", "v", "g", "beta"), row_in)]
+    ins = [helper.make_tensor_value_info("S", F32, [Hv, dk, dv]), helper.make_tensor_value_info("q", F32, [Hv, dk]),
+           helper.make_tensor_value_info("k", F32, [Hv, dk]), helper.make_tensor_value_info("v", F32, [Hv, dv]),
+           helper.make_tensor_value_info("g", F32, [Hv]), helper.make_tensor_value_info("beta", F32, [Hv])]
     return helper.make_graph(nodes, "delta_row_state", ins, outs,
                              [helper.make_tensor(n, TensorProto.INT64, [len(v)], v) for n, v in consts])
 
@@ -125,9 +122,6 @@ class Gdn:
                                                                            ("v", Hv * dv), ("g", Hv), ("beta", Hv))]
         kd = c.linear_num_key_heads * dk
         self.sizes_qkv = b.const("gdn.qkv_sizes", [kd, kd, Hv * dv])
-        if fused and kd == Hv * dk:  # q and k normed as one tensor (_qkv_fused)
-            self.sizes_qk_v = b.const("gdn.qk_v_sizes", [2 * kd, Hv * dv])
-            self.sizes_q_k = b.const("gdn.q_k_sizes", [Hv, Hv])
         # shared by every layer, computed once per step: each conv tap's rows [t, n + t) of the window, and the
         # window rows of the conv state after each kept row r (split_at + 1 + r + [0, K-1)): [W', K-1]
         K = c.linear_conv_kernel_dim
@@ -143,7 +137,7 @@ class Gdn:
                               "gdn.conv_state.rows")[0]  # [W', K-1]
         # the one-row branch's constants, outer-scope initializers its If reads (the Scan body holds its own)
         self.row_consts = {nm: b.const(f"gdn.row.{nm}", v) for nm, v in
-                           (STD_CONSTS if not fused else (("row", [1, 1, -1]), ("heads", [-1, Hv * dv])))}
+                           (STD_CONSTS if not fused else (("row", [1, 1, -1]), ("heads", [-1, Hv, dv])))}
 
     def _branch(self, nodes, name: str, outs: list[tuple[str, list]]) -> onnx.GraphProto:
         return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(o, F32, s) for o, s in outs])
@@ -156,9 +150,9 @@ class Gdn:
         name = lambda t: x.get(t, f"{p}.row.{t}")  # noqa: E731
         c = self.row_consts.__getitem__
         if self.fused:  # LinearAttention reads the state input and writes the branch's output: no copy either way
-            nodes = _fused_row(Hv, dk, name, c, state_in, f"{p}.row.S4o")
-            nodes.append(helper.make_node("Reshape", [name("o1"), c("heads")], [f"{p}.row.o3"]))  # [1, Hv dv]
-            return self._branch(nodes, f"{p}.one_row", [(f"{p}.row.o3", [1, Hv * dv]),
+            nodes = _fused_row(Hv, name, c, state_in, f"{p}.row.S4o")
+            nodes.append(helper.make_node("Reshape", [name("o1"), c("heads")], [f"{p}.row.o3"]))
+            return self._branch(nodes, f"{p}.one_row", [(f"{p}.row.o3", [1, Hv, dv]),
                                                          (f"{p}.row.S4o", [1, Hv, dk, dv])])
         sq = [helper.make_node("Squeeze", [r, ax0], [f"{p}.row.{t}"]) for t, r in x.items()]  # [Hv, dk] ...
         sq.append(helper.make_node("Squeeze", [state_in, ax0], [f"{p}.row.S"]))  # [Hv, dk, dv]
@@ -182,8 +176,7 @@ class Gdn:
         _, o_tail, rec_rows = b.op("Scan", [state, *tail_rows], f"{p}.delta_tail", outputs=3, body=self.body,
                                    num_scan_inputs=5)  # the last W' rows: [W', Hv, dk, dv]
         o = b.op("Concat", [o_head, o_tail], f"{p}.o_rows", axis=0)[0]  # [n, Hv, dv]
-        o_shape = [None, Hv * dv] if self.fused else [None, Hv, dv]
-        rows_branch = self._branch(b.nodes[at:], f"{p}.rows", [(o, o_shape), (rec_rows, [None, Hv, dk, dv])])
+        rows_branch = self._branch(b.nodes[at:], f"{p}.rows", [(o, [None, Hv, dv]), (rec_rows, [None, Hv, dk, dv])])
         del b.nodes[at:]
         return tuple(b.op("If", [self.decode], f"{p}.delta", outputs=[f"{p}.o", rec_out],
                           then_branch=self._one_row(rows, state_in, p), else_branch=rows_branch))
@@ -201,10 +194,10 @@ class Gdn:
                                      for t, shape in zip(rows, self.batch))  # [1, m, heads * dim]
             s4 = b.op("Unsqueeze", [state, sh.ax0], f"{p}.head.state4")[0]
             o1, s1 = b.op("LinearAttention", [q_, k_, v_, s4, g_, beta_], f"{p}.delta_head", outputs=2,
-                          domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv, scale=dk ** -0.5,
+                          domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv, scale=1.0,
                           update_rule="gated_delta")
             return (b.op("Squeeze", [s1, sh.ax0], f"{p}.head.state")[0],
-                    b.op("Reshape", [o1, b.const(f"{p}.head.o_heads", [-1, Hv * dv])], f"{p}.head.o")[0])
+                    b.op("Reshape", [o1, b.const(f"{p}.head.o_heads", [-1, Hv, dv])], f"{p}.head.o")[0])
         scan = helper.make_node("Scan", [state, *rows], [f"{p}.head.state", f"{p}.head.o"], body=self.head_body,
                                 num_scan_inputs=5, name=f"{p}.delta_head")
         skip = [helper.make_node("Identity", [state], [f"{p}.skip.state"], name=f"{p}.skip.state"),
@@ -241,21 +234,8 @@ class Gdn:
         # 13 of a decode step's ~60 nodes per GDN layer, each costing ONNX Runtime's per-node overhead)
         rows = b.op("Gather", [window, self.conv_rows], f"{p}.conv_state_rows", axis=0)[0]  # [W', K-1, C]
         b.op("Transpose", [rows], conv_out, outputs=[conv_out], perm=[0, 2, 1])  # [W', C, K-1]
-        rep = f["repeat_heads"]
-        if self.fused:  # ONNX Runtime's fused ops (comments: per-layer nodes each decode step, 18 GDN layers)
-            q, k, v = self._qkv_fused(x, p)
-            # decay and beta in one node, as genai writes them (was Add, Softplus, Mul, Sigmoid)
-            neg_a = -np.exp(np.asarray(src.get(f"{a}.A_log"), np.float32))
-            g, beta = b.op("LinearAttentionGate", [aa, b.fw(f"{p}.dt_bias", src.get(f"{a}.dt_bias")),
-                                                   b.fw(f"{p}.neg_A", neg_a), bb], f"{p}.gate", outputs=2,
-                           domain="com.microsoft")  # [n, Hv] each
-            o, _ = self._rows([q, k, v, g, beta], rec_in, p, rec_out)  # [n, Hv dv] packed
-            # rmsnorm per head * w * silu(z) on the packed rows, one node (was Reshape, SLN, Reshape, Sigmoid, Mul,
-            # Mul, Reshape): the norm over each dv-wide group, as genai writes it
-            y = b.op("GatedRMSNorm", [o, b.fw(f"{p}.o_norm.weight", src.get(f"{a}.norm.weight")), z], f"{p}.gated",
-                     domain="com.microsoft", epsilon=float(c.rms_norm_eps), activation="silu")[0]
-            return b.linear(y, f"{p}.out_proj", src, [f"{a}.out_proj"]), conv_out, rec_out
         q, k, v = b.op("Split", [x, self.sizes_qkv], f"{p}.qkv", outputs=3, axis=-1)
+        rep = f["repeat_heads"]
         q = b.op("Mul", [f["l2norm"](rep(f["heads"](q, Hk, dk, f"{p}.q_heads"), f"{p}.q_rep"), f"{p}.q_l2"),
                          b.const(f"{p}.q_scale", [dk ** -0.5], np.float32)], f"{p}.q")[0]  # [n, Hv, dk]
         k = f["l2norm"](rep(f["heads"](k, Hk, dk, f"{p}.k_heads"), f"{p}.k_rep"), f"{p}.k")
@@ -267,24 +247,11 @@ class Gdn:
         g = b.op("Mul", [sp, b.fw(f"{p}.neg_A", neg_a)], f"{p}.g")[0]  # [n, Hv] log decay
         o, _ = self._rows([q, k, v, g, beta], rec_in, p, rec_out)  # [n, Hv, dv]
         # gated RMSNorm per head: rmsnorm(o) * w (plain weight) * silu(z)
-        y = f["norm"](o, None, f"{p}.o_norm", dim=dv)
-        y = b.op("Mul", [y, b.fw(f"{p}.o_norm.weight", src.get(f"{a}.norm.weight"))], f"{p}.o_norm.w")[0]
+        if self.fused:  # the plain weight inside the norm's own product
+            y = f["norm"](o, src.get(f"{a}.norm.weight"), f"{p}.o_norm")
+        else:
+            y = f["norm"](o, None, f"{p}.o_norm", dim=dv)
+            y = b.op("Mul", [y, b.fw(f"{p}.o_norm.weight", src.get(f"{a}.norm.weight"))], f"{p}.o_norm.w")[0]
         y = b.op("Mul", [y, f["silu"](f["heads"](z, Hv, dv, f"{p}.z"), f"{p}.z.silu")], f"{p}.gated")[0]
         y = b.op("Reshape", [y, b.const(f"{p}.o_flat", [-1, vd])], f"{p}.o_flat")[0]
         return b.linear(y, f"{p}.out_proj", src, [f"{a}.out_proj"]), conv_out, rec_out
-
-    def _qkv_fused(self, x: str, p: str) -> tuple[str, str, str]:
-        """The conv output [n, C] -> q, k l2-normed (unscaled: LinearAttention's scale), [n, Hv, dk]; v [n, Hv dv]
-        packed, as LinearAttention reads it. With as many key heads as value heads, q and k are normed as ONE
-        [n, 2 Hk, dk] tensor: the same per-(row, head) reduction, 7 nodes where two norms took 14."""
-        b, f, c, Hv, dk = self.b, self.f, self.c, self.Hv, self.dk
-        Hk = c.linear_num_key_heads
-        if Hk != Hv:  # inverse GQA: the key heads repeated to Hv first (LinearAttention reads the key at Hv heads)
-            q, k, v = b.op("Split", [x, self.sizes_qkv], f"{p}.qkv", outputs=3, axis=-1)
-            q = f["l2norm"](f["repeat_heads"](f["heads"](q, Hk, dk, f"{p}.q_heads"), f"{p}.q_rep"), f"{p}.q")
-            k = f["l2norm"](f["repeat_heads"](f["heads"](k, Hk, dk, f"{p}.k_heads"), f"{p}.k_rep"), f"{p}.k")
-            return q, k, v
-        qk, v = b.op("Split", [x, self.sizes_qk_v], f"{p}.qk_v", outputs=2, axis=-1)
-        qk = f["l2norm"](f["heads"](qk, 2 * Hk, dk, f"{p}.qk_heads"), f"{p}.qk")  # [n, 2 Hk, dk]
-        q, k = b.op("Split", [qk, self.sizes_q_k], f"{p}.q_k", outputs=2, axis=1)
-        return q, k, v
