@@ -47,7 +47,8 @@ class Verified:
 
 class SpecBackend(Protocol):
     """Exactly what the loop uses. verify + commit without a draft in between keep the context rows pending
-    for the next draft. A Verified's logits stay valid until the backend's next call."""
+    for the next draft; a verify is always followed by a commit of at least one row (a 1-row verify's state may be
+    written in place). A Verified's logits stay valid until the backend's next call."""
 
     block_size: int  # B; S = B - 1 drafts per round
 

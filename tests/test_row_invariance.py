@@ -16,7 +16,7 @@ from dflash2.errors import Dflash2Error, ValidationError
 from dflash2.export import quantize as qz
 from dflash2.export.api import ROWS, export
 from dflash2.runtime.api import Runtime
-from dflash2.runtime.invariance import _prompt, check_rows, sizes, validation
+from dflash2.runtime.invariance import COSTS, _prompt, check_rows, sizes, validation
 from dflash2.runtime.ort import OrtBackend
 from dflash2.runtime.state import RowStates
 from dflash2.speculative import generate
@@ -116,6 +116,39 @@ def test_export_records_the_check(exports):
     assert v.ok and not v.failures and v.steps["rule"].startswith("bitwise equal logits")
     assert v.steps["rows"] > 0 and v.steps["differing"] == 0 and v.steps["max_abs"] == 0.0
     assert sorted(map(int, v.steps["per_k"])) == list(range(2, m.block_size + 1)) == list(range(2, v.steps["k_max"] + 1))
+    c = v.steps[COSTS]  # and its calls' timings: the auto schedule's prior
+    assert len(c["verify"]) == m.block_size + 1 and c["verify"][0] == 0 and c["verify"][1] == c["decode"]
+    assert all(x > 0 for x in (*c["verify"][1:], c["decode"], c["draft"]))
+
+
+def test_a_cold_session_starts_from_the_exports_cost_prior(exports, tmp_path):
+    """Where the export's timings say a draft costs several decode steps (as a 248,320-word head does), a cold
+    session calibrates on plain decode steps and drafts only once its probe budget allows: the first rounds are
+    plain, and greedy output is still the target's own. A manifest without usable timings calibrates as before."""
+    import shutil
+
+    from tests.exports import PROMPT, edit_manifest
+
+    folder = tmp_path / "export"
+    shutil.copytree(exports[("llama", 2)], folder)
+    cheap = Runtime(folder, schedule_cache=False)
+    c = cheap.manifest.validation[ROWS].steps[COSTS]
+    prior = cheap._cost_prior()
+    assert prior is not None and prior.draft == pytest.approx(c["draft"] / 1e3) and prior.decode == c["decode"] / 1e3
+
+    def expensive(m):
+        m["validation"][ROWS]["steps"][COSTS]["draft"] = 3 * c["decode"]
+    edit_manifest(folder, expensive)
+    rt = Runtime(folder, schedule_cache=False)
+    auto = rt.auto_schedule
+    assert auto.calibration.prior is not None and auto.calibration.plan == ("decode", "decode")
+    want = rt.generate(PROMPT, 60, speculative=False)
+    got = rt.generate(PROMPT, 60)
+    assert got.ids == want.ids
+    assert auto.made >= 59 and all(got.stats.skipped)  # 3 decode steps a draft: the budget allows one at 150 tokens
+
+    edit_manifest(folder, lambda m: m["validation"][ROWS]["steps"][COSTS].update(verify=[0.0, 1.0]))
+    assert Runtime(folder, schedule_cache=False)._cost_prior() is None  # not this block size: ignored
 
 
 def test_int4_block_32_passes_and_a_larger_block_is_refused_where_its_kernel_is_not_invariant(tmp_path, pairs):

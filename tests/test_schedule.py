@@ -89,7 +89,7 @@ def test_an_expensive_draft_backs_off_further_so_a_failed_probe_costs_the_same_s
 
 def test_drafting_resumes_when_drafts_are_accepted_again():
     s = AutoSchedule(B, costs(CPU))
-    s.probing, s.skip_left, s.backoff = True, 3, 4
+    s.probing, s.skip_left, s.backoff, s.made = True, 3, 4, 1000  # 1000 tokens made: the probe is affordable
     assert [s.wants_draft() for _ in range(4)] == [False, False, False, True]
     k = s.choose([0.95] * 7, 7)
     s.observe(Round(True, k, k, 0.002, CPU[k] / 1e3))
@@ -170,7 +170,7 @@ def test_a_new_answer_ends_a_carried_back_off():
     """A back-off built on one prompt's rejections does not keep the next prompt from drafting: its
     first round probes."""
     s = AutoSchedule(B, costs(CPU))
-    s.probing, s.skip_left, s.backoff = True, 40, 64
+    s.probing, s.skip_left, s.backoff, s.made = True, 40, 64, 1000
     s.start()
     assert s.wants_draft() and s.backoff == 1 and s.probing  # the probe still decides by its expected surplus
     k = s.choose([0.95] * 7, 7)
@@ -247,7 +247,7 @@ def test_where_drafting_pays_auto_keeps_drafting():
 
 def test_where_drafting_does_not_pay_a_real_win_halves_the_back_off_and_a_new_answer_probes_once():
     s = AutoSchedule(B, costs(**INT4))
-    s.probing, s.skip_left, s.backoff, s.value = True, 0, 64, -0.3
+    s.probing, s.skip_left, s.backoff, s.value, s.made = True, 0, 64, -0.3, 1000
     k = s.choose([0.95] * 7, 7)
     assert k >= 1 and s.expected > 0  # the model finds the probe promising ...
     s.observe(Round(True, k, 0, 0.0032, INT4["verify_ms"][k] / 1e3))  # ... and it loses
@@ -258,3 +258,43 @@ def test_where_drafting_does_not_pay_a_real_win_halves_the_back_off_and_a_new_an
     k = s.choose([0.95] * 7, 7)
     s.observe(Round(True, k, k, 0.0032, INT4["verify_ms"][k] / 1e3))  # every draft accepted: a real win
     assert not s.probing and s.backoff == cap // 2
+
+
+def test_a_probe_waits_until_the_tokens_made_cover_it():
+    """Probes (rounds that draft where drafting has not been paying) lose at most BUDGET of the plain decoding time
+    of the tokens the session made: a draft of 2 decode steps waits for 100 tokens, and a losing probe's loss is
+    counted before the next may run."""
+    s = AutoSchedule(B, costs(STEEP, decode_ms=10.0, draft_ms=20.0))
+    s.probing = True
+    waited = 0
+    while not s.wants_draft():
+        s.observe(Round(False, 0, 0, 0.0, 0.010))
+        waited += 1
+    assert waited == round(2.0 / s.BUDGET) == s.made
+    k = s.choose([0.05] * 7, 7)
+    s.observe(Round(True, k, 0, 0.020, STEEP[k] / 1e3))  # the probe loses: 2 + verify - 1 decode steps
+    assert s.lost == pytest.approx(2.0 + STEEP[k] / 10.0 - 1.0) and s.probing
+    s.skip_left = 0  # the back-off aside: the budget alone keeps the next probe waiting
+    assert not s.wants_draft()
+
+
+def test_an_expensive_prior_calibrates_on_plain_steps_and_the_first_draft_waits_for_its_budget():
+    """A prior (the export's measured cost model) where a draft costs 2.2 decode steps, as on a reduced Qwen3.5-MoE:
+    no draft in calibration, the prior scaled to this machine (twice as slow), the first probe after 110 tokens."""
+    prior = costs([10.0 + 3.0 * (n - 1) for n in range(1, B + 1)], decode_ms=10.0, draft_ms=22.0)
+    s = AutoSchedule.from_prior(B, prior)
+    assert s.calibration.active and s.calibration.plan == ("decode", "decode")
+    rounds = 0
+    while not s.wants_draft():
+        s.observe(Round(False, 0, 0, 0.0, 0.020))
+        rounds += 1
+    assert not s.calibration.active and s.costs.decode == 0.020 and s.costs.draft == pytest.approx(0.044)
+    assert s.costs.verify[8] == pytest.approx(2 * prior.verify[8]) and s.probing
+    assert rounds == s.made == 110
+
+
+def test_a_cheap_prior_calibrates_on_drafted_rounds_as_without_one():
+    """Where the prior expects a first draft to pay (fp32 here), the session calibrates as before: its drafted
+    calibration rounds also try deep drafts (replayed, starting from the prior there lost up to 3.6%)."""
+    s = AutoSchedule.from_prior(B, costs(**FP32))
+    assert s.calibration.prior is None and s.calibration.plan == AutoSchedule(B).calibration.plan

@@ -24,9 +24,10 @@ def test_state_round_trips():
     assert (t.costs.verify, t.costs.decode, t.costs.draft) == (s.costs.verify, s.costs.decode, s.costs.draft)
     assert all(t.acceptance.probability(c, 0) == s.acceptance.probability(c, 0) for c in (0.15, 0.55, 0.95))
     assert t.value == s.value < 0 and t.backoff == s.backoff
-    assert t.probing  # it did not pay: the new session skips, its first round of an answer a probe
+    assert (t.made, t.lost) == (s.made, s.lost) and s.made > 0  # the probe budget goes on
+    assert t.probing  # it did not pay: the new session skips, its first round of an answer a probe if affordable
     t.start()
-    assert t.wants_draft() and t.probing
+    assert t.wants_draft() == t.affordable() and t.probing
 
 
 @pytest.mark.parametrize("edit", [

@@ -160,7 +160,7 @@ def _check_rows(rt) -> int:
     """--check-rows: one JSON line; exit 0 invariant, 1 not (the failure on stderr), 2 not checkable."""
     from dflash2.runtime.invariance import validation
 
-    v = validation(rt.session)
+    v = validation(rt.session, timed=False)
     if v.skipped:
         raise Dflash2Error(f"--check-rows: not checked: {v.skipped}")
     print(json.dumps({"folder": str(rt.folder), "backend": rt.backend_name, "row_invariant": v.ok, **v.steps}))

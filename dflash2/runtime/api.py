@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -15,7 +16,8 @@ from typing import Callable, Sequence
 from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
 from dflash2.runtime import schedule_cache as schedule_cache_mod
-from dflash2.runtime.schedule import AutoSchedule
+from dflash2.runtime.invariance import COSTS, KEY as ROWS_KEY
+from dflash2.runtime.schedule import AutoSchedule, CostModel
 from dflash2.runtime.session import SpecSession
 from dflash2.runtime.text import Stream, Text
 from dflash2.sampling import Sampling, defaults_from
@@ -70,7 +72,7 @@ class Runtime:
     def __init__(self, folder: str | Path, backend: str | None = None, verify: bool | str = True,
                  max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None,
                  log: Callable[[str], None] | None = None, schedule_cache: bool | None = None,
-                 drafter_threads: int | None = None, lean: bool = False):
+                 drafter_threads: int | None = None, lean: bool = False, cost_prior: bool = True):
         """log: where a line about what is allocated goes before allocating (dflash2-run: stderr).
         threads: ONNX Runtime's intra-op threads (None: DFLASH2_THREADS, else ONNX Runtime's default, one per core);
         drafter_threads: the drafter session's own (None: DFLASH2_DRAFTER_THREADS, else as threads;
@@ -79,6 +81,8 @@ class Runtime:
         (dflash2.runtime.schedule_cache; default on unless DFLASH2_SCHEDULE_CACHE=0).
         verify: True checks every file's size and sha256, hashing only files changed since their last check
         (dflash2.manifest.hashcache); "full" hashes every file; False checks nothing.
+        cost_prior: a cold `--draft-len auto` starts from the cost model the export's row check timed, where it did
+        (`_cost_prior`); False: it calibrates on drafted rounds (what tests of that calibration pin).
         lean: ONNX Runtime only, the export's row check: the drafter's session opened at its first draft, no CPU
         arena (dflash2.runtime.ort.OrtBackend); not for generation, whose first round would then load the drafter."""
         self.folder = Path(folder)
@@ -91,6 +95,7 @@ class Runtime:
         backend = make_backend(self.folder, self.manifest, self.backend_name, provider, threads, drafter_threads,
                                lean)
         self.session = SpecSession(self.manifest, backend, max_seq_len, log)
+        self._provider, self._use_prior = provider, cost_prior
         self._text: Text | None = None
         self._auto: AutoSchedule | None = None
         self._cache_key = None
@@ -116,8 +121,28 @@ class Runtime:
         if self._auto is None:
             B = self.session.block_size
             saved = schedule_cache_mod.load(self._cache_key) if self._cache_key else None
-            self._auto = (AutoSchedule.from_state(B, saved) if saved else None) or AutoSchedule(B)
+            prior = self._cost_prior()
+            self._auto = ((AutoSchedule.from_state(B, saved) if saved else None)
+                          or (AutoSchedule.from_prior(B, prior) if prior else AutoSchedule(B)))
         return self._auto
+
+    def _cost_prior(self) -> CostModel | None:
+        """The export's row check timed its target calls and a draft on the CPU that exported
+        (`dflash2.runtime.invariance.costs_ms`): a cold session on ONNX Runtime's CPU provider starts from that cost
+        model (`AutoSchedule.from_prior`). None for an engine, another provider, or an export without it."""
+        if not self._use_prior or self.backend_name != "onnxruntime" \
+                or (self._provider or "CPUExecutionProvider") != "CPUExecutionProvider":
+            return None
+        v = getattr(self.manifest, "validation", {}).get(ROWS_KEY)
+        c = (v.steps or {}).get(COSTS) if v is not None and v.ok else None
+        try:
+            verify = [float(x) / 1e3 for x in c["verify"]]
+            prior = CostModel(verify, float(c["decode"]) / 1e3, float(c["draft"]) / 1e3)
+        except (TypeError, KeyError, ValueError):  # absent or not this version's: calibrate as without one
+            return None
+        ok = len(verify) == self.session.block_size + 1 and all(0 < x < math.inf for x in (*verify[1:], prior.decode,
+                                                                                            prior.draft))
+        return prior if ok else None
 
     @property
     def schedule_from_cache(self) -> bool:

@@ -19,6 +19,7 @@ checks the machine it runs on; `dflash2-run --check-rows` checks the machine tha
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,9 @@ from dflash2.runtime.binding import GqaSharedKv
 # over head_dim 256, Qwen3.5's: a k-row verify and a 1-row decode then differ once one is past 64 keys and the other
 # not; measured on this CPU, docs/families/qwen3_5.md)
 PROMPT_TOKENS, CONTINUATION = 48, 40
-FIELD = 'validation["target.rows"]'  # where the export's manifest records it
+KEY = "target.rows"  # the export manifest's validation record of this check
+FIELD = f'validation["{KEY}"]'
+COSTS = "costs_ms"  # its steps' entry with the calls' timings
 
 
 @dataclass
@@ -41,6 +44,7 @@ class RowCheck:
     max_abs: float = 0.0  # over the finite entries
     per_k: dict[int, dict] = field(default_factory=dict)
     compactions: int = 0  # a windowed target's: the fewest window-buffer compactions one pass crossed
+    seconds: dict[int, float] = field(default_factory=dict)  # rows -> the fastest call of that many rows (1: decode)
 
     @property
     def ok(self) -> bool:
@@ -115,12 +119,13 @@ def check_rows(session, continuation: int | None = None) -> RowCheck:
     continuation = min(continuation, fits)
     prompt = _prompt(session.vocab_size, n_prompt)
     first = session.prefill(prompt)
-    tokens, want = [int(first.ids[-1])], []
+    tokens, want, out = [int(first.ids[-1])], [], RowCheck()
     for _ in range(continuation):  # the reference: one row per call, as target-only generation runs
+        t0 = time.perf_counter()
         v = session.decode(tokens[-1])
+        _fastest(out.seconds, 1, time.perf_counter() - t0)
         want.append(np.array(v.logits()[0], copy=True))
         tokens.append(int(v.ids[0]))
-    out = RowCheck()
     for k in range(2, min(session.block_size, continuation) + 1):
         session.reset()  # what prefill starts with; here first, so that no state row is live for the release
         _release_stale(session)
@@ -132,7 +137,9 @@ def check_rows(session, continuation: int | None = None) -> RowCheck:
         n = d = flips = 0
         for p in range(0, continuation - k + 1, k):  # rows p..p+k-1 predict tokens p+1..p+k, as in a verify
             _release_stale(session)
+            t0 = time.perf_counter()
             v = session.verify(tokens[p:p + k])
+            _fastest(out.seconds, k, time.perf_counter() - t0)
             logits, ids = v.logits()[:k], [int(x) for x in v.ids[:k]]
             for r in range(k):
                 flip = ids[r] != tokens[p + r + 1]
@@ -151,8 +158,49 @@ def check_rows(session, continuation: int | None = None) -> RowCheck:
     return out
 
 
-def validation(session, what: str = "target", hint: str = "") -> mf.Validation:
-    """The check as an export validation record (manifest.validation["target.rows"])."""
+def _fastest(seconds: dict[int, float], rows: int, t: float) -> None:
+    seconds[rows] = min(t, seconds.get(rows, t))  # the least disturbed call: the first of a shape allocates
+
+
+def draft_seconds(session, calls: int = 3) -> float:
+    """The fastest of `calls` drafts of one new context row after a short prefill (what a round's draft catches up
+    at one accepted token). Opens the drafter's session where the runtime defers it (the row check's)."""
+    prompt = _prompt(session.vocab_size, max(1, min(PROMPT_TOKENS, session.max_seq_len - session.block_size - 1)))
+    session.prefill(prompt)
+    session.draft(prompt[-1])  # the prompt's rows: the first call of the drafter (it allocates)
+    best = float("inf")
+    for _ in range(calls):
+        session.ctx_pos, session.pending = session.ctx_pos - 1, 1  # the last context row again, written in place
+        t0 = time.perf_counter()
+        session.draft(prompt[-1])
+        best = min(best, time.perf_counter() - t0)
+    session.reset()
+    return best
+
+
+def costs_ms(r: RowCheck, draft_s: float, block_size: int, threads: int | None) -> dict | None:
+    """The row check's timings as the schedule's prior (`AutoSchedule.from_prior`): verify[n] for n = 1..B (a row
+    count the check did not time follows the line through its neighbours), decode, draft, ms."""
+    if 1 not in r.seconds or not 0 < draft_s < float("inf"):
+        return None
+    known = sorted(r.seconds)
+    verify = [0.0]
+    for n in range(1, block_size + 1):
+        lo = max((k for k in known if k <= n), default=known[0])
+        hi = min((k for k in known if k >= n), default=known[-1])
+        t = r.seconds[lo] if hi == lo else r.seconds[lo] + (r.seconds[hi] - r.seconds[lo]) * (n - lo) / (hi - lo)
+        if n > known[-1] and len(known) > 1:  # past the longest verify timed: the slope of the last two
+            a, b = known[-2], known[-1]
+            t = r.seconds[b] + (r.seconds[b] - r.seconds[a]) / (b - a) * (n - b)
+        verify.append(round(1e3 * t, 4))
+    return {"decode": verify[1], "verify": verify, "draft": round(1e3 * draft_s, 4), "threads": threads,
+            "why": "the fastest call of each row count in this check, on the machine that exported: the prior of "
+                   "--draft-len auto's cost model (dflash2.runtime.schedule.AutoSchedule.from_prior)"}
+
+
+def validation(session, what: str = "target", hint: str = "", timed: bool = True) -> mf.Validation:
+    """The check as an export validation record (manifest.validation["target.rows"]); timed: with the calls'
+    timings and a draft's as steps[COSTS] (the schedule's prior) where the check passed."""
     r = check_rows(session)
     if r.rows == 0:
         return mf.Validation(ok=False, failures=[], skipped=f"max_seq_len {session.max_seq_len} leaves no room for "
@@ -162,4 +210,12 @@ def validation(session, what: str = "target", hint: str = "") -> mf.Validation:
              "k_max": max(r.per_k)}
     if getattr(session, "window", None) is not None:  # the window buffer's compactions a pass crossed (fewest)
         steps["window_compactions"] = r.compactions
+    if r.ok and timed:
+        try:
+            d = draft_seconds(session)
+        except Exception:  # noqa: BLE001 - a prior only saves a cold session time; the check's verdict stands
+            d = float("inf")
+        c = costs_ms(r, d, session.block_size, getattr(session.backend, "threads", None))
+        if c is not None:
+            steps[COSTS] = c
     return mf.Validation(ok=r.ok, failures=r.failures(what, hint), steps=steps)

@@ -14,7 +14,9 @@ Per runtime session (one opened export or engine folder):
   (each extra draft must earn its verify time at the rate the session already gets; K = 0 is a plain
   decode step). Before drafting: if recent drafted rounds were expected to yield fewer tokens than
   plain decoding yields in the same time (draft + verify), skip the drafter; probe again after a
-  back-off that doubles while probes keep failing (how fast it ends: `AutoSchedule`).
+  back-off that doubles while probes keep failing (how fast it ends: `AutoSchedule`), and only while what probes
+  lost stays within 2% of the session's plain decoding time (`AutoSchedule.affordable`).
+- A cold session on an export whose row check timed its calls starts from that cost model (`AutoSchedule.from_prior`).
 No torch, no numpy in the hot path: S <= 16 floats per round.
 """
 
@@ -96,6 +98,7 @@ class Calibration:
 
     plan: tuple[str, ...] = ("full", "decode", "full", "decode")
     samples: dict[str, list[float]] = field(default_factory=lambda: {"decode": [], "draft": [], "full": []})
+    prior: CostModel | None = None  # costs measured by the export's row check (`AutoSchedule.from_prior`)
     rounds: int = 0
     seconds: float = 0.0  # wall time of the calibration rounds (draft + verify)
     tokens: int = 0  # tokens they produced
@@ -104,7 +107,8 @@ class Calibration:
     def active(self) -> bool:
         """Until the plan is done and every quantity has a sample (a round that verified fewer drafts
         than planned times nothing: the plan repeats, four times at most)."""
-        missing = not all(self.samples.values())
+        need = ("decode",) if self.prior is not None else tuple(self.samples)  # a prior: decode steps scale it
+        missing = not all(self.samples[k] for k in need)
         return self.rounds < len(self.plan) or (missing and self.rounds < 4 * len(self.plan))
 
     @property
@@ -127,6 +131,10 @@ class Calibration:
 
     def costs(self, block_size: int) -> CostModel:
         m = {k: min(v) if v else 0.0 for k, v in self.samples.items()}
+        if self.prior is not None:  # the prior's shape at this machine's speed (the loop refines both)
+            p, decode = self.prior, m["decode"] or self.prior.decode
+            scale = decode / p.decode
+            return CostModel([v * scale for v in p.verify], decode, p.draft * scale)
         decode = m["decode"] or m["full"] or 1e-3  # never a zero cost: the loop refines it multiplicatively
         rows = self.drafts_verified(block_size - 1) + 1
         return CostModel.from_samples(block_size, decode, m["draft"] or 0.2 * decode, rows, m["full"] or decode)
@@ -208,6 +216,7 @@ class AutoSchedule:
     name = "auto"
     MAX_BACKOFF = 64  # rounds skipped between probes at most where a draft costs <= PROBE_DRAFT decode steps
     PROBE_DRAFT = 0.4  # the draft / decode ratio MAX_BACKOFF was tuned at (the int4 Qwen3 default: ~0.6% lost)
+    BUDGET = 0.02  # probes lose at most this share of the plain decoding time the session's tokens are worth
     LONG = 0.04  # weight of a drafted round's real gain in `value`
 
     def __init__(self, block_size: int, costs: CostModel | None = None, acceptance: AcceptanceModel | None = None):
@@ -221,6 +230,31 @@ class AutoSchedule:
         self.expected = 0.0  # surplus the last choose() predicted
         self.confidence: Sequence[float] | None = None
         self.tokens = self.seconds = 0.0  # EMAs of one round's tokens and seconds: the achieved rate
+        self.made = 0  # tokens the session has produced (every round)
+        self.lost = 0.0  # decode steps its probes cost beyond the tokens they made (at the cost model's prices)
+
+    @classmethod
+    def from_prior(cls, block_size: int, prior: CostModel) -> "AutoSchedule":
+        """A cold session (no saved state) that knows the export's cost model (`prior`: the row check's timings on
+        the CPU that exported, `dflash2.runtime.invariance.costs_ms`). Where the prior expects a first draft to pay,
+        it calibrates as a session without one. Where it does not (a draft of a 248,320-word head costs 2-3 decode
+        steps), its calibration is two plain decode steps that scale the prior to this machine, and its first draft
+        is a probe under the budget (`affordable`): no draft is spent on calibration, and a session of one short
+        answer never pays for a drafter that cannot win there. Calibrating on drafted rounds there was 0.83-0.89x
+        of plain decoding per one-answer session on a reduced Qwen3.5-MoE (docs/results/README.md, 2026-12-06)."""
+        s = cls(block_size)
+        if cls(block_size, prior)._expected_surplus() >= 0:  # a first draft is expected to pay: calibrate on drafted
+            return s  # rounds, which also try deep drafts (replayed: starting from the prior there lost up to 3.6%)
+        s.calibration = Calibration(plan=("decode", "decode"), prior=prior)
+        return s
+
+    def affordable(self) -> bool:
+        """A probe's draft fits the exploration budget: what probes lost so far plus this draft at most BUDGET of
+        the plain decoding time of the tokens made. Probes exist to notice text turning predictable; where a
+        draft costs several decode steps (a 248,320-word head) one probe per answer was 7% of a 32-token
+        answer (replayed: 0.91-0.93x of plain decoding over 32 such answers in one session)."""
+        c = self.costs
+        return c.decode > 0 and self.lost + c.draft / c.decode <= self.BUDGET * self.made
 
     @property
     def rate(self) -> float:
@@ -261,7 +295,7 @@ class AutoSchedule:
         if self.skip_left > 0:
             self.skip_left -= 1
             return False
-        return True
+        return not self.probing or self.affordable()  # an unaffordable probe waits for tokens, round by round
 
     def choose(self, confidence: Sequence[float] | None, available: int) -> int:
         self.confidence = confidence
@@ -282,6 +316,17 @@ class AutoSchedule:
         self.expected = best_t - (c.draft + c.verify[best_k + 1]) / c.decode
         return best_k
 
+    def _expected_surplus(self) -> float:
+        """Tokens over plain decoding the best K is expected to make in a drafted round, draft included, at the
+        acceptance model's probabilities without confidences (before any draft: its prior)."""
+        c = self.costs
+        best, expected, reach = 1.0 - (c.draft + c.verify[1]) / c.decode, 1.0, 1.0
+        for k in range(1, c.block_size):
+            reach *= self.acceptance.probability(None, k - 1)
+            expected += reach
+            best = max(best, expected - (c.draft + c.verify[k + 1]) / c.decode)
+        return best
+
     def gain(self, r: Round) -> float:
         """Tokens a drafted round made beyond what plain decoding makes in its time, at the cost model's
         prices (not the round's own timings: one stall on a shared machine would swamp the signal)."""
@@ -290,6 +335,7 @@ class AutoSchedule:
 
     def observe(self, r: Round) -> None:
         spent = r.verify_seconds + (r.draft_seconds if r.drafted else 0.0)
+        self.made += r.accepted + 1
         self.tokens += EMA * (r.accepted + 1 - self.tokens)
         self.seconds += EMA * (spent - self.seconds)
         if r.verified:  # fresh or reused drafts: the confidences choose() saw
@@ -298,11 +344,15 @@ class AutoSchedule:
             self.calibration.observe(r, self.block_size - 1)
             if not self.calibration.active:
                 self.costs = self.calibration.costs(self.block_size)
+                if self.calibration.prior is not None:  # no draft yet, none expected to pay: the first is a probe
+                    self.surplus, self.probing = min(self._expected_surplus(), 0.0), True
             return
         self.costs.observe(r)
         if not r.drafted:
             return
         gain = self.gain(r)
+        if self.probing:
+            self.lost += max(0.0, -gain)
         self.value += self.LONG * (gain - self.value)
         pays = self.value > 0  # drafting pays in this session: a promising probe ends a skipped stretch
         if self.probing:
@@ -321,13 +371,14 @@ class AutoSchedule:
 
     def state(self) -> dict:
         """What the next session on this machine may start from (`dflash2.runtime.schedule_cache`): the cost
-        model, the acceptance history, whether drafting pays and the back-off; none of one answer's state."""
+        model, the acceptance history, whether drafting pays, the back-off and the probe budget (tokens made, decode
+        steps probes lost: a new session is not a new budget); none of one answer's state."""
         a = self.acceptance
         return {"version": self.STATE_VERSION, "block_size": self.block_size, "calibrated": not self.calibration.active,
                 "costs": {"verify": self.costs.verify, "decode": self.costs.decode, "draft": self.costs.draft},
                 "acceptance": {"bins": a.bins, "hits": {str(k): v for k, v in a.hits.items()},
                                "trials": {str(k): v for k, v in a.trials.items()}},
-                "value": self.value, "backoff": self.backoff}
+                "value": self.value, "backoff": self.backoff, "made": self.made, "lost": self.lost}
 
     @classmethod
     def from_state(cls, block_size: int, state: dict) -> "AutoSchedule | None":
@@ -352,7 +403,8 @@ class AutoSchedule:
             s = cls(block_size, costs, acc)
             s.value = float(state["value"])
             s.backoff = max(1, min(int(state["backoff"]), s.max_backoff()))
-            if not math.isfinite(s.value):
+            s.made, s.lost = int(state.get("made", 0)), float(state.get("lost", 0.0))  # the probe budget goes on
+            if not math.isfinite(s.value) or s.made < 0 or not 0 <= s.lost < math.inf:
                 return None
             if s.value <= 0:  # drafting did not pay here: start skipping (start() makes the first round a probe)
                 s.surplus, s.probing = s.value, True

@@ -9,7 +9,9 @@ The cost table (dflash2.bench.replay.cost_table: decode, the draft, verify of 1.
 (or read back from --costs-json, which a run with --export writes); per tau, a seeded synthetic trace
 (replay.synthetic_trace: each round of all B - 1 drafts yields tau tokens on average, no confidences) is replayed
 through the runtime's AutoSchedule (one session over every answer, and a fresh session per answer as `dflash2-run`
-does), every `--draft-len K`, and the oracle (replay.bound). Speeds are over plain decoding (1.0 = autoregressive);
+does; each calibrating on drafted rounds, and each started from the export's prior, `AutoSchedule.from_prior`, as a
+session on an export whose row check timed its calls does), every `--draft-len K`, and the oracle (replay.bound).
+Speeds are over plain decoding (1.0 = autoregressive);
 no timing noise: the only measurement is the cost table.
 """
 
@@ -44,6 +46,22 @@ def costed_backoff():
     return CostedBackoff
 
 
+def prior(table: dict):
+    """The cost model an export's row check records (dflash2.runtime.invariance.costs_ms), from the table: a draft
+    catching up one context row."""
+    from dflash2.runtime.schedule import CostModel
+
+    return CostModel([v / 1e3 for v in table["verify"]], table["decode"] / 1e3,
+                     (table["draft_base"] + table["draft_per_row"]) / 1e3)
+
+
+def _fresh(make, t: dict) -> float:
+    from dflash2.bench.replay import replay
+
+    rs = [replay(make(), {**t, "answers": [a]}) for a in t["answers"]]
+    return sum(r["tokens"] for r in rs) / sum(r["tokens"] / r["speed"] for r in rs)
+
+
 def run(table: dict, block: int, taus: list[float], answers: int, tokens: int, seed: int) -> list[dict]:
     from dflash2.bench.replay import bound, replay, synthetic_trace
     from dflash2.runtime.schedule import AutoSchedule
@@ -56,26 +74,31 @@ def run(table: dict, block: int, taus: list[float], answers: int, tokens: int, s
         t = synthetic_trace(tau, block, table, answers, tokens, seed=seed)
         m = [p["match"] for ans in t["answers"] for p in ans["positions"]]
         auto = replay(AutoSchedule(block), t)
-        fresh = [replay(AutoSchedule(block), {**t, "answers": [a]}) for a in t["answers"]]
-        fresh_speed = sum(r["tokens"] for r in fresh) / sum(r["tokens"] / r["speed"] for r in fresh)
+        fresh_speed = _fresh(lambda: AutoSchedule(block), t)
+        with_prior = replay(AutoSchedule.from_prior(block, prior(table)), t)
+        fresh_prior = _fresh(lambda: AutoSchedule.from_prior(block, prior(table)), t)
         prop = replay(proposal(block), t)
         fixed = {k: replay(FixedSchedule(k), t)["speed"] for k in range(1, block)}
         best_k = max(fixed, key=fixed.get)
         rows.append({"tau": tau, "rate": t["synthetic"]["rate"], "tau_drawn": 1 + sum(min(x, block - 1) for x in m) / len(m),
                      "auto": auto["speed"], "auto_drafted_share": auto["drafted"] / auto["rounds"],
-                     "auto_fresh_per_answer": fresh_speed,
+                     "auto_fresh_per_answer": fresh_speed, "auto_prior": with_prior["speed"],
+                     "auto_prior_drafted_share": with_prior["drafted"] / with_prior["rounds"],
+                     "auto_prior_fresh_per_answer": fresh_prior,
                      "proposal_costed_backoff": prop["speed"], "proposal_drafted_share": prop["drafted"] / prop["rounds"], "fixed": fixed, "best_k": best_k,
                      "best_fixed": fixed[best_k], "oracle": bound(t)["speed"]})
     return rows
 
 
 def table_md(rows: list[dict], ks=(2, 4, 8, 15)) -> str:
-    head = ("| tau | auto (one session) | auto (fresh per answer) | drafted rounds | proposal (costed back-off) | "
+    head = ("| tau | auto (one session) | auto (fresh per answer) | drafted rounds | auto, export's prior (one session) "
+            "| auto, prior (fresh per answer) | proposal (costed back-off) | "
             + " | ".join(f"K = {k}" for k in ks) + " | best fixed K | auto / best fixed | oracle |")
-    lines = [head, "|" + " ---: |" * (8 + len(ks))]
+    lines = [head, "|" + " ---: |" * (10 + len(ks))]
     for r in rows:
         lines.append(f"| {r['tau']:g} ({r['tau_drawn']:.2f} drawn) | {r['auto']:.3f}x | {r['auto_fresh_per_answer']:.3f}x | "
-                     f"{r['auto_drafted_share']:.0%} | {r['proposal_costed_backoff']:.3f}x | " + " | ".join(f"{r['fixed'][k]:.3f}x" for k in ks)
+                     f"{r['auto_drafted_share']:.0%} | {r['auto_prior']:.3f}x | {r['auto_prior_fresh_per_answer']:.3f}x | "
+                     f"{r['proposal_costed_backoff']:.3f}x | " + " | ".join(f"{r['fixed'][k]:.3f}x" for k in ks)
                      + f" | {r['best_fixed']:.3f}x (K = {r['best_k']}) | {r['auto'] / r['best_fixed']:.3f} | "
                      f"{r['oracle']:.3f}x |")
     return "\n".join(lines)
