@@ -12,6 +12,7 @@ flavour: `kv_cache` + `past_len`, plain.py's prologues), over the La full layers
     conv_states.{j}  [W', C, K-1]         out           the conv state after each of the LAST W' = min(n, W) rows
     rec_states.{j}   [W', Hv, dk, dv]     out, float32  the delta-rule state after each of those rows
 
+(the gqa graph, build_fused, binds the conv states row-major: [1, K-1, C] in, [W', K-1, C] out; qwen3_5_gdn.Gdn)
 W = the block size: a verify of k <= B rows returns the state after every row, and the runtime commits the one
 after the last accepted row by pointing the next step at it (no copy, no re-decode; docs/families/qwen3_5.md).
 A prefill of n > W rows returns only the last W: its rows before them run in one pass that keeps no per-row
