@@ -112,6 +112,33 @@ def test_templates_match_the_reference_and_keep_every_row_state(pair, fused):
         assert np.array_equal(d["logits"][0], v["logits"][a]), f"row {a}: decode != verify row"
 
 
+def test_the_gqa_graph_binds_the_conv_state_row_major(pair):
+    """The gqa graph (build_fused's layout): each conv state bound as rows [1, K-1, C], so a GDN layer reads it as the
+    window's first rows and writes its kept rows with the window's Gather (no Transpose in or out), q and k l2-normed
+    by LpNormalization (no Sqrt); the reference's states meet the graph's through the spec's conv_major
+    (qwen3_5_gqa)."""
+    from dflash2.export.qwen3_5_gqa import conv_major
+
+    drafter, target = pair
+    dc = load_drafter_config(drafter)
+    ref = load_target(target, tuple(dc.target_layer_ids))
+    c = ref.config
+    model, _ = Q.build(c, dc, W.ModuleWeights(ref), Weights(drafter), fuse_context=False, fused=True, gqa_kv=True)
+    past, present = N.state_names(len(c.linear_layers))
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in [*model.graph.input, *model.graph.output]}
+    K, C = c.linear_conv_kernel_dim, c.conv_dim
+    assert all(shapes[n] == [1, K - 1, C] for n in past[0::2])
+    assert all(shapes[n][1:] == [K - 1, C] for n in present[0::2])
+    writers = {o: n.op_type for n in model.graph.node for o in n.output}
+    assert {writers[n] for n in present[0::2]} == {"Gather"}
+    ops = _ops(model.graph)
+    assert "LpNormalization" in ops and not {"Transpose", "Sqrt"} & ops
+    s = [torch.randn(1, C, K - 1), torch.randn(1, 2, 3), torch.randn(1, C, K - 1)]
+    assert [tuple(t.shape) for t in conv_major(s)] == [(1, K - 1, C), (1, 2, 3), (1, K - 1, C)]
+    assert torch.equal(conv_major(conv_major(s))[2], s[2])
+
+
 def test_export_validates_every_graph(exported):
     out, m = exported
     assert all(v.ok and not v.skipped for v in m.validation.values()), m.validation

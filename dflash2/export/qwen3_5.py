@@ -12,6 +12,7 @@ flavour: `kv_cache` + `past_len`, plain.py's prologues), over the La full layers
     conv_states.{j}  [W', C, K-1]         out           the conv state after each of the LAST W' = min(n, W) rows
     rec_states.{j}   [W', Hv, dk, dv]     out, float32  the delta-rule state after each of those rows
 
+(the gqa graph, build_fused, binds the conv states row-major: [1, K-1, C] in, [W', K-1, C] out; qwen3_5_gdn.Gdn)
 W = the block size: a verify of k <= B rows returns the state after every row, and the runtime commits the one
 after the last accepted row by pointing the next step at it (no copy, no re-decode; docs/families/qwen3_5.md).
 A prefill of n > W rows returns only the last W: its rows before them run in one pass that keeps no per-row
@@ -155,6 +156,9 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         return b.op("Reshape", [x, b.const(f"{name}.shape", [-1, count, dim])], name)[0]
 
     def l2norm(x: str, name: str) -> str:  # reference l2norm: x * rsqrt(sum(x^2) + 1e-6)
+        if fused:  # x / ||x|| in one node where the standard ops take six (no eps: 1e-6 against sum(x^2) of a
+            # conv output row; per (row, head), row-invariant), as onnxruntime-genai writes it
+            return b.op("LpNormalization", [x], name, axis=-1, p=2)[0]
         s = b.op("ReduceSum", [b.op("Mul", [x, x], f"{name}.sq")[0], b.const(f"{name}.last", [-1])],
                  f"{name}.sum", keepdims=1)[0]
         r = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [s, b.const(f"{name}.eps", 1e-6, np.float32)],
@@ -219,7 +223,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         return b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"]), b.op("Unsqueeze", [kv_i, ax1], f"{p}.kv_row")[0]
 
     gdn = Gdn(b, src, c, fused, GdnShared(n, split_at, has_head, end, ax0),
-              dict(norm=norm, heads=heads, l2norm=l2norm, silu=silu, repeat_heads=repeat_heads))
+              dict(norm=norm, heads=heads, l2norm=l2norm, silu=silu, repeat_heads=repeat_heads), conv_rows=gqa_kv)
     rope_split = b.const("rope.split", [rd, hd - rd]) if rd < hd else None
     chunks = [min(128, hd - i) for i in range(0, hd, 128)]
     score_split = b.const("scores.split", chunks) if len(chunks) > 1 else None
@@ -280,7 +284,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     ctx_width = dc.hidden_size if fuse_context else len(tap_ids) * H
     row, W = [La, 2, kvh, hd], f"Min(n, {B})"
     past_state, present_state = N.state_names(Lg)
-    state_rows = [[C, K - 1], [Hv, dk, dv]] * Lg  # per GDN layer: conv, rec (signature.state_names' order)
+    # per GDN layer: conv, rec (signature.state_names' order); the gqa graph's conv state row-major (Gdn's conv_rows)
+    state_rows = [[K - 1, C] if gqa_kv else [C, K - 1], [Hv, dk, dv]] * Lg
     outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
                helper.make_tensor_value_info(N.CONTEXT, F32, ["n", ctx_width]),
                helper.make_tensor_value_info(N.NEW_KV, F32, ["n", *row]),

@@ -61,15 +61,16 @@ def _standard_row(x: Callable[[str], str], c: Callable[[str], str]) -> list[onnx
     ]
 
 
-def _fused_row(Hv: int, x: Callable[[str], str], c: Callable[[str], str], state4: str, state4_out: str) \
+def _fused_row(Hv: int, dk: int, x: Callable[[str], str], c: Callable[[str], str], state4: str, state4_out: str) \
         -> list[onnx.NodeProto]:
     """ONNX Runtime's LinearAttention over one row (within 1.2e-7 of the standard ops, docs/families/qwen3_5.md; 2.1x
     faster at Hv 16, 128 x 128): q, k, v, g, beta rows as [1, 1, heads * dim], the state [1, Hv, dk, dv] ->
-    o1 [1, 1, Hv * dv], state4_out [1, Hv, dk, dv]."""
+    o1 [1, 1, Hv * dv], state4_out [1, Hv, dk, dv]. q arrives l2-normed, unscaled: the kernel applies dk^-0.5 (its
+    `scale`), one Mul node a layer fewer."""
     nodes = [helper.make_node("Reshape", [x(t), c("row")], [x(f"{t}1")]) for t in ("q", "k", "v", "g", "beta")]
     nodes.append(helper.make_node("LinearAttention", [x("q1"), x("k1"), x("v1"), state4, x("g1"), x("beta1")],
                                   [x("o1"), state4_out], domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv,
-                                  scale=1.0, update_rule="gated_delta"))  # q arrives scaled by dk^-0.5
+                                  scale=dk ** -0.5, update_rule="gated_delta"))
     return nodes
 
 
@@ -78,7 +79,7 @@ def _delta_body(Hv: int, dk: int, dv: int, fused: bool) -> onnx.GraphProto:
     -> (state', o [Hv, dv], state' as the row's scan output)."""
     same = lambda t: t  # noqa: E731
     if fused:
-        nodes = [helper.make_node("Unsqueeze", ["S", "ax0"], ["S4"]), *_fused_row(Hv, same, same, "S4", "S4o"),
+        nodes = [helper.make_node("Unsqueeze", ["S", "ax0"], ["S4"]), *_fused_row(Hv, dk, same, same, "S4", "S4o"),
                  helper.make_node("Squeeze", ["S4o", "ax0"], ["S2"]),
                  helper.make_node("Reshape", ["o1", "heads"], ["o"])]
         consts = [("ax0", [0]), ("row", [1, 1, -1]), ("heads", [Hv, dv])]
@@ -107,10 +108,14 @@ class GdnShared:
 
 class Gdn:
     """The Gated DeltaNet mixer template: gdn(u, p, j) -> (y [n, H], conv_states.{j}, rec_states.{j}).
-    fns: the graph's shared helpers (norm, heads, l2norm, silu, repeat_heads: qwen3_5.build's closures)."""
+    fns: the graph's shared helpers (norm, heads, l2norm, silu, repeat_heads: qwen3_5.build's closures).
+    conv_rows: the conv state bound row-major, [K-1, C] per row (the gqa graph's; else [C, K-1]): the window's rows as
+    they are, where the channel-major layout cost a Transpose of the state in and of the kept rows out per layer
+    (36 strided copies a decode step at Qwen3.5-0.8B's 18 GDN layers)."""
 
-    def __init__(self, b, src, c, fused: bool, sh: GdnShared, fns: dict):
+    def __init__(self, b, src, c, fused: bool, sh: GdnShared, fns: dict, conv_rows: bool = False):
         self.b, self.src, self.c, self.fused, self.sh, self.f = b, src, c, fused, sh, fns
+        self.conv_rows_major = conv_rows
         Hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         self.Hv, self.dk, self.dv = Hv, dk, dv
         self.body = _delta_body(Hv, dk, dv, fused)
@@ -150,7 +155,7 @@ class Gdn:
         name = lambda t: x.get(t, f"{p}.row.{t}")  # noqa: E731
         c = self.row_consts.__getitem__
         if self.fused:  # LinearAttention reads the state input and writes the branch's output: no copy either way
-            nodes = _fused_row(Hv, name, c, state_in, f"{p}.row.S4o")
+            nodes = _fused_row(Hv, dk, name, c, state_in, f"{p}.row.S4o")
             nodes.append(helper.make_node("Reshape", [name("o1"), c("heads")], [f"{p}.row.o3"]))
             return self._branch(nodes, f"{p}.one_row", [(f"{p}.row.o3", [1, Hv, dv]),
                                                          (f"{p}.row.S4o", [1, Hv, dk, dv])])
@@ -194,7 +199,7 @@ class Gdn:
                                      for t, shape in zip(rows, self.batch))  # [1, m, heads * dim]
             s4 = b.op("Unsqueeze", [state, sh.ax0], f"{p}.head.state4")[0]
             o1, s1 = b.op("LinearAttention", [q_, k_, v_, s4, g_, beta_], f"{p}.delta_head", outputs=2,
-                          domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv, scale=1.0,
+                          domain="com.microsoft", q_num_heads=Hv, kv_num_heads=Hv, scale=dk ** -0.5,
                           update_rule="gated_delta")
             return (b.op("Squeeze", [s1, sh.ax0], f"{p}.head.state")[0],
                     b.op("Reshape", [o1, b.const(f"{p}.head.o_heads", [-1, Hv, dv])], f"{p}.head.o")[0])
@@ -219,8 +224,9 @@ class Gdn:
         qkv, z, bb, aa = b.op("Split", [proj, b.const(f"{p}.gdn_sizes", [C, vd, Hv, Hv])], f"{p}.gdn_in", outputs=4,
                               axis=-1)
         # the causal conv over [conv_state ; the step's rows], row-major: window [K-1+n, C]
-        past = b.op("Transpose", [b.op("Squeeze", [conv_in, sh.ax0], f"{p}.conv_past")[0]], f"{p}.conv_past_rows",
-                    perm=[1, 0])[0]  # [K-1, C]
+        past = b.op("Squeeze", [conv_in, sh.ax0], f"{p}.conv_past")[0]  # [K-1, C] or [C, K-1]
+        if not self.conv_rows_major:
+            past = b.op("Transpose", [past], f"{p}.conv_past_rows", perm=[1, 0])[0]  # [K-1, C]
         window = b.op("Concat", [past, qkv], f"{p}.window", axis=0)[0]
         wconv = np.asarray(src.get(f"{a}.conv1d.weight"), np.float32)[:, 0, :]  # [C, K]
         x = None
@@ -232,12 +238,16 @@ class Gdn:
         # conv state after each of the last W' rows r: window rows r+1 .. r+K-1, as [C, K-1] (one Gather of the
         # shared row indices and a Transpose: the K-1 Slices, Unsqueezes and index Adds per layer they replace were
         # 13 of a decode step's ~60 nodes per GDN layer, each costing ONNX Runtime's per-node overhead)
-        rows = b.op("Gather", [window, self.conv_rows], f"{p}.conv_state_rows", axis=0)[0]  # [W', K-1, C]
-        b.op("Transpose", [rows], conv_out, outputs=[conv_out], perm=[0, 2, 1])  # [W', C, K-1]
+        if self.conv_rows_major:  # the kept rows are the output: [W', K-1, C]
+            b.op("Gather", [window, self.conv_rows], conv_out, outputs=[conv_out], axis=0)
+        else:
+            rows = b.op("Gather", [window, self.conv_rows], f"{p}.conv_state_rows", axis=0)[0]  # [W', K-1, C]
+            b.op("Transpose", [rows], conv_out, outputs=[conv_out], perm=[0, 2, 1])  # [W', C, K-1]
         q, k, v = b.op("Split", [x, self.sizes_qkv], f"{p}.qkv", outputs=3, axis=-1)
         rep = f["repeat_heads"]
-        q = b.op("Mul", [f["l2norm"](rep(f["heads"](q, Hk, dk, f"{p}.q_heads"), f"{p}.q_rep"), f"{p}.q_l2"),
-                         b.const(f"{p}.q_scale", [dk ** -0.5], np.float32)], f"{p}.q")[0]  # [n, Hv, dk]
+        q = f["l2norm"](rep(f["heads"](q, Hk, dk, f"{p}.q_heads"), f"{p}.q_rep"), f"{p}.q_l2")  # [n, Hv, dk]
+        if not self.fused:  # the fused graph's LinearAttention applies dk^-0.5 itself (_fused_row)
+            q = b.op("Mul", [q, b.const(f"{p}.q_scale", [dk ** -0.5], np.float32)], f"{p}.q")[0]
         k = f["l2norm"](rep(f["heads"](k, Hk, dk, f"{p}.k_heads"), f"{p}.k_rep"), f"{p}.k")
         v = f["heads"](v, Hv, dv, f"{p}.v")
         beta = b.op("Sigmoid", [bb], f"{p}.beta")[0]  # [n, Hv]

@@ -3,8 +3,8 @@ qwen3_5.build_fused), with the dense gqa graph's KV binding (signature kind gqa-
 full-attention layer i (0 .. La-1) `past_key_values.{i}.key|value` [1, kv, cap, hd] and `past_len` [1] int32 in,
 `present.{i}.key|value` bound by the runtime to the same memory, the step's rows written at [past_len, ...) in
 place. The standard-op layers sliced each layer's past out of one [P, La, 2, kv, hd] buffer and concatenated the
-new rows every step (a Split of 4.4 ms per step at Qwen3.5-0.8B's shape, 2 threads). The GDN state rows are
-unchanged.
+new rows every step (a Split of 4.4 ms per step at Qwen3.5-0.8B's shape, 2 threads). The GDN state rows are the
+standard-op graph's but for the conv state, bound row-major ([1, K-1, C] in, [W', K-1, C] out: conv_major()).
 
 What stays outside the kernel, as onnxruntime-genai's Qwen35TextModel writes it: QK norm, the partial rotary
 (rotate-half over the first rotary_dim channels, our standard ops: the kernel runs with do_rotary=0) and the
@@ -110,21 +110,29 @@ class HybridGqaGraph(nn.Module):
 
         P, n = int(past_len[0]), input_ids.shape[0]
         buffers, states = rest[:2 * self.La], rest[2 * self.La:]
-        next_ids, context, new_kv, logits, *per_row = self.plain(input_ids, to_rows(buffers, P), *states)
+        next_ids, context, new_kv, logits, *per_row = self.plain(input_ids, to_rows(buffers, P), *conv_major(states))
         present = []
         for j, buf in enumerate(buffers):
             out = buf.clone()
             out[0, :, P:P + n] = new_kv[:, j // 2, j % 2].transpose(0, 1)  # [kv, n, hd]
             present.append(out)
-        return (next_ids, context, logits, *present, *per_row)
+        return (next_ids, context, logits, *present, *conv_major(per_row))
 
     def target_logits(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
         from dflash2.export.gqa import to_rows
 
         buffers = [feed[nm] for nm in N.gqa_kv_names(self.La)[0]]
         plain = {N.INPUT_IDS: feed[N.INPUT_IDS], N.PAST_KV: to_rows(buffers, int(feed[N.PAST_LEN][0]))}
-        plain |= {k: v for k, v in feed.items() if N.is_state(k)}
+        plain |= {k: v.transpose(-1, -2).contiguous() if k.startswith(f"{N.CONV_STATE}.") else v
+                  for k, v in feed.items() if N.is_state(k)}  # the conv state channel-major again (conv_major)
         return self.plain.target_logits(plain)
+
+
+def conv_major(states) -> list:
+    """Per-layer states in signature.state_names' order (conv, rec per GDN layer): each conv state's last two axes
+    swapped, [., K-1, C] <-> [., C, K-1]: the gqa graph binds it row-major (qwen3_5_gdn.Gdn's conv_rows), the
+    reference keeps it channel-major."""
+    return [t.transpose(-1, -2).contiguous() if j % 2 == 0 else t for j, t in enumerate(states)]
 
 
 def hybrid_gqa_spec(plain: GraphSpec) -> GraphSpec:
@@ -137,7 +145,7 @@ def hybrid_gqa_spec(plain: GraphSpec) -> GraphSpec:
 
     def convert(feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         cap = max(feed[N.PAST_KV].shape[0] + feed[N.INPUT_IDS].shape[0] + 1, MIN_KEYS) + STALE_ROWS
-        return per_layer_past(feed, past_names, cap) | {nm: feed[nm] for nm in state_in}
+        return per_layer_past(feed, past_names, cap) | dict(zip(state_in, conv_major([feed[nm] for nm in state_in])))
 
     def trim(name: str, value: np.ndarray, feed: dict) -> np.ndarray:
         if name not in present_names:
