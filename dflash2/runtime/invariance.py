@@ -183,20 +183,15 @@ def draft_seconds(session, calls: int = 3) -> float:
 
 
 def costs_ms(r: RowCheck, draft_s: float, block_size: int, threads: int | None) -> dict | None:
-    """The row check's timings as the schedule's prior (`AutoSchedule.from_prior`): verify[n] for n = 1..B (a row
-    count the check did not time follows the line through its neighbours), decode, draft, ms."""
+    """The row check's timings as the schedule's prior (`AutoSchedule.from_prior`): verify[n] for n = 1..B (the check
+    times every row count 1..k_max; past k_max, where max_seq_len left no room, the slope of the last two), decode,
+    draft, ms."""
     if 1 not in r.seconds or not 0 < draft_s < float("inf"):
         return None
-    known = sorted(r.seconds)
-    verify = [0.0]
-    for n in range(1, block_size + 1):
-        lo = max((k for k in known if k <= n), default=known[0])
-        hi = min((k for k in known if k >= n), default=known[-1])
-        t = r.seconds[lo] if hi == lo else r.seconds[lo] + (r.seconds[hi] - r.seconds[lo]) * (n - lo) / (hi - lo)
-        if n > known[-1] and len(known) > 1:  # past the longest verify timed: the slope of the last two
-            a, b = known[-2], known[-1]
-            t = r.seconds[b] + (r.seconds[b] - r.seconds[a]) / (b - a) * (n - b)
-        verify.append(round(1e3 * t, 4))
+    t, top = r.seconds, max(r.seconds)
+    slope = (t[top] - t[top - 1]) if top > 1 else 0.0
+    verify = [0.0] + [round(1e3 * (t[n] if n <= top else t[top] + slope * (n - top)), 4)
+                      for n in range(1, block_size + 1)]
     return {"decode": verify[1], "verify": verify, "draft": round(1e3 * draft_s, 4), "threads": threads,
             "why": "the fastest call of each row count in this check, on the machine that exported: the prior of "
                    "--draft-len auto's cost model (dflash2.runtime.schedule.AutoSchedule.from_prior)"}
