@@ -1,7 +1,10 @@
+"""The multi-row slowdown with one global thread pool shared by two sessions (2026-12-07 results entry):
+    python docs/results/step_loops/global_pool_check.py EXPORT"""
 import sys, importlib.util, numpy as np, onnxruntime as ort
+from pathlib import Path
 from onnxruntime.capi import _pybind_state as C
 C.set_global_thread_pool_sizes(2, 1)
-spec = importlib.util.spec_from_file_location("sl", "/work/main/scripts/experiments/step_loops.py"); sl = importlib.util.module_from_spec(spec); spec.loader.exec_module(sl)
+spec = importlib.util.spec_from_file_location("sl", str(Path(__file__).resolve().parents[3] / "scripts" / "experiments" / "step_loops.py")); sl = importlib.util.module_from_spec(spec); spec.loader.exec_module(sl)
 def bare(path, threads):
     o = ort.SessionOptions(); o.use_per_session_threads = False; o.log_severity_level = 3
     return ort.InferenceSession(str(path), o, providers=["CPUExecutionProvider"])
