@@ -1,6 +1,6 @@
 """The multi-row slowdown with one global thread pool shared by two sessions (2026-12-07 results entry):
     python docs/results/step_loops/global_pool_check.py EXPORT"""
-import sys, importlib.util, numpy as np, onnxruntime as ort
+import sys, importlib.util, onnxruntime as ort
 from pathlib import Path
 from onnxruntime.capi import _pybind_state as C
 C.set_global_thread_pool_sizes(2, 1)
