@@ -12,8 +12,12 @@ passes by up to 2x, not within one):
   dflash2 graph +prefill   the same, the 40 rows written by one 40-row call first, as every generation does
   dflash2 graph +prefill elsewhere   the bare loop, a 40-row call run first on a second session of the same graph
                      (its own KV): whether what a multi-row call leaves behind is the session's or the process's
+  dflash2 graph +prefill other KV    the bare loop, a 40-row call run first on the same session into another KV
+                     buffer: whether it is the session's or the KV rows' (bitwise the same either way)
   genai graph        onnxruntime-genai's model.onnx in the same bare loop (past = present, attention_mask grown)
   genai              onnxruntime-genai's own greedy generator (its prefill, then generate_next_token)
+--timeline N adds the steps one by one: on one session of the export's graph, N one-row steps right after a 40-row
+call against N right after 40 one-row steps (the same KV rows, bitwise), medians over `passes` per step, in bands.
 --kernels adds MatMulNBits at one row and one thread, per accuracy level (4: int8 activations; 0-3: fp32 / fp16 / bf16 compute)
 and block size, at the SmolLM2 shapes: 30 distinct weights in a chain (cold, as a decode step reads them) and one
 weight run repeatedly (hot in L2), microseconds per call. Measurement only; nothing here ships with the runtime.
@@ -40,11 +44,12 @@ def _bare_session(path: Path, threads: int):
 
 def dflash2_graph(export: Path, threads: int, prefill: str | None):
     """A closure timing `n` one-row steps of the export's target graph; the bound arrays live in the closure.
-    prefill: None, "same" (a 40-row call on this session first) or "other" (on a second session, its own KV)."""
+    prefill: None, "same" (a 40-row call on this session first), "other" (on a second session, its own KV) or
+    "other-kv" (on this session, into another KV buffer)."""
     s = _bare_session(export / "target.onnx", threads)
     kv = np.zeros((2 * L, 3, CAP, 64), np.float32)  # SmolLM2: 3 KV heads of 64
     other = _bare_session(export / "target.onnx", threads) if prefill == "other" else None
-    other_kv = np.zeros_like(kv) if other is not None else None
+    other_kv = np.zeros_like(kv) if prefill in ("other", "other-kv") else None
     ids, plen, nxt = (np.zeros((1,), np.int32) for _ in range(3))
     ctx, logits = np.zeros((1, 576), np.float32), np.zeros((1, 49152), np.float32)
     b = s.io_binding()
@@ -61,7 +66,7 @@ def dflash2_graph(export: Path, threads: int, prefill: str | None):
     def run(n: int) -> float:
         start = 0
         if prefill:  # one 40-row call, as the runtime's prefill
-            sess, cache = (s, kv) if prefill == "same" else (other, other_kv)
+            sess, cache = {"same": (s, kv), "other": (other, other_kv), "other-kv": (s, other_kv)}[prefill]
             p = sess.io_binding()
             for i in range(L):
                 for j, name in enumerate(("key", "value")):
@@ -110,6 +115,49 @@ def genai_graph(folder: Path, threads: int):
         return (time.perf_counter() - t0) / n
     run.keep = (kv, ids, mask, logits)
     return run
+
+
+def timeline(export: Path, threads: int, steps: int, passes: int) -> dict:
+    """ms per one-row step k = 0..steps-1 after a 40-row call ("prefill") and after 40 one-row steps ("one-row")."""
+    s = _bare_session(export / "target.onnx", threads)
+    kv = np.zeros((2 * L, 3, CAP, 64), np.float32)
+    ids, plen, nxt = (np.zeros((1,), np.int32) for _ in range(3))
+    ctx, logits = np.zeros((1, 576), np.float32), np.zeros((1, 49152), np.float32)
+
+    def binding():
+        b = s.io_binding()
+        for i in range(L):
+            for j, name in enumerate(("key", "value")):
+                v = kv[2 * i + j:2 * i + j + 1]
+                b.bind_input(f"past_key_values.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
+                b.bind_output(f"present.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
+        return b
+    step, pre = binding(), binding()
+    for name, arr in (("input_ids", ids), ("past_len", plen)):
+        step.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+    for name, arr in (("next_ids", nxt), ("context", ctx), ("logits", logits)):
+        step.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+    pre.bind_cpu_input("input_ids", np.arange(100, 100 + PROMPT, dtype=np.int32))
+    pre.bind_cpu_input("past_len", np.zeros((1,), np.int32))
+    for name in ("next_ids", "context", "logits"):
+        pre.bind_output(name, "cpu")
+    ms = {"prefill": np.zeros((passes, steps)), "one-row": np.zeros((passes, steps))}
+    for r in range(passes):
+        for mode in (("prefill", "one-row") if r % 2 == 0 else ("one-row", "prefill")):
+            if mode == "prefill":
+                s.run_with_iobinding(pre)
+            else:
+                for t in range(PROMPT):
+                    ids[0], plen[0] = 100 + t, t
+                    s.run_with_iobinding(step)
+            for k in range(steps):
+                t0 = time.perf_counter()
+                ids[0], plen[0] = nxt[0], PROMPT + k
+                s.run_with_iobinding(step)
+                ms[mode][r, k] = (time.perf_counter() - t0) * 1e3
+    med = {k: np.median(v, axis=0) for k, v in ms.items()}
+    bands = [(a, b) for a, b in ((0, 5), (5, 10), (10, 20), (20, 40), (40, 80), (80, 160), (160, 320)) if a < steps]
+    return {f"{a}-{min(b, steps)}": {k: float(v[a:b].mean()) for k, v in med.items()} for a, b in bands}
 
 
 def kernels(passes: int, threads: int = 1) -> dict:
@@ -169,6 +217,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--passes", type=int, default=30)
     p.add_argument("--kernels", action="store_true")
+    p.add_argument("--timeline", type=int, default=0, metavar="N")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
 
@@ -200,6 +249,7 @@ def main() -> int:
     loops = {"dflash2": dflash2_loop, "dflash2 graph": dflash2_graph(a.export, a.threads, None),
              "dflash2 graph +prefill": dflash2_graph(a.export, a.threads, "same"),
              "dflash2 graph +prefill elsewhere": dflash2_graph(a.export, a.threads, "other"),
+             "dflash2 graph +prefill other KV": dflash2_graph(a.export, a.threads, "other-kv"),
              "genai graph": genai_graph(a.genai, a.threads), "genai": genai_loop}
     ms: dict[str, list[float]] = {k: [] for k in loops}
     for f in loops.values():
@@ -219,6 +269,11 @@ def main() -> int:
     print(f"{'loop':<34}{'ms/step':>9}{'time / ' + first:>18}{'(quartiles)':>16}")
     for k, r in rows.items():
         print(f"{k:<34}{r['ms_median']:>9.3f}{r['ratio_median']:>18.3f}   ({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f})")
+    if a.timeline:
+        out["timeline_ms"] = timeline(a.export, a.threads, a.timeline, a.passes)
+        print(f"one-row steps after a {PROMPT}-row call vs after {PROMPT} one-row steps, ms (medians per step, band means):")
+        for band, v in out["timeline_ms"].items():
+            print(f"  steps {band:<8}{v['prefill']:>8.3f}{v['one-row']:>8.3f}{v['prefill'] / v['one-row']:>8.3f}x")
     if a.kernels:
         out["kernels_us"] = kernels(max(a.passes // 3, 5))
         print("MatMulNBits, one row, one thread, us per call (median):")
