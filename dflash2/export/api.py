@@ -104,7 +104,7 @@ def export_plan(plan: ExportPlan) -> mf.ExportManifest:
     return manifest
 
 
-ROWS = "target.rows"  # the manifest's validation record of the row-invariance check (runtime.invariance.KEY)
+ROWS = mf.ROW_CHECK  # the manifest's validation record of the row-invariance check
 
 
 def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) -> mf.Validation:

@@ -31,7 +31,7 @@ from dflash2.runtime.binding import GqaSharedKv
 # over head_dim 256, Qwen3.5's: a k-row verify and a 1-row decode then differ once one is past 64 keys and the other
 # not; measured on this CPU, docs/families/qwen3_5.md)
 PROMPT_TOKENS, CONTINUATION = 48, 40
-KEY = "target.rows"  # the export manifest's validation record of this check
+KEY = mf.ROW_CHECK  # the export manifest's validation record of this check
 FIELD = f'validation["{KEY}"]'
 COSTS = "costs_ms"  # its steps' entry with the calls' timings
 
