@@ -42,6 +42,16 @@ def _bare_session(path: Path, threads: int):
     return open_session(path, ["CPUExecutionProvider"], threads, spin=True)  # the runtime's target options
 
 
+def bind_kv(b, kv: np.ndarray):
+    """Every layer's past and present bound to the same rows of `kv` [2L, 3, CAP, 64]: the step writes in place."""
+    for i in range(L):
+        for j, name in enumerate(("key", "value")):
+            v = kv[2 * i + j:2 * i + j + 1]
+            b.bind_input(f"past_key_values.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
+            b.bind_output(f"present.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
+    return b
+
+
 def dflash2_graph(export: Path, threads: int, prefill: str | None):
     """A closure timing `n` one-row steps of the export's target graph; the bound arrays live in the closure.
     prefill: None, "same" (a 40-row call on this session first), "other" (on a second session, its own KV) or
@@ -52,12 +62,7 @@ def dflash2_graph(export: Path, threads: int, prefill: str | None):
     other_kv = np.zeros_like(kv) if prefill in ("other", "other-kv") else None
     ids, plen, nxt = (np.zeros((1,), np.int32) for _ in range(3))
     ctx, logits = np.zeros((1, 576), np.float32), np.zeros((1, 49152), np.float32)
-    b = s.io_binding()
-    for i in range(L):
-        for j, name in enumerate(("key", "value")):
-            v = kv[2 * i + j:2 * i + j + 1]
-            b.bind_input(f"past_key_values.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
-            b.bind_output(f"present.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
+    b = bind_kv(s.io_binding(), kv)
     for name, arr in (("input_ids", ids), ("past_len", plen)):
         b.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
     for name, arr in (("next_ids", nxt), ("context", ctx), ("logits", logits)):
@@ -68,11 +73,7 @@ def dflash2_graph(export: Path, threads: int, prefill: str | None):
         if prefill:  # one 40-row call, as the runtime's prefill
             sess, cache = {"same": (s, kv), "other": (other, other_kv), "other-kv": (s, other_kv)}[prefill]
             p = sess.io_binding()
-            for i in range(L):
-                for j, name in enumerate(("key", "value")):
-                    v = cache[2 * i + j:2 * i + j + 1]
-                    p.bind_input(f"past_key_values.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
-                    p.bind_output(f"present.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
+            bind_kv(p, cache)
             p.bind_cpu_input("input_ids", np.arange(100, 100 + PROMPT, dtype=np.int32))
             p.bind_cpu_input("past_len", np.zeros((1,), np.int32))
             for name in ("next_ids", "context", "logits"):
@@ -94,12 +95,7 @@ def genai_graph(folder: Path, threads: int):
     s = _bare_session(folder / "model.onnx", threads)
     kv = np.zeros((2 * L, 3, CAP, 64), np.float32)
     ids, mask, logits = np.zeros((1, 1), np.int64), np.ones((1, CAP), np.int64), np.zeros((1, 1, 49152), np.float32)
-    b = s.io_binding()
-    for i in range(L):
-        for j, name in enumerate(("key", "value")):
-            v = kv[2 * i + j:2 * i + j + 1]
-            b.bind_input(f"past_key_values.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
-            b.bind_output(f"present.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
+    b = bind_kv(s.io_binding(), kv)
     b.bind_input("input_ids", "cpu", 0, np.int64, [1, 1], ids.ctypes.data)
     b.bind_output("logits", "cpu", 0, np.float32, [1, 1, 49152], logits.ctypes.data)
 
@@ -124,15 +120,7 @@ def timeline(export: Path, threads: int, steps: int, passes: int) -> dict:
     ids, plen, nxt = (np.zeros((1,), np.int32) for _ in range(3))
     ctx, logits = np.zeros((1, 576), np.float32), np.zeros((1, 49152), np.float32)
 
-    def binding():
-        b = s.io_binding()
-        for i in range(L):
-            for j, name in enumerate(("key", "value")):
-                v = kv[2 * i + j:2 * i + j + 1]
-                b.bind_input(f"past_key_values.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
-                b.bind_output(f"present.{i}.{name}", "cpu", 0, np.float32, list(v.shape), v.ctypes.data)
-        return b
-    step, pre = binding(), binding()
+    step, pre = bind_kv(s.io_binding(), kv), bind_kv(s.io_binding(), kv)
     for name, arr in (("input_ids", ids), ("past_len", plen)):
         step.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
     for name, arr in (("next_ids", nxt), ("context", ctx), ("logits", logits)):
