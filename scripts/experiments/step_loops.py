@@ -18,7 +18,8 @@ passes by up to 2x, not within one):
   genai              onnxruntime-genai's own greedy generator (its prefill, then generate_next_token)
 --timeline N adds the steps one by one: on one session of the export's graph, N one-row steps right after a 40-row
 call against N right after 40 one-row steps (the same KV rows, bitwise), medians over `passes` per step, in bands.
---kernels adds MatMulNBits at one row and one thread, per accuracy level (4: int8 activations; 0-3: fp32 / fp16 / bf16 compute)
+--kernels adds MatMulNBits at one row and one thread, per accuracy level (4: int8 activations; 0-3: fp32 / fp16 /
+bf16 compute)
 and block size, at the SmolLM2 shapes: 30 distinct weights in a chain (cold, as a decode step reads them) and one
 weight run repeatedly (hot in L2), microseconds per call. Measurement only; nothing here ships with the runtime.
 """
@@ -259,7 +260,8 @@ def main() -> int:
         print(f"{k:<34}{r['ms_median']:>9.3f}{r['ratio_median']:>18.3f}   ({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f})")
     if a.timeline:
         out["timeline_ms"] = timeline(a.export, a.threads, a.timeline, a.passes)
-        print(f"one-row steps after a {PROMPT}-row call vs after {PROMPT} one-row steps, ms (medians per step, band means):")
+        print(f"one-row steps after a {PROMPT}-row call vs after {PROMPT} one-row steps, ms "
+              "(medians per step, band means):")
         for band, v in out["timeline_ms"].items():
             print(f"  steps {band:<8}{v['prefill']:>8.3f}{v['one-row']:>8.3f}{v['prefill'] / v['one-row']:>8.3f}x")
     if a.kernels:
