@@ -53,9 +53,8 @@ from dflash2.manifest.sealing import (check_files, checked_file_problems, file_p
 
 __all__ = ["CAPABILITY_ROLES", "ENGINE_FORMAT", "EXPORT_FORMAT", "FORMAT_VERSION", "KINDS", "KV_KINDS",
            "MIN_CONTRACT_VERSION", "NAME", "REQUIRED_ROLES", "ROW_CHECK", "STATE_KINDS", "BuildInfo", "Context",
-           "Deviation", "DraftVocab", "EngineEntry", "EngineManifest", "ExportManifest", "FileEntry", "Flavours", "Graph",
-           "GraphIo",
-           "IoSpec", "Kv", "KvRows", "KvSignature", "Manifest", "ManifestError", "ModelFacts", "Plugin",
+           "Deviation", "DraftVocab", "EngineEntry", "EngineManifest", "ExportManifest", "FileEntry", "Flavours",
+           "Graph", "GraphIo", "IoSpec", "Kv", "KvRows", "KvSignature", "Manifest", "ManifestError", "ModelFacts", "Plugin",
            "ProfileRecord", "QuantizedGraph", "Quantization", "Sealed", "Selector", "Signature", "Sources",
            "StateSignature", "Tokenizer", "Validation", "WINDOW_KINDS", "WindowSignature", "capabilities_of",
            "check_files", "checked_file_problems",
