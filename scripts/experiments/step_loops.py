@@ -20,7 +20,8 @@ passes by up to 2x, not within one):
 call against N right after 40 one-row steps (the same KV rows, bitwise), medians over `passes` per step, in bands.
 --kernels adds MatMulNBits at one row and one thread, per accuracy level (4: int8 activations; 0-3: fp32 / fp16 /
 bf16 compute) and block size, at the SmolLM2 shapes: 30 distinct weights in a chain (cold, as a decode step reads
-them) and one weight run repeatedly (hot in L2), microseconds per call. Measurement only; nothing here ships with the runtime.
+them) and one weight run repeatedly (hot in L2), microseconds per call.
+Measurement only; nothing here ships with the runtime.
 """
 
 from __future__ import annotations
