@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from dflash2 import manifest as mf
 from dflash2.errors import Dflash2Error
 from dflash2.runtime import schedule_cache as schedule_cache_mod
-from dflash2.runtime.invariance import COSTS, KEY as ROWS_KEY
+from dflash2.runtime.invariance import COSTS
 from dflash2.runtime.schedule import AutoSchedule, CostModel
 from dflash2.runtime.session import SpecSession
 from dflash2.runtime.text import Stream, Text
@@ -133,7 +133,7 @@ class Runtime:
         if not self._use_prior or self.backend_name != "onnxruntime" \
                 or (self._provider or "CPUExecutionProvider") != "CPUExecutionProvider":
             return None
-        v = getattr(self.manifest, "validation", {}).get(ROWS_KEY)
+        v = getattr(self.manifest, "validation", {}).get(mf.ROW_CHECK)
         c = (v.steps or {}).get(COSTS) if v is not None and v.ok else None
         try:
             verify = [float(x) / 1e3 for x in c["verify"]]
