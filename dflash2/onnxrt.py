@@ -44,12 +44,34 @@ def open_session(path: str | Path, providers: Sequence[str] = ("CPUExecutionProv
         opts.enable_cpu_mem_arena = False
     if not arena:  # the kernels and their weights as ever; only where ORT puts the intermediate tensors differs
         opts.enable_cpu_mem_arena = False
+    if _names_q4(path):  # a cpu_q4 flavour (dflash2.export.q4_flavour): its custom op, or why it cannot run here
+        from dflash2.native import q4
+
+        try:
+            q4.register(opts)
+        except Dflash2Error as e:
+            raise Dflash2Error(f"{path}: {e}") from e
     try:
         return ort.InferenceSession(str(path), opts, providers=list(providers),
                                     disabled_optimizers=["ConstantFolding"] if weights_in_place else None)
     except (state.Fail, state.InvalidGraph, state.InvalidProtobuf, state.NoSuchFile, state.NotImplemented,
             state.InvalidArgument) as e:
         raise Dflash2Error(f"{path}: ONNX Runtime could not load the graph: {e}") from e
+
+
+def _names_q4(path: str | Path) -> bool:
+    """Whether the graph file imports the ai.dflash2 op domain (read in 8 MiB pieces; weights in external data are
+    not in it)."""
+    key, tail = b"ai.dflash2", b""
+    try:
+        with open(path, "rb") as f:
+            while piece := f.read(8 << 20):
+                if key in tail + piece:
+                    return True
+                tail = piece[-len(key):]
+    except OSError:
+        return False  # ORT's own load error names the file
+    return False
 
 
 def _ort_type_name(type_string: str) -> str:

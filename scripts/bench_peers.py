@@ -65,8 +65,9 @@ def run(a) -> dict:
     results = {}
     for threads in a.threads:
         rt = Runtime(a.export, threads=threads)
+        portable = _portable_runtime(a.export, threads, rt)
         genai = GenaiRunner(a.genai, threads) if a.genai else None
-        tok = {k: 0 for k in ("dflash2 AR", "dflash2 auto", "genai int4")}
+        tok = {k: 0 for k in ("dflash2 AR", "dflash2 auto", "dflash2 AR MatMulNBits", "genai int4")}
         sec = {k: 0.0 for k in tok}
         llama_ar, llama_sp, lossless = [], {"tokens": 0, "seconds": 0.0, "accepted": 0, "drafted": 0}, True
         accepted = rounds = 0
@@ -76,12 +77,18 @@ def run(a) -> dict:
             templated = rt.text.render([{"role": "user", "content": prompt}])
             if i == 0:  # untimed warm-up
                 generate(rt.session, ids, 8, rt.eos_ids, speculative=False)
+                if portable is not None:
+                    generate(portable.session, ids, 8, portable.eos_ids, speculative=False)
                 generate(rt.session, ids, 8, rt.eos_ids, schedule=rt.schedule("auto"))
                 if genai:
                     genai.generate(ids, 8)
             ar = generate(rt.session, ids, a.max_new_tokens, rt.eos_ids, speculative=False)
             sp = generate(rt.session, ids, a.max_new_tokens, rt.eos_ids, schedule=rt.schedule("auto"))
             lossless &= ar.ids == sp.ids
+            if portable is not None:  # the same export's portable graph: what the Q4MatMul flavour buys
+                pa = generate(portable.session, ids, a.max_new_tokens, portable.eos_ids, speculative=False)
+                tok["dflash2 AR MatMulNBits"] += max(pa.stats.new_tokens - 1, 0)
+                sec["dflash2 AR MatMulNBits"] += pa.stats.decode_seconds
             accepted += sum(x + 1 for x in sp.stats.accepted)
             rounds += sp.stats.rounds
             for k, g in (("dflash2 AR", ar), ("dflash2 auto", sp)):
@@ -111,9 +118,26 @@ def run(a) -> dict:
             tps["llama.cpp speculative"] = llama_sp["tokens"] / llama_sp["seconds"]
         results[str(threads)] = {"tokens_per_second": tps, "dflash2_lossless": lossless,
                                  "dflash2_acceptance": accepted / rounds if rounds else None, "llama_cpp_speculative": llama_sp}
-        del rt, genai
+        del rt, genai, portable
     return {"export": str(a.export), "prompts": a.prompts, "n_prompts": len(prompts),
             "max_new_tokens": a.max_new_tokens, "threads": results}
+
+
+def _portable_runtime(export: Path, threads: int, rt):
+    """A second runtime on the export's portable target graph (MatMulNBits) where `rt` opened its Q4MatMul flavour
+    (dflash2.export.q4_flavour), else None."""
+    import os
+
+    from dflash2.native import q4
+    from dflash2.runtime.api import Runtime
+
+    if rt.graph_files.get("target") == rt.manifest.graphs["target"].flavours.portable:
+        return None
+    os.environ[q4.OFF_VAR] = "0"  # read when the runtime picks its graph files
+    try:
+        return Runtime(export, threads=threads)
+    finally:
+        del os.environ[q4.OFF_VAR]
 
 
 def table(r: dict) -> str:

@@ -39,6 +39,7 @@ def test_print_shows_the_plan_and_writes_nothing(tmp_path, pairs, capsys):
     code, out, err = _cli(capsys, pairs[("qwen3", 2)], tmp_path / "out", "--print", "--quantize", "int4")
     assert code == 0, err
     assert "attention:   gqa" in out and "int4 as written" in out and not (tmp_path / "out").exists()
+    assert "+ its Q4MatMul flavour where this CPU runs it" in out
     code, out, err = _cli(capsys, pairs[("qwen3", 2)], tmp_path / "out", "--print", "--quantize", "int8_qdq")
     assert code == 0, err
     assert "int8_qdq after validation" in out and "steps:       13" in out
@@ -106,7 +107,10 @@ def test_steps_match_the_old_count_in_every_combination(tmp_path, pairs, monkeyp
             continue  # a refused combination has no plan
         seen += 1
         truncated = sum(3 for j in plan.jobs if j.route == "templates") if past_budget else 0
-        assert plan.steps == _old_steps(ver, q, plan.attention) + truncated, (fam, ver, dtype, attention, qname)
+        # + one step per int4 graph: its Q4MatMul flavour, written or said not written (dflash2.export.q4_flavour)
+        q4 = sum(j.cpu_q4 for j in plan.jobs)
+        assert q4 == (len(q.graphs()) if qname in ("int4", "int4-target") else 0), (fam, ver, dtype, attention, qname)
+        assert plan.steps == _old_steps(ver, q, plan.attention) + truncated + q4, (fam, ver, dtype, attention, qname)
         assert all(j.truncated_check == (j.route == "gqa" and j.name == "target" or
                                          past_budget and j.route == "templates") for j in plan.jobs)
     assert seen >= 20 and not (tmp_path / "out").exists()

@@ -247,7 +247,11 @@ def test_gqa_export_uses_it_and_stays_lossless(tmp_path, pairs, fam, ver):
 
         _swap_in(tmp_path / "out-0", tmp_path / "forged", ["target.onnx", "target.onnx.data", "drafter.onnx",
                                                            "drafter.onnx.data"])
-        edit_manifest(tmp_path / "forged", lambda d: d["quantization"]["graphs"].pop("target"))
+        def fp32_target(d):  # and no Q4MatMul flavour of an int4 target left listed beside it
+            d["quantization"]["graphs"].pop("target")
+            d["graphs"]["target"]["flavours"].pop("cpu_q4", None)
+
+        edit_manifest(tmp_path / "forged", fp32_target)
         with pytest.raises(GraphMismatchError, match="the manifest says quantized int8-dynamic, the graph has no "
                                                      "DynamicQuantizeMatMul nodes"):  # the drafter's method, not int4
             Runtime(tmp_path / "forged").generate(prompt, 4)

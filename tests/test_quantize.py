@@ -18,6 +18,7 @@ from dflash2.engines.plan import PrecisionError, plan_build
 from dflash2.export import fuse
 from dflash2.export import quantize as qz
 from dflash2.export.api import OutputError, export
+from dflash2.native import q4
 from dflash2.onnxrt import open_session
 from dflash2.quant_manifest import describe, label
 from dflash2.runtime.api import Runtime
@@ -71,7 +72,9 @@ def test_graphs_and_manifest(quantized, method):
         assert counts["MatMulNBits"] == rep["quantized"] == rep["weight_matmuls"] > 0
         assert counts["Gemm"] == 0 and len(rep["lm_heads"]) == 1
         assert rep["weight_mb_after"] < rep["weight_mb_before"]
-        assert m["graphs"][graph]["flavours"] == {"portable": f"{graph}.onnx"}  # no TensorRT flavour
+        # no TensorRT flavour; int4 block 32: the Q4MatMul flavour where this CPU runs the op (test_q4_matmul.py)
+        q4_flavour = {"cpu_q4": f"{graph}.q4.onnx"} if method == "int4" and q4.usable() else {}
+        assert m["graphs"][graph]["flavours"] == {"portable": f"{graph}.onnx", **q4_flavour}
         assert not (out / f"{graph}.trt.onnx").exists()
     assert "MatMulNBits" not in ops(out / "selector.onnx") if (out / "selector.onnx").exists() else True
     v = m["validation"]["target"]
@@ -241,7 +244,7 @@ def _swap_in(src: Path, dst: Path, names: list[str]) -> None:
     ("fp32", "int4-plain", "the manifest says not quantized, the graph has MatMulNBits nodes"),
     ("int4-plain", "int4", "inputs: the manifest lists"),  # the gqa graph into a plain-graph export
 ])
-def test_a_resealed_graph_swap_is_refused_when_its_session_opens(quantized, tmp_path, into, source, want):
+def test_a_resealed_graph_swap_is_refused_when_its_session_opens(quantized, tmp_path, into, source, want, monkeypatch):
     """The probe's forgeries that ran: a graph file of another export swapped in and the manifest resealed. Each graph
     is checked against the manifest on the file ONNX Runtime opened (io and weight format): one error naming the
     file, both sides and the fix; the folders given are not changed."""
@@ -249,6 +252,7 @@ def test_a_resealed_graph_swap_is_refused_when_its_session_opens(quantized, tmp_
 
     from dflash2.runtime.graphcheck import GraphMismatchError
 
+    monkeypatch.setenv(q4.OFF_VAR, "0")  # the portable graphs run (the Q4MatMul flavour's swap: test_q4_matmul.py)
     forged = tmp_path / "forged"
     shutil.copytree(quantized[into], forged)
     names = [n for n in ("target.onnx", "target.onnx.data") if (quantized[source] / n).is_file()]

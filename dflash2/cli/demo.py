@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     base2 = rt.generate(ids, a.max_new_tokens, speculative=False, sampling=sampling)
     spec2 = rt.generate(ids, a.max_new_tokens, draft_len=a.draft_len, sampling=sampling)
     s = spec.stats.to_dict()
-    print("\n\n" + stats_table(s, rt.backend_name, rt.auto_schedule.to_dict() if a.draft_len == "auto" else None))
+    print("\n\n" + stats_table(s, rt.backend_label, rt.auto_schedule.to_dict() if a.draft_len == "auto" else None))
     print(speed_lines(spec, base, base2, spec2))
     if not sampling.greedy:  # same distribution, different draws: tests/test_sampling.py proves it
         print(f"{'sampling':<24}{sampling.describe():>12}\n{'lossless':<24}{'in distribution':>12}")

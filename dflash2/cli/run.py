@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     schedule = rt.auto_schedule.to_dict() if a.draft_len == "auto" and not a.no_spec else None
     if a.json:
         out = {"ids": gen.ids, "stop_reason": gen.stop_reason, "backend": rt.backend_name,
+               "graph_files": rt.graph_files,  # the flavour each graph runs from (target.q4.onnx: Q4MatMul)
                "speculative": not a.no_spec, "weights": label(rt.manifest), "draft_len": a.draft_len,
                "sampling": sampling.describe(),
                "schedule": schedule, "start_s": round(start_s, 3), **stats,
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if stream is None:
         print(gen.ids)
-    print("\n" + stats_table(stats, rt.backend_name, schedule))
+    print("\n" + stats_table(stats, rt.backend_label, schedule))
     print(describe(rt.manifest))
     return 0
 

@@ -102,7 +102,15 @@ class GraphJob:
         """Its progress steps: written, validated (or its deviation measured), its TensorRT flavour validated,
         the truncated build written and validated (each flavour), quantized after validation."""
         truncated = (2 + self.tensorrt) if self.truncated_check else 0
-        return 2 + self.tensorrt + truncated + (self.quantize_when == "after-validation")
+        return 2 + self.tensorrt + truncated + (self.quantize_when == "after-validation") + self.cpu_q4
+
+    @property
+    def cpu_q4(self) -> bool:
+        """An int4 block-32 ONNX Runtime graph: its Q4MatMul flavour is written and checked where the op runs
+        (dflash2.export.q4_flavour; one step either way)."""
+        q = self.quant
+        return (q is not None and q.backend == "onnxruntime" and q.method == "int4" and q.block_size == 32
+                and getattr(q, "accuracy_level", 4) == 4)
 
     @property
     def quantizer(self):
@@ -118,6 +126,8 @@ class GraphJob:
             parts.append("a truncated build of the same templates validated first")
         parts.append("not quantized" if self.quant is None else
                      f"{self.quant.method} {self.quantize_when.replace('-', ' ')}")
+        if self.cpu_q4:
+            parts.append("+ its Q4MatMul flavour where this CPU runs it")
         return f"{self.name:<9} {self.route:<10} {self.steps} steps: {'; '.join(parts)}"
 
 

@@ -200,6 +200,10 @@ def write_all(run: Run, tool_versions: dict[str, str]) -> mf.ExportManifest:
         for g in graphs.values():  # the data files each graph reads now
             files = [f for f in dataclasses.asdict(g.flavours).values() if f]
             g.data = ", ".join(sorted({loc for f in files for loc in dedupe.data_files_of(run.tmp / f)}))
+    if any(j.cpu_q4 for j in p.jobs):  # after the dedupe: the data references it copies are final
+        from dflash2.export import q4_flavour
+
+        q4_flavour.add(run, {j.name: graphs[j.name] for j in p.jobs if j.cpu_q4})
     dc, tc = p.dc, p.tc
     selector = None
     if dc.version == 2:

@@ -46,13 +46,13 @@ from dflash2.manifest.records import (CAPABILITY_ROLES, KV_KINDS, REQUIRED_ROLES
                                       capabilities_of)
 from dflash2.manifest.window import WINDOW_KINDS, WindowSignature
 from dflash2.manifest.schema import (ENGINE_FORMAT, EXPORT_FORMAT, FORMAT_VERSION, KINDS, MIN_CONTRACT_VERSION, NAME,
-                                     ROW_CHECK, EngineManifest, ExportManifest, Manifest, ManifestError, ModelFacts,
+                                     Q4_FLAVOUR, ROW_CHECK, EngineManifest, ExportManifest, Manifest, ManifestError, ModelFacts,
                                      Sealed)
 from dflash2.manifest.sealing import (check_files, checked_file_problems, file_problems, file_table, remember_hashes,
                                       reseal, sha256, write)
 
 __all__ = ["CAPABILITY_ROLES", "ENGINE_FORMAT", "EXPORT_FORMAT", "FORMAT_VERSION", "KINDS", "KV_KINDS",
-           "MIN_CONTRACT_VERSION", "NAME", "REQUIRED_ROLES", "ROW_CHECK", "STATE_KINDS", "BuildInfo", "Context",
+           "MIN_CONTRACT_VERSION", "NAME", "Q4_FLAVOUR", "REQUIRED_ROLES", "ROW_CHECK", "STATE_KINDS", "BuildInfo", "Context",
            "Deviation", "DraftVocab", "EngineEntry", "EngineManifest", "ExportManifest", "FileEntry", "Flavours",
            "Graph", "GraphIo", "IoSpec", "Kv", "KvRows", "KvSignature", "Manifest", "ManifestError", "ModelFacts",
            "Plugin",

@@ -75,6 +75,7 @@ class Tokenizer:
 class Flavours:
     portable: str  # every ONNX runtime (the selector as a model-local function)
     tensorrt: str | None = None  # a bare DFlash2Selector node for the TensorRT plugin
+    cpu_q4: str | None = None  # int4: MatMulNBits as ai.dflash2.Q4MatMul (dflash2.export.q4_flavour), where it runs
 
 
 @dataclass

@@ -19,6 +19,7 @@ ENGINE_FORMAT = "dflash2-engines"
 FORMAT_VERSION = 3  # 2: typed manifests sealed by manifest_sha256; 3: + typed graph signatures
 MIN_CONTRACT_VERSION = 3  # older exports (no confidence / sampling i/o) are refused: re-export them
 NAME = "manifest.json"
+Q4_FLAVOUR = "cpu_q4"  # Flavours.cpu_q4; validation["<graph>.cpu_q4"]: that flavour against the portable graph
 ROW_CHECK = "target.rows"  # validation[ROW_CHECK]: the export's row-invariance check (dflash2.runtime.invariance)
 
 

@@ -121,7 +121,7 @@ def read_files(manifest: Manifest) -> list[tuple[str, str]]:
     for g, graph in (getattr(manifest, "graphs", None) or {}).items():
         if graph is None:
             continue
-        out += [(f, f"graphs.{g}") for f in (graph.flavours.portable, graph.flavours.tensorrt) if f]
+        out += [(f, f"graphs.{g}") for f in (graph.flavours.portable, graph.flavours.tensorrt, graph.flavours.cpu_q4) if f]
         out += [(f.strip(), f"graphs.{g}.data") for f in (graph.data or "").split(",") if f.strip()]
     for g, e in (getattr(manifest, "engines", None) or {}).items():
         if e is not None and e.file:

@@ -51,6 +51,17 @@ def check_runnable(folder: Path, manifest: mf.Manifest, name: str, provider: str
                            f"--dtype float32 for the CPU")
 
 
+def cpu_flavour(graph: mf.Graph, provider: str | None = None) -> str:
+    """The file of `graph` ONNX Runtime opens: its cpu_q4 flavour on the CPU provider where the op runs here
+    (dflash2.native.q4; DFLASH2_Q4MATMUL=0 turns it off), else the portable graph."""
+    if graph.flavours.cpu_q4 and (provider or "CPUExecutionProvider") == "CPUExecutionProvider":
+        from dflash2.native import q4
+
+        if q4.usable():
+            return graph.flavours.cpu_q4
+    return graph.flavours.portable
+
+
 def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None,
                  threads: int | None = None, drafter_threads: int | None = None, lean: bool = False):
     check_runnable(folder, manifest, name, provider)
@@ -63,7 +74,7 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
     if isinstance(manifest, mf.EngineManifest):  # an engine folder remembers the export it was built from
         folder = Path(manifest.export_dir)
         manifest = mf.load(folder, mf.ExportManifest, check_files=False)  # weights not rehashed at every start
-    graphs = {name: g.flavours.portable for name, g in manifest.graphs.items()}
+    graphs = {name: cpu_flavour(g, provider) for name, g in manifest.graphs.items()}
     return OrtBackend(folder, graphs, {name: manifest.signature(name) for name in graphs}, provider, threads,
                       manifest=manifest, drafter_threads=drafter_threads, lean=lean)
 
@@ -95,12 +106,18 @@ class Runtime:
         backend = make_backend(self.folder, self.manifest, self.backend_name, provider, threads, drafter_threads,
                                lean)
         self.session = SpecSession(self.manifest, backend, max_seq_len, log)
+        # the file each graph runs from (ONNX Runtime: the cpu_q4 flavour where it runs here, see cpu_flavour)
+        self.graph_files = dict(getattr(backend, "graphs", None) or {})
+        # what runs, for people: "onnxruntime + Q4MatMul" where the target runs its cpu_q4 flavour
+        self.backend_label = self.backend_name + (" + Q4MatMul" if any(f.endswith(".q4.onnx") for f in
+                                                                      self.graph_files.values()) else "")
         self._provider, self._use_prior = provider, cost_prior
         self._text: Text | None = None
         self._auto: AutoSchedule | None = None
         self._cache_key = None
         if schedule_cache if schedule_cache is not None else schedule_cache_mod.enabled():
-            self._cache_key = schedule_cache_mod.key(self.manifest.manifest_sha256, self.backend_name, provider,
+            # the label: a Q4MatMul target has other costs than the same export's MatMulNBits graph
+            self._cache_key = schedule_cache_mod.key(self.manifest.manifest_sha256, self.backend_label, provider,
                                                      getattr(backend, "threads", threads),
                                                      getattr(backend, "drafter_threads", None))
         # the target's generation_config.json gives the sampling defaults: the export copied it, and an engine

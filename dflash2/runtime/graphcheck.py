@@ -55,6 +55,8 @@ def check_graph(manifest, graph: str, path: Path, session) -> None:
     if q is None or q.backend == "onnxruntime":
         quantized = q is not None and graph in q.graphs and (q.graphs[graph].quantized or 0) > 0
         found = _quant_ops(path)
+        if found is not None and "Q4MatMul" in found:  # the cpu_q4 flavour: MatMulNBits' nodes under the op's name
+            found = sorted({"MatMulNBits" if o == "Q4MatMul" else o for o in found})
         if found is not None and bool(found) != quantized:
             said = f"quantized {graph_method(q, graph)}" if quantized else "not quantized"
             problems.append(f"weights: the manifest says {said}, "
@@ -70,14 +72,15 @@ def check_graph(manifest, graph: str, path: Path, session) -> None:
 def _quant_ops(path: Path) -> list[str] | None:
     """The quantized op types the graph proto names, read in 8 MiB pieces (weights in external data are not in it;
     a graph with inline weights is read through once). None: unreadable (ONNX Runtime just opened it)."""
-    keep = max(len(o) for o in QUANT_OPS)
+    ops = QUANT_OPS + ("Q4MatMul",)  # + the cpu_q4 flavour's op (dflash2.native.q4.OP)
+    keep = max(len(o) for o in ops)
     found: set[str] = set()
     try:
         with open(path, "rb") as f:
             tail = b""
             while piece := f.read(8 << 20):
-                found |= {o for o in QUANT_OPS if o.encode() in tail + piece}
+                found |= {o for o in ops if o.encode() in tail + piece}
                 tail = piece[-keep:]
-        return [o for o in QUANT_OPS if o in found]
+        return [o for o in ops if o in found]
     except OSError:
         return None

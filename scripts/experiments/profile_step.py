@@ -28,8 +28,9 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def enable_ort_profiling(prefix_dir: str, only: str) -> None:
-    """Every InferenceSession over a file whose name ends with `only` writes a trace under prefix_dir."""
+def enable_ort_profiling(prefix_dir: str, only: str | tuple[str, ...]) -> None:
+    """Every InferenceSession over a file whose name ends with `only` (one ending or several) writes a trace under
+    prefix_dir."""
     import onnxruntime as ort
 
     orig = ort.InferenceSession.__init__
@@ -117,7 +118,7 @@ def main() -> int:
     a = p.parse_args()
 
     work = tempfile.mkdtemp(prefix="profile_step.")
-    enable_ort_profiling(work, "target.onnx")
+    enable_ort_profiling(work, ("target.onnx", "target.q4.onnx"))  # whichever flavour the runtime opens here
     from dflash2.prompts import parse_spec
     from dflash2.runtime.api import Runtime
     from dflash2.speculative import generate
