@@ -136,8 +136,8 @@ def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) 
             small = min(manifest.max_seq_len, PROMPT_TOKENS + continuation_for(cap) + manifest.block_size + 2)
             try:  # buffers for the check's own length, not the export's max_seq_len; lean: no drafter session
                 # (the check never drafts) and no CPU arena: the int4 export's peak at Qwen3.5-0.8B's shape
-                v = validation(Runtime(tmp, verify=False, max_seq_len=small, lean=True).session,
-                               f"target.onnx ({FIELD})", hint)
+                rt = Runtime(tmp, verify=False, max_seq_len=small, lean=True)
+                v = validation(rt.session, f"{rt.graph_files.get('target', 'target.onnx')} ({FIELD})", hint)
             except Exception as e:  # noqa: BLE001 - any failure to run is reported, the export is kept
                 why = f"the check could not run ({type(e).__name__}: {e})"
         if why is not None:
