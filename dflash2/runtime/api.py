@@ -108,9 +108,10 @@ class Runtime:
         self.session = SpecSession(self.manifest, backend, max_seq_len, log)
         # the file each graph runs from (ONNX Runtime: the cpu_q4 flavour where it runs here, see cpu_flavour)
         self.graph_files = dict(getattr(backend, "graphs", None) or {})
-        # what runs, for people: "onnxruntime + Q4MatMul" where the target runs its cpu_q4 flavour
-        self.backend_label = self.backend_name + (" + Q4MatMul" if any(f.endswith(".q4.onnx") for f in
-                                                                      self.graph_files.values()) else "")
+        # what runs, for people: "onnxruntime + Q4MatMul" where a graph runs its cpu_q4 flavour
+        graphs = getattr(self.manifest, "graphs", None) or {}
+        q4 = any(f == graphs[g].flavours.cpu_q4 for g, f in self.graph_files.items() if g in graphs)
+        self.backend_label = self.backend_name + (" + Q4MatMul" if q4 else "")
         self._provider, self._use_prior = provider, cost_prior
         self._text: Text | None = None
         self._auto: AutoSchedule | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash2.errors import Dflash2Error
+from dflash2.native import q4
 from dflash2.quant_manifest import QUANT_OPS, graph_method, quant_op
 
 # ONNX Runtime's type strings -> the manifest's dtype names
@@ -55,8 +56,8 @@ def check_graph(manifest, graph: str, path: Path, session) -> None:
     if q is None or q.backend == "onnxruntime":
         quantized = q is not None and graph in q.graphs and (q.graphs[graph].quantized or 0) > 0
         found = _quant_ops(path)
-        if found is not None and "Q4MatMul" in found:  # the cpu_q4 flavour: MatMulNBits' nodes under the op's name
-            found = sorted({"MatMulNBits" if o == "Q4MatMul" else o for o in found})
+        if found is not None and q4.OP in found:  # the cpu_q4 flavour: MatMulNBits' nodes under the op's name
+            found = sorted({"MatMulNBits" if o == q4.OP else o for o in found})
         if found is not None and bool(found) != quantized:
             said = f"quantized {graph_method(q, graph)}" if quantized else "not quantized"
             problems.append(f"weights: the manifest says {said}, "
@@ -72,7 +73,7 @@ def check_graph(manifest, graph: str, path: Path, session) -> None:
 def _quant_ops(path: Path) -> list[str] | None:
     """The quantized op types the graph proto names, read in 8 MiB pieces (weights in external data are not in it;
     a graph with inline weights is read through once). None: unreadable (ONNX Runtime just opened it)."""
-    ops = QUANT_OPS + ("Q4MatMul",)  # + the cpu_q4 flavour's op (dflash2.native.q4.OP)
+    ops = QUANT_OPS + (q4.OP,)  # + the cpu_q4 flavour's op
     keep = max(len(o) for o in ops)
     found: set[str] = set()
     try:
