@@ -42,14 +42,8 @@ def weights(k: int, n: int, seed: int = 0):
             (rng.random((n, k // 32), dtype=np.float32) * 0.02 + 1e-3))
 
 
-def model(op: str, domain: str, k: int, n: int, b, s, **attrs) -> bytes:
-    a = dict(K=k, N=n, bits=4, block_size=32, accuracy_level=4) | attrs
-    node = helper.make_node(op, ["x", "w", "s"], ["y"], domain=domain, **a)
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "m", k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "m", n])],
-                          [numpy_helper.from_array(b, "w"), numpy_helper.from_array(s, "s")])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)],
-                             ir_version=8).SerializeToString()
+def model(op: str, k: int, n: int, b, s, **attrs) -> bytes:
+    return q4.model(k, n, [(b, s)], op=op, x_dims=("b", "m"), **attrs)
 
 
 def session(blob: bytes, threads: int = 1, custom: bool = True):
@@ -65,27 +59,30 @@ def session(blob: bytes, threads: int = 1, custom: bool = True):
 @pytest.mark.parametrize("k,n", [(64, 16), (96, 40), (576, 960), (1536, 576), (576, 4099)])
 def test_kernel_matches_matmulnbits(k, n):
     """The same arithmetic as MatMulNBits at accuracy level 4 (int8 activations per block of 32): only the fp32
-    summation order differs. K = 96 and 576 end in a part-filled 128-weight load, N = 4099 in a part tile."""
+    summation order differs. K = 96 and 576 end in a part-filled 128-weight load, N = 4099 in a part tile; 1, 2
+    and 7 rows take the one-column walk, a two-row tile and three-row tiles with a one-row remainder."""
     b, s = weights(k, n)
-    ref = session(model("MatMulNBits", "com.microsoft", k, n, b, s), custom=False)
-    x = np.random.default_rng(1).standard_normal((1, 7, k)).astype(np.float32)
-    want = ref.run(None, {"x": x})[0][0]
-    got = q4.matmul(x[0], b, s)
-    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
-    assert not np.array_equal(got, np.zeros_like(got))
+    ref = session(model("MatMulNBits", k, n, b, s), custom=False)
+    for m in (1, 2, 7):
+        x = np.random.default_rng(m).standard_normal((1, m, k)).astype(np.float32)
+        want = ref.run(None, {"x": x})[0][0]
+        got = q4.matmul(x[0], b, s)
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), m
+        assert not np.array_equal(got, np.zeros_like(got))
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_rows_bitwise_through_onnx_runtime(threads):
+@pytest.mark.parametrize("threads,m,n", [(1, 17, 3072), (2, 17, 3072), (2, 40, 3070)])
+def test_rows_bitwise_through_onnx_runtime(threads, m, n):
     """A k-row call equals k one-row calls bit for bit, with the rows split over ONNX Runtime's pool: what the
-    export's row check (and a lossless verify) rests on."""
-    k, n = 576, 3072
+    export's row check (and a lossless verify) rests on. 40 rows quantize their activations over the pool too;
+    N = 3070 ends in two columns outside the 4-column tile."""
+    k = 576
     b, s = weights(k, n, seed=2)
-    sess = session(model(q4.OP, q4.DOMAIN, k, n, b, s), threads)
-    x = np.random.default_rng(3).standard_normal((1, 17, k)).astype(np.float32)
+    sess = session(model(q4.OP, k, n, b, s), threads)
+    x = np.random.default_rng(3).standard_normal((1, m, k)).astype(np.float32)
     rows = sess.run(None, {"x": x})[0]
-    ones = np.concatenate([sess.run(None, {"x": x[:, i:i + 1]})[0] for i in range(17)], axis=1)
-    assert rows.shape == (1, 17, n) and np.array_equal(rows, ones)
+    ones = np.concatenate([sess.run(None, {"x": x[:, i:i + 1]})[0] for i in range(m)], axis=1)
+    assert rows.shape == (1, m, n) and np.array_equal(rows, ones)
     np.testing.assert_array_equal(rows[0], q4.matmul(x[0], b, s))  # the pool's split changes nothing
 
 
@@ -94,14 +91,14 @@ def test_rows_bitwise_through_onnx_runtime(threads):
 def test_refuses_what_it_does_not_compute(attrs, said):
     b, s = weights(64, 8)
     with pytest.raises(Exception, match=said.replace("(", r"\(").replace(")", r"\)")):
-        session(model(q4.OP, q4.DOMAIN, 64, 8, b, s, **attrs)).run(None, {"x": np.ones((1, 1, 64), np.float32)})
+        session(model(q4.OP, 64, 8, b, s, **attrs)).run(None, {"x": np.ones((1, 1, 64), np.float32)})
 
 
 def test_a_graph_with_the_op_where_it_cannot_run(tmp_path, monkeypatch):
     """Opening a Q4MatMul graph where the op is off (or not built, or the CPU lacks VNNI): one line naming the file."""
     b, s = weights(64, 8)
     path = tmp_path / "g.onnx"
-    path.write_bytes(model(q4.OP, q4.DOMAIN, 64, 8, b, s))
+    path.write_bytes(model(q4.OP, 64, 8, b, s))
     monkeypatch.setenv(q4.OFF_VAR, "0")
     with pytest.raises(Dflash2Error, match=f"g.onnx: a graph with ai.dflash2.Q4MatMul nodes cannot run here: "
                                            f"{q4.OFF_VAR}=0"):

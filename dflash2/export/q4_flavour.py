@@ -64,7 +64,7 @@ def check_nodes(folder: Path, portable: str) -> tuple[list[str], dict]:
     of itself here), one weight in memory at a time: it runs whatever the graph's size."""
     import onnx
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import numpy_helper
 
     model = onnx.load(str(folder / portable), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
@@ -77,14 +77,8 @@ def check_nodes(folder: Path, portable: str) -> tuple[list[str], dict]:
         b = numpy_helper.to_array(inits[node.input[1]], base_dir=str(folder)).reshape(n, k // 32, 16)[:cols].copy()
         sc = numpy_helper.to_array(inits[node.input[2]], base_dir=str(folder)).reshape(n, k // 32)[:cols].copy()
         x = rng.standard_normal((3, k)).astype(np.float32)
-        one = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=k, N=cols, bits=4,
-                               block_size=32, accuracy_level=4)
-        g = helper.make_graph([one], "node", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, cols])],
-                              [numpy_helper.from_array(b, "b"), numpy_helper.from_array(sc, "s")])
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
-                              ir_version=model.ir_version)
-        want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        m = q4.model(k, cols, [(b, sc)], x_dims=(3,), ir_version=model.ir_version)
+        want = ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
         diff = float(np.abs(q4.matmul(x, b, sc) - want).max()) / (float(np.abs(want).max()) or 1.0)
         worst = max(worst, diff)
         if diff > NODE_TOLERANCE:

@@ -82,3 +82,22 @@ def matmul(a: np.ndarray, b: np.ndarray, scales: np.ndarray) -> np.ndarray:
     if rc != 0:
         raise PluginLibraryError(f"df2_q4_matmul refused M={m} K={k} N={n} (K a multiple of 32, a supported CPU)")
     return y
+
+
+def model(k: int, n: int, weights, op: str = "MatMulNBits", x_dims=("m",), ir_version: int = 8, **attrs) -> bytes:
+    """An ONNX graph of one 4-bit MatMul node per (b, s) in `weights`, each reading input x [*x_dims, k] into
+    y0, y1, ...: ONNX Runtime's MatMulNBits or this op (op=OP), with the attributes the export writes (4 bits,
+    block 32, accuracy level 4) unless `attrs` say otherwise. What the export's node check, the tests and the
+    experiments run one op on."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    domain = DOMAIN if op == OP else "com.microsoft"
+    a = dict(K=k, N=n, bits=4, block_size=32, accuracy_level=4) | attrs
+    nodes = [helper.make_node(op, ["x", f"b{i}", f"s{i}"], [f"y{i}"], domain=domain, **a) for i in range(len(weights))]
+    inits = [t for i, (b, s) in enumerate(weights)
+             for t in (numpy_helper.from_array(b, f"b{i}"), numpy_helper.from_array(s, f"s{i}"))]
+    g = helper.make_graph(nodes, "q4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*x_dims, k])],
+                          [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [*x_dims, n])
+                           for i in range(len(weights))], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)],
+                             ir_version=ir_version).SerializeToString()

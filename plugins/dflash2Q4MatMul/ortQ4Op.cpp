@@ -6,6 +6,7 @@
 // C API entries declared in ortAbi.h.
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -35,14 +36,22 @@ struct Kernel {
 struct Work {  // one call: what every ParallelFor batch reads
   const Kernel* k;
   int M;
+  const float* A;
   const uint8_t* B;
   const float* S;
-  const void* scratch;
+  void* scratch;
   float* Y;
   size_t tiles;
 };
 
-constexpr int kTile = 64;  // output columns a ParallelFor iteration computes
+constexpr int kTile = 64;          // output columns a ParallelFor iteration computes
+constexpr int kPrepareRows = 16;   // activation rows a ParallelFor iteration quantizes (from 2 x this many rows)
+
+void prepareRows(void* user, size_t i) {
+  const Work& w = *static_cast<const Work*>(user);
+  const int m0 = static_cast<int>(i) * kPrepareRows, m1 = m0 + kPrepareRows < w.M ? m0 + kPrepareRows : w.M;
+  df2q4::prepare(m0, m1, static_cast<int>(w.k->K), w.A, w.scratch);
+}
 
 void tile(void* user, size_t i) {
   const Work& w = *static_cast<const Work*>(user);
@@ -116,10 +125,16 @@ OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   DF2_TRY(ortabi::GetTensorMutableData(g_api)(const_cast<OrtValue*>(b), &bp));
   DF2_TRY(ortabi::GetTensorMutableData(g_api)(const_cast<OrtValue*>(s), &sp));
   DF2_TRY(ortabi::GetTensorMutableData(g_api)(y, &yp));
-  std::vector<unsigned char> scratch(df2q4::scratchBytes(static_cast<int>(rows), static_cast<int>(k.K)));
-  df2q4::prepare(static_cast<int>(rows), static_cast<int>(k.K), static_cast<const float*>(ap), scratch.data());
-  Work w{&k, static_cast<int>(rows), static_cast<const uint8_t*>(bp), static_cast<const float*>(sp), scratch.data(),
-         static_cast<float*>(yp), static_cast<size_t>((k.N + kTile - 1) / kTile)};
+  // not zeroed: prepare writes every byte the kernel reads
+  std::unique_ptr<unsigned char[]> scratch(new (std::nothrow) unsigned char[df2q4::scratchBytes(static_cast<int>(rows), static_cast<int>(k.K))]);
+  if (!scratch) return ortabi::CreateStatus(g_api)(ORT_FAIL, "Q4MatMul: out of memory");
+  Work w{&k, static_cast<int>(rows), static_cast<const float*>(ap), static_cast<const uint8_t*>(bp),
+         static_cast<const float*>(sp), scratch.get(), static_cast<float*>(yp),
+         static_cast<size_t>((k.N + kTile - 1) / kTile)};
+  if (rows >= 2 * kPrepareRows)  // a prefill: quantizing its rows is worth the pool
+    DF2_TRY(ortabi::KernelContext_ParallelFor(g_api)(ctx, prepareRows, static_cast<size_t>((rows + kPrepareRows - 1) / kPrepareRows), 0, &w));
+  else
+    df2q4::prepare(0, w.M, static_cast<int>(k.K), w.A, scratch.get());
   return ortabi::KernelContext_ParallelFor(g_api)(ctx, tile, w.tiles, 0, &w);
 }
 

@@ -11,8 +11,9 @@ bool supported();
 // Bytes of scratch `prepare` needs for M rows of K (64-byte aligned blocks inside).
 size_t scratchBytes(int M, int K);
 
-// A [M, K] -> the activations' int8 blocks, laid out for the weight loads (one pass over A, any thread).
-void prepare(int M, int K, const float* A, void* scratch);
+// Rows [m0, m1) of A [M, K] -> their activations' int8 blocks in scratch, laid out for the weight loads (rows are
+// independent: any split over threads gives the same bytes).
+void prepare(int m0, int m1, int K, const float* A, void* scratch);
 
 // Y[m, n] for n in [n0, n1), all m: B uint8 [N, K/32, 16] (low nibble first, zero point 8), S fp32 [N, K/32].
 // Every (m, n) is computed by the same instructions in the same order whatever M is: a k-row call equals k

@@ -14,9 +14,9 @@ each other on 2 cores), taken in turns, order reversed every pass; the medians o
   read        the same bytes read by a plain streaming loop: the ceiling
 The kernel is built here with gcc (-O3 -march=native -fopenmp) and first checked against MatMulNBits on each shape
 (the same CompInt8 arithmetic, so only the fp32 summation order differs: relative error ~1e-7).
---rows 1,2,4,8,17,40,200 instead times the op as it ships (ai.dflash2.Q4MatMul from build/plugins, through ONNX
-Runtime) against MatMulNBits at those row counts: 30 distinct 576x3072 weights in one session each, in turns,
-medians of 7 runs, at each --threads count.
+--rows 1,2,4,8,17,40,200 [--shapes 576x3072,1536x576,576x49152] instead times the op as it ships
+(ai.dflash2.Q4MatMul from build/plugins, through ONNX Runtime) against MatMulNBits at those row counts: per shape,
+64 MiB or more of distinct weights in one session per op, in turns, medians of 9 runs, at each --threads count.
 Measurement only (the experiment's kernel is not the one that ships; plugins/dflash2Q4MatMul is).
 """
 
@@ -101,18 +101,13 @@ class Chain:
 def check(lib: Path) -> dict:
     """Each shape once, the kernel against one MatMulNBits node on the same weights and input: max relative error."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+
+    from dflash2.native import q4
     every = weights(1)[0]
     out = {}
     for k, n, q, s in every[:4] + every[-1:]:
         chain = Chain(lib, [(k, n, q, s)])
-        node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
-                                block_size=32, accuracy_level=4)
-        g = helper.make_graph([node], "one", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
-                              [numpy_helper.from_array(q, "w"), numpy_helper.from_array(s, "s")])
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-        ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ref = ort.InferenceSession(q4.model(k, n, [(q, s)], x_dims=(1,)), providers=["CPUExecutionProvider"]).run(
             None, {"x": chain.x[k][None]})[0][0]
         out[f"{k}x{n}"] = float(np.abs(chain()[:n] - ref).max() / np.abs(ref).max())
     return out
@@ -146,13 +141,15 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--rows", help="time the shipped op against MatMulNBits at these row counts instead")
+    ap.add_argument("--shapes", default="576x3072,1536x576,576x49152", help="KxN list for --rows")
     ap.add_argument("--worker", nargs=4, metavar=("RUNNER", "THREADS", "COPIES", "LIB"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker[0], int(a.worker[1]), int(a.worker[2]), a.worker[3])))
         return
     if a.rows:
-        return rows_main([int(x) for x in a.rows.split(",")], [int(t) for t in a.threads.split(",")], a.json)
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in a.shapes.split(",")]
+        return rows_main([int(x) for x in a.rows.split(",")], [int(t) for t in a.threads.split(",")], shapes, a.json)
     tmp = Path(tempfile.mkdtemp(prefix="q4_gemv_"))
     libs = build(tmp)
     errs = check(libs["q4"])
@@ -189,52 +186,44 @@ def main() -> None:
                                       "cpu": _cpu()}, indent=1) + "\n")
 
 
-def rows_main(rows: list[int], threads: list[int], out: Path | None) -> None:
-    """The shipped op against MatMulNBits per row count (30 weights of the gate|up shape, one session each)."""
+def rows_main(rows: list[int], threads: list[int], shapes: list[tuple[int, int]], out: Path | None) -> None:
+    """The shipped op against MatMulNBits per shape and row count: distinct weights of one shape (64 MiB or more
+    of them, so each run reads them from DRAM as a decode does) in one session per op, the sessions in turns."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
 
     from dflash2.native import q4
 
-    k, n, rng = 576, 3072, np.random.default_rng(0)
-    ws = [(rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8),
-           rng.random((n, k // 32), dtype=np.float32) * 0.01) for _ in range(30)]
+    rng, res = np.random.default_rng(0), []
+    for k, n in shapes:
+        count = max(2, -(-64 * 2**20 // (k * n // 2 + k * n // 32 * 4)))
+        ws = [(rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8),
+               rng.random((n, k // 32), dtype=np.float32) * 0.01) for _ in range(count)]
 
-    def model(op: str, domain: str) -> bytes:
-        nodes = [helper.make_node(op, ["x", f"w{i}", f"s{i}"], [f"y{i}"], domain=domain, K=k, N=n, bits=4,
-                                  block_size=32, accuracy_level=4) for i in range(len(ws))]
-        inits = [t for i, (b, s) in enumerate(ws) for t in (numpy_helper.from_array(b, f"w{i}"),
-                                                            numpy_helper.from_array(s, f"s{i}"))]
-        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
-                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["m", n])
-                               for i in range(len(ws))], inits)
-        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
-                                                   helper.make_opsetid(domain, 1)]).SerializeToString()
-
-    res = []
-    for t in threads:
-        sess = {}
-        for name, op, dom in (("MatMulNBits", "MatMulNBits", "com.microsoft"), ("Q4MatMul", q4.OP, q4.DOMAIN)):
-            o = ort.SessionOptions()
-            o.intra_op_num_threads = t
-            if dom == q4.DOMAIN:
-                q4.register(o)
-            sess[name] = ort.InferenceSession(model(op, dom), o, providers=["CPUExecutionProvider"])
-        for m in rows:
-            x = rng.standard_normal((m, k)).astype(np.float32)
-            times = {name: [] for name in sess}
-            for r in range(7):
-                for name, s in (sess.items() if r % 2 == 0 else reversed(list(sess.items()))):
-                    t0 = time.perf_counter()
-                    s.run(None, {"x": x})
-                    times[name].append((time.perf_counter() - t0) / len(ws) * 1e6)
-            med = {name: float(np.median(v)) for name, v in times.items()}
-            res.append({"threads": t, "rows": m, "us": med, "ratio": med["MatMulNBits"] / med["Q4MatMul"]})
-            print(f"{t} thread(s) {m:4d} rows: MatMulNBits {med['MatMulNBits']:8.1f} us  Q4MatMul "
-                  f"{med['Q4MatMul']:8.1f} us  MatMulNBits / Q4MatMul {res[-1]['ratio']:.2f}", flush=True)
+        for t in threads:
+            sess = {}
+            for name, op in (("MatMulNBits", "MatMulNBits"), ("Q4MatMul", q4.OP)):
+                o = ort.SessionOptions()
+                o.intra_op_num_threads = t
+                if op == q4.OP:
+                    q4.register(o)
+                sess[name] = ort.InferenceSession(q4.model(k, n, ws, op=op), o, providers=["CPUExecutionProvider"])
+            for m in rows:
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                times = {name: [] for name in sess}
+                for r in range(9):
+                    for name, s in (sess.items() if r % 2 == 0 else reversed(list(sess.items()))):
+                        t0 = time.perf_counter()
+                        s.run(None, {"x": x})
+                        times[name].append((time.perf_counter() - t0) / len(ws) * 1e6)
+                med = {name: float(np.median(v)) for name, v in times.items()}
+                res.append({"shape": [k, n], "weights": len(ws), "threads": t, "rows": m, "us": med,
+                            "ratio": med["MatMulNBits"] / med["Q4MatMul"]})
+                print(f"{k:5d}x{n:<6d} {t} thread(s) {m:4d} rows: MatMulNBits {med['MatMulNBits']:8.1f} us  "
+                      f"Q4MatMul {med['Q4MatMul']:8.1f} us  MatMulNBits / Q4MatMul {res[-1]['ratio']:.2f}", flush=True)
+            del sess
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"shape": [k, n], "weights": len(ws), "cells": res, "cpu": _cpu()}, indent=1) + "\n")
+        out.write_text(json.dumps({"cells": res, "cpu": _cpu()}, indent=1) + "\n")
 
 
 def _cpu() -> str:
