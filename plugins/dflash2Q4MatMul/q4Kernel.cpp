@@ -13,7 +13,6 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
-#include <cmath>
 #include <cstring>
 
 namespace df2q4 {
@@ -98,8 +97,8 @@ DF2_AVX512 void prepare(int m0, int m1, int K, const float* A, void* scratch) {
 
 namespace {
 
-// One output's block sums: what every path below does per (row, column, chunk), in this order, so that a tile,
-// a row group and a single row give the same bits.
+// One output's block sums: what every tile below does per (row, column, chunk), in this order, so that tiles of
+// any size (and so any row count) give the same bits.
 DF2_AVX512 inline __m512 accumulate(__m512 acc, const Chunk& a, __m512i wlo, __m512i whi, __m512 wsl) {
   __m512i d = _mm512_load_si512(a.ncorr);
   d = _mm512_dpbusd_epi32(d, wlo, _mm512_load_si512(a.lo));
