@@ -124,8 +124,10 @@ def test_prefill_logits_and_taps_match_transformers(name):
         for h in hooks:
             h.remove()
     logits, taps, step = _step(ref, ids, ref.empty_state())
-    d = (out.logits[0] - logits).abs().max().item()
-    assert d < TOL, f"prefill logits differ by {d:.2e}"
+    # relative, as the taps below: transformers' chunked fp32 rule is itself ~9e-5 from its float64 run on the
+    # 5-layer shape (ours 3e-5 from it), so an absolute 1e-4 on logits of ~3 passed or failed by the host's kernels
+    d = _rel(logits, out.logits[0])
+    assert d < TOL, f"prefill logits differ by {d:.2e} of their scale"
     H, L = ref.config.hidden_size, ref.config.num_layers
     for i in range(L):
         tap = taps[:, i * H:(i + 1) * H]
