@@ -50,6 +50,19 @@ def test_parts_live_in_the_stage_that_owns_them():
         assert all(p.startswith("dflash2.export.") for p in f.templates.values()), f.name
 
 
+def test_the_dtypes_a_family_declares_are_ones_its_templates_write():
+    """TargetFamily.dtypes (what the plan lets through) within what the family's standard-op builder takes."""
+    import importlib
+
+    from dflash2.dtypes import GRAPH_DTYPES
+
+    for f in families.FAMILIES:
+        assert f.dtypes and set(f.dtypes) <= set(GRAPH_DTYPES), f.name
+        if f.name not in families.DENSE and "plain" in f.templates:
+            module = importlib.import_module(f.templates["plain"].split(":")[0])
+            assert set(f.dtypes) <= set(module.DTYPES), f.name
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_tiny_checkpoint_is_read_by_its_family(tiny_targets, name):
     fam, c = families.load(tiny_targets[name])

@@ -188,12 +188,72 @@ def test_every_accepted_count_rolls_the_state_back(pair, exported):
     assert set(g.stats.accepted) >= set(range(BLOCK))  # 0..S, each at least once
 
 
+def fp16_export_checks(pair, out, block: int, plan: list[int]) -> None:
+    """An fp16 export of a hybrid pair: validated (both flavours), its row check bitwise on the fp16 graph, the conv
+    state and KV rows bound in fp16 and the recurrent state in fp32, and speculative decoding through its graphs equal
+    to the fp16 target's own greedy ids at every accepted count 0..S (planned drafts) and with the pair's drafter."""
+    import onnx
+
+    m = export(*pair, out, max_seq_len=160, quiet=True, dtype="float16") if not out.exists() else \
+        Runtime(out).manifest
+    assert all(v.ok and not v.skipped for v in m.validation.values()), m.validation
+    rows = m.validation["target.rows"]
+    assert rows.steps["rows"] > 0 and rows.steps["differing"] == 0
+    for f in ("target.onnx", "target.trt.onnx"):
+        g = onnx.load(str(out / f), load_external_data=False).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output]}
+        assert types["conv_state.0"] == types["conv_states.0"] == onnx.TensorProto.FLOAT16
+        assert types["rec_state.0"] == types["rec_states.0"] == types["logits"] == onnx.TensorProto.FLOAT
+        assert types["past_kv" if f == "target.onnx" else "kv_cache"] == onnx.TensorProto.FLOAT16
+    sig = m.graphs["target"].signature
+    assert sig.state.dtypes[:2] == ["float16", "float32"] and m.graphs["target"].tensorrt_signature.state is not None
+    rt = Runtime(out)
+    rt.manifest.eos_token_ids = []
+    truth = rt.generate(PROMPT, 48, speculative=False).ids
+    s = PlannedDrafts(rt.manifest, rt.session.backend, truth, plan=plan)
+    g = generate(s, PROMPT, 48)
+    assert g.ids == truth and set(g.stats.accepted) >= set(range(block))
+    assert rt.generate(PROMPT, 48).ids == truth  # the pair's own drafter
+
+
+@pytest.fixture(scope="module")
+def exported16(pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3_5-fp16") / "out"
+    export(*pair, out, max_seq_len=160, quiet=True, dtype="float16")
+    return out
+
+
+def test_fp16_is_validated_row_invariant_and_lossless(pair, exported16):
+    fp16_export_checks(pair, exported16, BLOCK, list(range(BLOCK)) + [3, 0, 7, 1])
+
+
+def test_fp16_engines_on_the_fake_tensorrt_match_onnxruntime(exported16, tmp_path, fake_plugin, fake):
+    """dflash2-build's real code over the fake TensorRT (tests/fake_trt.py: engines run the TensorRT flavour,
+    `kv_cache` + `past_len` and the state rows on device buffers, set_input_shape held to the active profile):
+    generation on the engines gives ONNX Runtime's ids, speculative (every verify's rows rolled back by pointer) and
+    not. The real TensorRT build is scripts/gpu_check.sh's."""
+    from dflash2.engines import build as eb
+    from dflash2.engines import plan as ep
+
+    plan = ep.plan_build(exported16, tmp_path / "engines", max_seq_len=160, max_prefill=32, plugin=fake_plugin,
+                         timing_cache=tmp_path / "timing.cache", workspace_mb=256)
+    eb.build(plan, quiet=True)
+    for speculative in (True, False):
+        ort_rt, trt_rt = Runtime(exported16), Runtime(tmp_path / "engines")
+        for rt in (ort_rt, trt_rt):
+            rt.manifest.eos_token_ids = []
+        assert trt_rt.backend_name == "tensorrt"
+        assert trt_rt.generate(PROMPT, 40, speculative=speculative).ids == \
+            ort_rt.generate(PROMPT, 40, speculative=speculative).ids
+
+
 def test_the_plan_refuses_what_the_hybrid_templates_do_not_do(pair, tmp_path):
     from dflash2.export.plan import QuantFlags
 
     drafter, target = pair
-    with pytest.raises(Dflash2Error, match="float32 only"):
-        export(drafter, target, tmp_path / "a", dtype="float16", quiet=True)
+    with pytest.raises(Dflash2Error, match=r"expected one of \['float32', 'float16'\] for .* found 'bfloat16' \(its "
+                                           r"layer templates are checked in float32 and float16 only so far\)"):
+        export(drafter, target, tmp_path / "a", dtype="bfloat16", quiet=True)
     with pytest.raises(Dflash2Error, match="not yet for"):
         export(drafter, target, tmp_path / "b", quiet=True, quantize=QuantFlags(method="fp8"))
     with pytest.raises(Dflash2Error, match="writes int4 as the graph is built"):
@@ -264,6 +324,31 @@ def test_streamed_reference_equals_the_loaded_one(pair):
         a, b = whole(ids, whole.empty_state()), streamed(ids, streamed.empty_state())
     for x, y in zip((a[0], a[1], *a[2]), (b[0], b[1], *b[2])):
         assert torch.equal(x, y)
+
+
+def test_widened_runs_the_fp16_streamed_reference_in_fp32_then_gives_it_back(pair):
+    """What an fp16 graph is judged against where it misses the fp16 reference (export.validate._against_fp32): the
+    streamed reference's layers and vocabulary rows read in fp32 inside `widened`, its resident weights cast; after,
+    its own fp16 outputs, bitwise."""
+    from dflash2.reference.streamed import StreamedQwen35Target, widened
+
+    drafter, target = pair
+    taps = tuple(load_drafter_config(drafter).target_layer_ids)
+    c = load_target(target, taps).config
+    half = StreamedQwen35Target(c, taps, Weights(target), dtype=torch.float16)
+    full = StreamedQwen35Target(c, taps, Weights(target))
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        before, exact = half(ids, half.empty_state()), full(ids, full.empty_state())
+        with widened(half):
+            wide = half(ids, full.empty_state())
+        after = half(ids, half.empty_state())
+    assert wide[0].dtype == torch.float32 and half.dtype == torch.float16
+    # the final norm's weight stays its fp16 rounding, widened: all else is the fp32 reference's own
+    assert (wide[0] - exact[0]).abs().max() < 0.05 * (before[0].float() - exact[0]).abs().max()
+    assert torch.equal(wide[1], exact[1])  # the taps: every layer streamed in fp32
+    for x, y in zip((before[0], before[1], *before[2]), (after[0], after[1], *after[2])):
+        assert x.dtype == y.dtype and torch.equal(x, y)
 
 
 def test_the_conditional_generation_wrapper_exports_with_its_vision_tower_and_mtp_head_ignored(pair, tmp_path):

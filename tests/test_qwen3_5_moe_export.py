@@ -30,7 +30,7 @@ from dflash2.reference.qwen3_5 import commit
 from dflash2.reference.qwen3_5_moe import load_target
 from dflash2.runtime.api import Runtime
 from dflash2.speculative import generate
-from tests.test_qwen3_5_export import PROMPT, PlannedDrafts, _feed, _ops
+from tests.test_qwen3_5_export import PROMPT, PlannedDrafts, _feed, _ops, fp16_export_checks
 from tests.test_qwen3_5_moe_reference import fuse
 
 BLOCK = 8
@@ -153,13 +153,18 @@ def test_the_fused_expert_layout_under_the_wrapper_gives_the_same_ids(pair, fp32
     assert ids[0] == ids[1]
 
 
+def test_fp16_is_validated_row_invariant_and_lossless(pair, tmp_path):
+    """The experts' block in fp16 standard ops (the all-experts MatMuls, the router's softmax and top-k in fp32) under
+    the hybrid's fp16 layers: tests.test_qwen3_5_export.fp16_export_checks."""
+    fp16_export_checks(pair, tmp_path / "fp16", BLOCK, PLAN)
+
+
 def test_the_plan_refuses_what_the_templates_do_not_do(pair, tmp_path):
-    """The hybrid's refusals (float32 graphs only, so bfloat16 too; no TensorRT quantization) and the MoE one (QMoE's
-    blocks must tile both widths), before anything is written."""
+    """The hybrid's refusals (float32 and float16 graphs: bfloat16 not yet; no TensorRT quantization) and the MoE one
+    (QMoE's blocks must tile both widths), before anything is written."""
     drafter, target = pair
-    for dtype in ("float16", "bfloat16"):
-        with pytest.raises(Dflash2Error, match="float32 only"):
-            export(drafter, target, tmp_path / dtype, dtype=dtype, quiet=True)
+    with pytest.raises(Dflash2Error, match="checked in float32 and float16 only so far"):
+        export(drafter, target, tmp_path / "bf16", dtype="bfloat16", quiet=True)
     with pytest.raises(Dflash2Error, match="not yet for Qwen3_5MoeForCausalLM"):
         export(drafter, target, tmp_path / "fp8", quiet=True, quantize=QuantFlags(method="fp8"))
     with pytest.raises(Dflash2Error, match="QMoE needs hidden_size and moe_intermediate_size divisible by the "

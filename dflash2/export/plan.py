@@ -335,19 +335,14 @@ def _family_rules(tc, dtype: str, quantize) -> None:
     if fam.name in families.DENSE:
         return
     what = f"{tc.arch} ({fam.name}, {fam.description})"
-    if "fused" not in fam.templates:  # standard-op templates only: checked fp32, unquantized
-        if dtype != "float32":
-            raise OutputError(f"--dtype: expected float32 for {what}, found {dtype!r} (its standard-op templates "
-                              f"are checked in float32 only so far)")
+    if dtype not in fam.dtypes:
+        raise OutputError(f"--dtype: expected one of {list(fam.dtypes)} for {what}, found {dtype!r} (its layer "
+                          f"templates are checked in {' and '.join(fam.dtypes)} only so far)")
+    if "fused" not in fam.templates:  # standard-op templates only: checked unquantized
         if quantize is not None:
             raise OutputError(f"--quantize {quantize.method}: not yet for {what} (standard-op templates only, "
                               f"float32)")
         return
-    from dflash2.export import qwen3_5 as hybrid
-
-    if dtype not in hybrid.DTYPES:
-        raise OutputError(f"--dtype: expected one of {list(hybrid.DTYPES)} for {what}, found {dtype!r} (its layer "
-                          f"templates are float32 only so far)")
     if isinstance(quantize, qdq.TrtQuant):
         raise OutputError(f"--quantize {quantize.method}: not yet for {what} (the TensorRT calibration runs the dense "
                           f"reference); ONNX Runtime's int4 / int8 are")

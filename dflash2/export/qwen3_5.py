@@ -21,7 +21,10 @@ state, so a long prompt holds one state per layer, not n.
 The recurrence applies one row at a time exactly the reference's per-row operations (gated_delta_rows), in fp32
 (a 1-row decode without a Scan, a verify's rows in a Scan of the same one-row op: qwen3_5_gdn.py); the causal
 conv is the reference's explicit sum over the K taps in tap order, so a k-row verify row equals the 1-row decode
-of the same token. fp32 graphs only for now (the plan refuses others).
+of the same token. fp32 or fp16 graphs (bf16: not yet, the plan refuses it). In fp16 the graph follows the
+reference's own low-precision numerics (dflash2.reference.qwen3_5 loaded in fp16): weights, activations, the KV rows
+and the conv states in fp16; the recurrence, its state (rec_state, always fp32), the gates g and beta, the l2 norms,
+every RMSNorm's inside, the attention softmax and the logits in fp32, cast where the reference casts.
 
 Qwen3.5-MoE (dflash2.families.qwen3_5_moe) is the same hybrid with every layer's MLP the experts' block and its
 shared expert (moe.py: the all-experts standard ops in build(), ONNX Runtime's MoE / QMoE in build_fused()), the
@@ -49,12 +52,13 @@ from dflash2.export.templates import Builder, StandardOps
 from dflash2.reference.moe import UnfusedExperts
 
 F32 = TensorProto.FLOAT
-DTYPES = ("float32",)
+DTYPES = ("float32", "float16")
 
 
-def _zc(w: np.ndarray) -> np.ndarray:
-    """A zero-centred RMSNorm weight as the norm multiplies it: 1 + w, in fp32 (the reference's product)."""
-    return 1.0 + np.asarray(w, np.float32)
+def _zc(w: np.ndarray, np_dt=np.float32) -> np.ndarray:
+    """A zero-centred RMSNorm weight as the norm multiplies it: 1 + w, in fp32 (the reference's product), w as the
+    reference holds it (an fp16 model's w rounded to fp16 first)."""
+    return 1.0 + np.asarray(w).astype(np_dt).astype(np.float32)
 
 
 def _embed(b: Builder, src, quant, matrix, ids: str = N.INPUT_IDS) -> str:
@@ -113,7 +117,11 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     tap_ids = tuple(dc.target_layer_ids)
     sparse = hasattr(c, "num_experts")  # Qwen3.5-MoE: every layer's MLP the experts' block (dflash2.export.moe)
     src = UnfusedExperts(src) if sparse else src  # either expert layout read as per-expert names, one expert at a time
-    b = Builder(data, quant, dtype=np.float32)
+    np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
+    onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
+    if np_dt != np.float32 and (fused or gqa_kv or quant is not None):
+        raise ValueError(f"qwen3_5 templates: the fused / quantized graph is float32, found {dtype!r}")
+    b = Builder(data, quant, dtype=np_dt)
     ops = StandardOps(b, RopeConfig(c.rope_theta), rd, eps)  # the rotary over the first rd channels (text M-RoPE)
     ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])
 
@@ -132,8 +140,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0],
                                        b.op("Unsqueeze", ["pos", ax1], "pos.col")[0]], "visible")[0]  # [n, T]
         four = b.op("Concat", [b.const("kv_g", [kvh, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
-        neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
-        scale = b.const("attn.scale", [hd ** -0.5], np.float32)
+        neg = b.const("masked", [np.finfo(np.float32).min], np.float32)  # the scores masked in fp32 (reference)
+        scale = b.const("attn.scale", [hd ** -0.5], np_dt)
         kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
     w_rows = b.op("Min", [n, b.const("window", [B])], "window.rows")[0]  # [1] W' = min(n, W)
     split_at = b.op("Sub", [n, w_rows], "window.start")[0]  # [1] n - W': rows before it keep no state
@@ -142,12 +150,12 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                     "window.has_head.scalar")[0]  # [] bool: a prefill longer than the window
     fused = quant is not None or fused
 
-    def norm(x: str, w, name: str, eps: float | None = None, dim: int | None = None) -> str:
+    def norm(x: str, w, name: str, eps: float | None = None, dim: int | None = None, zc: bool = False) -> str:
         """RMSNorm over the last axis (weight w; None: none, of width dim). fused: ONNX Runtime's
         SimplifiedLayerNormalization, one node per norm where the standard ops take seven (a row's result still
         depends on that row alone: row invariance holds); standard ops: StandardOps.norm."""
-        if not fused:
-            return ops.norm(x, w, name, eps=eps)
+        if not fused:  # a zero-centred weight (1 + w, _zc) multiplied in fp32 as the reference does
+            return ops.norm(x, w, name, eps=eps, fp32_weight=zc)
         w = np.ones(dim, np.float32) if w is None else np.asarray(w, np.float32)
         return b.op("SimplifiedLayerNormalization", [x, b.weight(f"{name}.weight", w)], name, axis=-1,
                     epsilon=float(c.rms_norm_eps) if eps is None else eps, stash_type=1)[0]
@@ -186,8 +194,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                        f"{p}.q_gate", outputs=2, axis=-1)  # [n, nh, hd] each
         gate = b.op("Reshape", [gate, b.const(f"{p}.gate_flat", [-1, nh * hd])], f"{p}.gate_flat")[0]
         k, v = heads(k, kvh, hd, f"{p}.k_heads"), heads(v, kvh, hd, f"{p}.v_heads")
-        q = norm(q, _zc(src.get(f"{a}.q_norm.weight")), f"{p}.q_norm")
-        k = norm(k, _zc(src.get(f"{a}.k_norm.weight")), f"{p}.k_norm")
+        q = norm(q, _zc(src.get(f"{a}.q_norm.weight"), np_dt), f"{p}.q_norm", zc=True)
+        k = norm(k, _zc(src.get(f"{a}.k_norm.weight"), np_dt), f"{p}.k_norm", zc=True)
         q, k = (partial_rope(t, f"{p}.{nm}_rope") for t, nm in ((q, "q"), (k, "k")))
         if gqa_kv:  # writes present.{ia}.key|value itself
             o = q35g.attention(b, kernel, q, k, v, nh, kvh, hd, ia, p)
@@ -211,8 +219,9 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                 s = part if s is None else b.op("Add", [s, part], f"{p}.scores.sum{j}")[0]
         s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
         s = b.op("Reshape", [b.op("Mul", [s, scale], f"{p}.scaled")[0], four], f"{p}.scores4")[0]  # [kv, g, n, T]
-        s = b.op("Where", [visible, s, neg], f"{p}.masked")[0]
-        probs = b.op("Reshape", [b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], s3], f"{p}.probs3")[0]
+        s = b.op("Where", [visible, ops.f32(s, f"{p}.scores4"), neg], f"{p}.masked")[0]  # fp32 from here
+        probs = ops.back(b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], f"{p}.probs")  # graph dtype, as v
+        probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]
         o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
         o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],
                  f"{p}.o_t", perm=[1, 0, 2])[0]  # [n, nh, hd]
@@ -223,7 +232,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         return b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"]), b.op("Unsqueeze", [kv_i, ax1], f"{p}.kv_row")[0]
 
     gdn = Gdn(b, src, c, fused, GdnShared(n, split_at, has_head, end, ax0),
-              dict(norm=norm, heads=heads, l2norm=l2norm, silu=silu, repeat_heads=repeat_heads), conv_rows=gqa_kv)
+              dict(norm=norm, heads=heads, l2norm=l2norm, silu=silu, repeat_heads=repeat_heads, f32=ops.f32,
+                   back=ops.back), conv_rows=gqa_kv)
     rope_split = b.const("rope.split", [rd, hd - rd]) if rd < hd else None
     chunks = [min(128, hd - i) for i in range(0, hd, 128)]
     score_split = b.const("scores.split", chunks) if len(chunks) > 1 else None
@@ -240,7 +250,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         p = f"layers.{i}"
         if progress is not None:
             progress(i, L)
-        u = norm(h, _zc(src.get(f"{p}.input_layernorm.weight")), f"{p}.input_layernorm")
+        u = norm(h, _zc(src.get(f"{p}.input_layernorm.weight"), np_dt), f"{p}.input_layernorm", zc=True)
         if kind == "full_attention":
             y, kv_row = attention(u, p, len(new_kv))
             new_kv.append(kv_row)
@@ -248,7 +258,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             y, _, _ = gdn(u, p, gdn_layers)  # writes conv_states.{j}, rec_states.{j} itself
             gdn_layers += 1
         h = b.op("Add", [h, y], f"{p}.mix_residual")[0]
-        u = norm(h, _zc(src.get(f"{p}.post_attention_layernorm.weight")), f"{p}.post_attention_layernorm")
+        u = norm(h, _zc(src.get(f"{p}.post_attention_layernorm.weight"), np_dt), f"{p}.post_attention_layernorm",
+                 zc=True)
         m = f"{p}.mlp"
         if sparse:  # u [n, H] -> [n, H]: ONNX Runtime's MoE / QMoE (fused graph) or the all-experts standard ops
             mlp = moe.fused(b, u, src, c, m) if fused else moe.standard(b, ops, u, src, c, m)
@@ -263,14 +274,14 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     if not gqa_kv:
         b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)
-    y = norm(h, _zc(src.get("norm.weight")), "norm")
+    y = norm(h, _zc(src.get("norm.weight"), np_dt), "norm", zc=True)
     head_name = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     if quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
         logits = b.matmul_nbits(y, "lm_head", (H, c.vocab_size), (r.T for r in src.row_chunks(head_name)))
     else:
         head = "embed_tokens.weight" if c.tie_word_embeddings and "embed_tokens.weight" in b.names else \
             matrix(head_name)
-        logits = b.head(y, head, "lm_head")  # [n, V] fp32
+        logits = ops.f32(b.head(y, head, "lm_head"), "logits")  # [n, V] fp32
     ids = b.op("ArgMax", [logits], "argmax", axis=-1, keepdims=0)[0]
     b.op("Cast", [ids], N.NEXT_IDS, outputs=[N.NEXT_IDS], to=TensorProto.INT32)
     b.op("Slice", [logits, b.const("last_b", [-B]), end, ax0], N.LOGITS, outputs=[N.LOGITS])
@@ -286,20 +297,22 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     past_state, present_state = N.state_names(Lg)
     # per GDN layer: conv, rec (signature.state_names' order); the gqa graph's conv state row-major (Gdn's conv_rows)
     state_rows = [[K - 1, C] if gqa_kv else [C, K - 1], [Hv, dk, dv]] * Lg
+    state_types = [onnx_dt, F32] * Lg  # the conv state in the graph dtype, the delta-rule state fp32
     outputs = [helper.make_tensor_value_info(N.NEXT_IDS, TensorProto.INT32, ["n"]),
-               helper.make_tensor_value_info(N.CONTEXT, F32, ["n", ctx_width]),
-               helper.make_tensor_value_info(N.NEW_KV, F32, ["n", *row]),
+               helper.make_tensor_value_info(N.CONTEXT, onnx_dt, ["n", ctx_width]),
+               helper.make_tensor_value_info(N.NEW_KV, onnx_dt, ["n", *row]),
                helper.make_tensor_value_info(N.LOGITS, F32, [W, c.vocab_size])]
-    outputs += [helper.make_tensor_value_info(nm, F32, [W, *r]) for nm, r in zip(present_state, state_rows)]
+    outputs += [helper.make_tensor_value_info(nm, t, [W, *r])
+                for nm, r, t in zip(present_state, state_rows, state_types)]
     ids_in = helper.make_tensor_value_info(N.INPUT_IDS, TensorProto.INT32, ["n"])
-    states = [helper.make_tensor_value_info(nm, F32, [1, *r]) for nm, r in zip(past_state, state_rows)]
+    states = [helper.make_tensor_value_info(nm, t, [1, *r]) for nm, r, t in zip(past_state, state_rows, state_types)]
     if gqa_kv:  # no new_kv: the kernel writes the bound buffers
         kv_in, kv_out = q35g.io(La, kvh, hd)
         outputs = outputs[:2] + [outputs[3]] + kv_out + outputs[4:]
         return (b.model("dflash2_target_qwen3_5_gqa", [ids_in, *kv_in, *states], outputs, prologue_at=prologue_at,
                         prologue=q35g.prologue()), None)
-    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, F32, ["past", *row]), *states]
-    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, F32, ["cap", *row]),
+    past = [ids_in, helper.make_tensor_value_info(N.PAST_KV, onnx_dt, ["past", *row]), *states]
+    cache = [ids_in, helper.make_tensor_value_info(N.KV_CACHE, onnx_dt, ["cap", *row]),
              helper.make_tensor_value_info(N.PAST_LEN, TensorProto.INT32, [1]), *states]
     return (b.model("dflash2_target_qwen3_5", past, outputs, prologue_at=prologue_at, prologue=_prefix()),
             b.model("dflash2_target_qwen3_5_fixed", cache, outputs, prologue_at=prologue_at, prologue=_fixed()))

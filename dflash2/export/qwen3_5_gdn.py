@@ -19,6 +19,10 @@ The recurrence, per layer, is an If on n == 1:
 Both run the SAME one-row op on the same shapes (the fused LinearAttention over [1, 1, Hv*dk] rows, or the standard
 ops over [Hv, dk] rows), so a k-row verify row stays bitwise the 1-row decode of that token: the row invariance that
 makes speculative output lossless (the export's row check, runtime/invariance.py, verifies it).
+
+In an fp16 graph the projections, the conv (its state too) and the output projection run in fp16; q, k, v are cast
+to fp32 after the conv, g and beta are fp32, the recurrence and its state are fp32 as in the fp32 graph, and the
+output comes back to fp16 for the gated norm, as GatedDeltaNet does in the reference.
 """
 
 from __future__ import annotations
@@ -234,7 +238,7 @@ class Gdn:
             rows = b.op("Slice", [window, *self.taps[t], sh.ax0], f"{p}.tap{t}.rows")[0]  # [n, C]
             m = b.op("Mul", [rows, b.fw(f"{p}.conv.w{t}", wconv[:, t])], f"{p}.tap{t}")[0]
             x = m if x is None else b.op("Add", [x, m], f"{p}.conv.sum{t}")[0]
-        x = f["silu"](x, f"{p}.conv.silu")
+        x = f["f32"](f["silu"](x, f"{p}.conv.silu"), f"{p}.conv.out")  # [n, C]: fp32 from here (reference qkv())
         # conv state after each of the last W' rows r: window rows r+1 .. r+K-1, as [C, K-1] (one Gather of the
         # shared row indices and a Transpose: the K-1 Slices, Unsqueezes and index Adds per layer they replace were
         # 13 of a decode step's ~60 nodes per GDN layer, each costing ONNX Runtime's per-node overhead)
@@ -250,18 +254,22 @@ class Gdn:
             q = b.op("Mul", [q, b.const(f"{p}.q_scale", [dk ** -0.5], np.float32)], f"{p}.q")[0]
         k = f["l2norm"](rep(f["heads"](k, Hk, dk, f"{p}.k_heads"), f"{p}.k_rep"), f"{p}.k")
         v = f["heads"](v, Hv, dv, f"{p}.v")
-        beta = b.op("Sigmoid", [bb], f"{p}.beta")[0]  # [n, Hv]
-        neg_a = -np.exp(np.asarray(src.get(f"{a}.A_log"), np.float32))
-        sp = b.op("Softplus", [b.op("Add", [aa, b.fw(f"{p}.dt_bias", src.get(f"{a}.dt_bias"))], f"{p}.dt")[0]],
-                  f"{p}.softplus")[0]
-        g = b.op("Mul", [sp, b.fw(f"{p}.neg_A", neg_a)], f"{p}.g")[0]  # [n, Hv] log decay
-        o, _ = self._rows([q, k, v, g, beta], rec_in, p, rec_out)  # [n, Hv, dv]
+        beta = f["f32"](b.op("Sigmoid", [bb], f"{p}.beta")[0], f"{p}.beta")  # [n, Hv], sigmoid in the graph dtype
+        held = lambda w: np.asarray(w).astype(b.dtype).astype(np.float32)  # noqa: E731 (as the reference holds it)
+        neg_a = -np.exp(held(src.get(f"{a}.A_log")))
+        sp = b.op("Softplus", [b.op("Add", [f["f32"](aa, f"{p}.a"), b.weight(f"{p}.dt_bias", held(
+            src.get(f"{a}.dt_bias")))], f"{p}.dt")[0]], f"{p}.softplus")[0]
+        g = b.op("Mul", [sp, b.weight(f"{p}.neg_A", neg_a)], f"{p}.g")[0]  # [n, Hv] log decay, fp32
+        o, _ = self._rows([q, k, v, g, beta], rec_in, p, rec_out)  # [n, Hv, dv] fp32
+        o = f["back"](o, f"{p}.o")  # the reference's o.to(u.dtype) before its gated norm
         # gated RMSNorm per head: rmsnorm(o) * w (plain weight) * silu(z)
         if self.fused:  # the plain weight inside the norm's own product
             y = f["norm"](o, src.get(f"{a}.norm.weight"), f"{p}.o_norm")
         else:
             y = f["norm"](o, None, f"{p}.o_norm", dim=dv)
             y = b.op("Mul", [y, b.fw(f"{p}.o_norm.weight", src.get(f"{a}.norm.weight"))], f"{p}.o_norm.w")[0]
-        y = b.op("Mul", [y, f["silu"](f["heads"](z, Hv, dv, f"{p}.z"), f"{p}.z.silu")], f"{p}.gated")[0]
+        z = f["f32"](f["heads"](z, Hv, dv, f"{p}.z"), f"{p}.z")  # silu(z) and the product in fp32 (GatedRMSNorm)
+        y = f["back"](b.op("Mul", [f["f32"](y, f"{p}.o_normed"), f["silu"](z, f"{p}.z.silu")], f"{p}.gated")[0],
+                      f"{p}.gated")
         y = b.op("Reshape", [y, b.const(f"{p}.o_flat", [-1, vd])], f"{p}.o_flat")[0]
         return b.linear(y, f"{p}.out_proj", src, [f"{a}.out_proj"]), conv_out, rec_out

@@ -253,9 +253,11 @@ class StandardOps:
     def back(self, x: str, name: str) -> str:
         return b_cast(self.b, x, self.dt, f"{name}.back") if self.low else x
 
-    def norm(self, x: str, weight: np.ndarray | None, name: str, heads: int = 0, eps: float | None = None) -> str:
+    def norm(self, x: str, weight: np.ndarray | None, name: str, heads: int = 0, eps: float | None = None,
+             fp32_weight: bool = False) -> str:
         """RMSNorm over the last axis: fp32 inside, weight * normalized in the graph dtype; per head of hd when
-        heads ([.., heads*hd] in and out); weight None: no weight (ones)."""
+        heads ([.., heads*hd] in and out); weight None: no weight (ones). fp32_weight: the product taken in fp32
+        before the cast (a zero-centred norm's (1 + w), as Qwen3.5's reference multiplies it)."""
         b, hd = self.b, self.hd
         if heads:
             x = b.op("Reshape", [x, b.const(f"{name}.heads", [0, 0, heads, hd])], f"{name}.split")[0]
@@ -268,9 +270,13 @@ class StandardOps:
         e = self.eps if eps is None else eps
         r = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, b.const(f"{name}.eps", e, np.float32)],
                                                    f"{name}.add_eps")[0]], f"{name}.sqrt")[0]], f"{name}.rsqrt")[0]
-        y = self.back(b.op("Mul", [x32, r], f"{name}.scale")[0], name)
-        if weight is not None:
-            y = b.op("Mul", [b.fw(f"{name}.weight", weight), y], name)[0]
+        y = b.op("Mul", [x32, r], f"{name}.scale")[0]
+        if weight is not None and fp32_weight and self.low:
+            y = self.back(b.op("Mul", [b.weight(f"{name}.weight", np.asarray(weight, np.float32)), y], name)[0], name)
+        else:
+            y = self.back(y, name)
+            if weight is not None:
+                y = b.op("Mul", [b.fw(f"{name}.weight", weight), y], name)[0]
         if heads:
             y = b.op("Reshape", [y, b.const(f"{name}.flat", [0, 0, heads * hd])], f"{name}.merge")[0]
         return y

@@ -77,6 +77,9 @@ class TargetFamily:
     # the KV binding of its fused-op target graph: "gqa-shared" (GroupQueryAttention's per-layer buffers bound in
     # place: every layer of a dense target, the full-attention layers of a hybrid) or "prefix" (one past_kv view)
     fused_kv: str = "prefix"
+    # the graph dtypes its standard-op templates are checked in (the plan refuses the others before any weight is
+    # read); the dense families' templates are not limited by it (fp32 / fp16 templates, bf16 traced)
+    dtypes: tuple[str, ...] = ("float32",)
 
     @property
     def exportable(self) -> bool:

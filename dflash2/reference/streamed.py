@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -181,6 +182,37 @@ def _stream(templates, weights, dtype: torch.dtype = torch.float32):
                               strict=True, assign=True)
         yield layer
         layer.to("meta")
+
+
+@contextmanager
+def widened(module: nn.Module):
+    """Inside, the reference (loaded or layer-streamed, any family) computes in fp32: its resident parameters and
+    buffers cast to fp32, its streamed layers and vocabulary rows read as fp32; after, every tensor and dtype as
+    before (the original tensors put back). The validation's judge of a low-precision graph against the function
+    it rounds (dflash2.export.validate._against_fp32)."""
+    mods = list(module.modules())
+    params = [(t, t.data) for m in mods for t in m._parameters.values()
+              if t is not None and t.is_floating_point() and not t.is_meta]
+    buffers = [(m, n, t) for m in mods for n, t in m._buffers.items()
+               if t is not None and t.is_floating_point() and not t.is_meta]
+    holders = mods + [v for m in mods for v in vars(m).values() if isinstance(v, StreamedRows)]
+    dtypes = [(h, a, vars(h)[a]) for h in holders for a in ("dtype", "_dtype")
+              if isinstance(vars(h).get(a), torch.dtype)]
+    for t, data in params:
+        t.data = data.float()
+    for m, n, t in buffers:
+        m._buffers[n] = t.float()
+    for h, a, _ in dtypes:
+        setattr(h, a, torch.float32)
+    try:
+        yield module
+    finally:
+        for t, data in params:
+            t.data = data
+        for m, n, t in buffers:
+            m._buffers[n] = t
+        for h, a, d in dtypes:
+            setattr(h, a, d)
 
 
 def _tensor(weights, name: str) -> torch.Tensor:
