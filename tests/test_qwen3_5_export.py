@@ -247,13 +247,34 @@ def test_fp16_engines_on_the_fake_tensorrt_match_onnxruntime(exported16, tmp_pat
             ort_rt.generate(PROMPT, 40, speculative=speculative).ids
 
 
+def test_bf16_is_validated_on_its_emulation(pair, tmp_path, monkeypatch):
+    """bf16 (the checkpoints' own dtype; TensorRT's): target and drafter from the templates, weights streamed, the
+    conv state and KV rows bf16 and the recurrent state fp32; where no provider has bf16 kernels (this CPU) every
+    graph validated as export.bf16_emulation runs it, the row check recorded not run, with why."""
+    import onnx
+
+    from dflash2.export import validate
+
+    monkeypatch.setattr(validate.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    out = tmp_path / "bf16"
+    m = export(*pair, out, max_seq_len=160, quiet=True, dtype="bfloat16")
+    graphs = {k: v for k, v in m.validation.items() if k != "target.rows"}
+    assert set(graphs) == {"target", "target.trt", "drafter", "drafter.trt", "selector"}
+    assert all(v.ok and v.steps["emulated"].startswith("bf16 emulated") for v in graphs.values()), m.validation
+    assert "no bfloat16 kernels" in m.validation["target.rows"].skipped
+    for f in ("target.onnx", "target.trt.onnx"):
+        g = onnx.load(str(out / f), load_external_data=False).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output]}
+        assert types["conv_state.0"] == types["conv_states.0"] == onnx.TensorProto.BFLOAT16
+        assert types["rec_state.0"] == types["rec_states.0"] == types["logits"] == onnx.TensorProto.FLOAT
+        assert types["past_kv" if f == "target.onnx" else "kv_cache"] == onnx.TensorProto.BFLOAT16
+    assert m.graphs["target"].signature.state.dtypes[:2] == ["bfloat16", "float32"]
+
+
 def test_the_plan_refuses_what_the_hybrid_templates_do_not_do(pair, tmp_path):
     from dflash2.export.plan import QuantFlags
 
     drafter, target = pair
-    with pytest.raises(Dflash2Error, match=r"expected one of \['float32', 'float16'\] for .* found 'bfloat16' \(its "
-                                           r"layer templates are checked in float32 and float16 only so far\)"):
-        export(drafter, target, tmp_path / "a", dtype="bfloat16", quiet=True)
     with pytest.raises(Dflash2Error, match="not yet for"):
         export(drafter, target, tmp_path / "b", quiet=True, quantize=QuantFlags(method="fp8"))
     with pytest.raises(Dflash2Error, match="writes int4 as the graph is built"):

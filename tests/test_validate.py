@@ -52,11 +52,63 @@ def test_bf16_validates_on_the_cuda_provider_with_bf16_feeds(bf16_graph, monkeyp
     assert failures == [] and report["step0"]["y"]["max_abs"] == 0.0 == report["step0"]["y"]["max_rel"]
 
 
-def test_bf16_without_cuda_is_skipped_with_the_reason(bf16_graph, monkeypatch):
+def test_bf16_without_cuda_is_validated_on_its_emulation(bf16_graph, monkeypatch):
+    """The CPU provider has no bf16 kernels: the graph runs as bf16_emulation writes it (each bf16 value rounded after
+    its node), fed and compared as itself; the copy next to it is removed after."""
     spec, path = bf16_graph
     monkeypatch.setattr(validate.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     failures, report = validate.validate_graph(spec, path, "bfloat16")
+    assert failures == [] and report["step0"]["y"]["max_abs"] == 0.0 and "emulated" in report["emulated"]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def _bf16_in_a_subgraph() -> onnx.ModelProto:
+    """y = If(true) { bf16(x) + bf16(x) }: a bf16 value inside a branch, which the emulation does not rewrite."""
+    then = helper.make_graph([helper.make_node("Add", ["x", "x"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.BFLOAT16, [5])])
+    nodes = [helper.make_node("Constant", [], ["c"], value=helper.make_tensor("v", TensorProto.BOOL, [], [True])),
+             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=then)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [5])],
+                          [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [5])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_bf16_that_cannot_be_emulated_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    path = tmp_path / "g.onnx"
+    onnx.save(_bf16_in_a_subgraph(), str(path))
+    x = torch.tensor([1.5, -2.25, 3.0, 0.0078125, 100.0], dtype=torch.bfloat16)
+    spec = GraphSpec("g", _Double(), ["x"], ["y"], {}, (x,), lambda: [{"x": x}])
+    monkeypatch.setattr(validate.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    failures, report = validate.validate_graph(spec, path, "bfloat16")
     assert failures == [] and "no bfloat16 kernels" in report["skipped"]
+    assert "holds bf16 values in a subgraph" in report["skipped"]
+
+
+def test_bf16_emulation_rounds_every_value_its_node_makes():
+    """x * c + d in bf16: the emulation rounds the product before the sum, as a bf16 kernel per node would; fp32
+    arithmetic without the rounding step gives other values (so the test can fail), and the io keeps bf16."""
+    import ml_dtypes
+    import numpy as np
+    import onnxruntime as ort
+
+    from dflash2.export.bf16_emulation import emulated
+
+    c, d = 1.1015625, 0.30078125  # bf16 values
+    consts = [helper.make_tensor(n, TensorProto.BFLOAT16, [1], [v]) for n, v in (("c", c), ("d", d))]
+    g = helper.make_graph([helper.make_node("Mul", ["x", "c"], ["p"]), helper.make_node("Add", ["p", "d"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [64])],
+                          [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [64])], consts)
+    m = emulated(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert not isinstance(m, str)
+    assert [v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output]] == [TensorProto.BFLOAT16] * 2
+    x = np.random.default_rng(0).standard_normal(64).astype(ml_dtypes.bfloat16)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = validate.run(sess, {"x": x}, ["y"])["y"]  # bf16 through OrtValues (numpy feeds do not take ml_dtypes')
+    bf = lambda a: a.astype(ml_dtypes.bfloat16)  # noqa: E731
+    x32 = x.astype(np.float32)
+    per_node = bf(bf(x32 * np.float32(c)).astype(np.float32) + np.float32(d))
+    assert np.array_equal(got.astype(np.float32), per_node.astype(np.float32))
+    assert not np.array_equal(per_node.astype(np.float32), bf(x32 * np.float32(c) + np.float32(d)).astype(np.float32))
 
 
 class _Cancel(torch.nn.Module):
@@ -105,3 +157,35 @@ def test_a_low_precision_graph_off_its_dtypes_reference_is_judged_against_fp32(t
     else:
         assert failures and "judged_against_fp32" not in report["step0"]
     assert module.w.dtype == module.k.dtype == torch.float16  # put back after the fp32 pass
+
+
+@pytest.mark.parametrize("dtype, got, want_bad, want_ties", [("float16", [1, 1], 0, 1), ("float16", [2, 1], 1, 0),
+                                                             ("float32", [1, 1], 1, 0)],
+                         ids=["fp16-near-tie", "fp16-far", "fp32-none"])
+def test_next_ids_that_differ_at_a_reference_near_tie_are_ties(dtype, got, want_bad, want_ties):
+    """Row 0's best two logits are 0.01 apart: in fp16 / bf16 rounding may pick either (a tie, not a mismatch); a
+    pick 5 below the best is a mismatch; fp32 allows none."""
+    import numpy as np
+
+    want = {"next_ids": np.array([0, 1], np.int32), "logits": np.array([[5.0, 4.99, 0.0], [1.0, 9.0, 0.0]], np.float32)}
+    got = {"next_ids": np.array(got, np.int32), "logits": want["logits"]}
+    failures, report = validate.compare("target", got, want, dtype, 0)
+    assert report["next_ids"]["mismatches"] == want_bad and report["next_ids"].get("argmax_ties", 0) == want_ties
+    assert bool(failures) == (want_bad > 0)
+
+
+def test_a_bf16_weight_only_gathered_from_stays_bf16_in_the_emulation():
+    """An embedding gathered from keeps its bf16 bytes (its fp32 copy would be 5 GB at a real vocabulary): the
+    gathered rows are widened; a weight a MatMul reads is widened whole."""
+    from dflash2.export.bf16_emulation import emulated
+
+    emb = helper.make_tensor("emb", TensorProto.BFLOAT16, [4, 2], [0.5] * 8)
+    w = helper.make_tensor("w", TensorProto.BFLOAT16, [2, 2], [1.0] * 4)
+    g = helper.make_graph([helper.make_node("Gather", ["emb", "ids"], ["h"], axis=0),
+                           helper.make_node("MatMul", ["h", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+                          [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [3, 2])], [emb, w])
+    m = emulated(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    casts = {n.input[0] for n in m.graph.node if n.op_type == "Cast"}
+    gather = next(n for n in m.graph.node if n.op_type == "Gather")
+    assert gather.input[0] == "emb" and "emb" not in casts and "w" in casts

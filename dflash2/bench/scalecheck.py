@@ -240,7 +240,7 @@ def make_pair(shape: Shape, root: Path | None = None, out_bytes_per_param: float
 
 # ------------------------------------------------------------------------------------ the measurement
 
-MODES = {"fp32": [], "int4": ["--quantize", "int4"], "fp16": ["--dtype", "float16"],
+MODES = {"fp32": [], "int4": ["--quantize", "int4"], "fp16": ["--dtype", "float16"], "bf16": ["--dtype", "bfloat16"],
          # the streamed stage alone: the CPU target graph from its templates, as the export builds it
          "target-int4": ["int4"], "target-fp32": ["fp32"]}
 

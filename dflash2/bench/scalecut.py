@@ -49,7 +49,7 @@ class DiskTooSmall(RuntimeError):
 
 # bytes per target parameter of an export's output (measured: int4 blocks of 32 with fp32 scales, ~0.6, plus the
 # fp32 norms, GDN and router tensors); a bound for the disk check, not a prediction
-OUT_BYTES_PER_PARAM = {"fp32": 4.1, "fp16": 2.1, "int4": 0.75, "target-int4": 0.75, "target-fp32": 4.1}
+OUT_BYTES_PER_PARAM = {"fp32": 4.1, "fp16": 2.1, "bf16": 2.1, "int4": 0.75, "target-int4": 0.75, "target-fp32": 4.1}
 
 
 def _free_for(path: Path) -> tuple[int, int]:

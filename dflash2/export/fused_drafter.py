@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from dflash2 import dtypes
 from dflash2.export import selector_onnx as so
 from dflash2.export import signature as N
 from dflash2.export import weights as W
@@ -88,7 +89,7 @@ def sliding(dc) -> tuple[list[int], int] | None:
 def build_plain(dc, tc, dsrc, tsrc, fuse_context: bool, dtype: str = "float32", draft_ids: np.ndarray | None = None,
                 data: W.DataFile | None = None, progress=None,
                 window: bool = False) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-    """(portable, TensorRT flavour) in standard ONNX ops (templates.StandardOps), fp32 or fp16: what the traced
+    """(portable, TensorRT flavour) in standard ONNX ops (templates.StandardOps), fp32, fp16 or bf16: what the traced
     DrafterGraph computes, both flavours from one pass sharing every initializer. They differ only in the
     prologue that says where the context cache is (as plain.py's target): portable `past_ctx_kv` [past, ...] is
     the valid prefix; TensorRT `ctx_kv_cache` [cap, ...] the whole buffer with `past_len` [1] valid rows, stale
@@ -97,7 +98,7 @@ def build_plain(dc, tc, dsrc, tsrc, fuse_context: bool, dtype: str = "float32", 
     window (a drafter whose every layer slides, `sliding`): the portable flavour's `past_ctx_kv` is the window
     buffer's valid rows at real positions window_base .. (an int64 [1] input): the rotary and the window mask read
     real positions. The TensorRT flavour stays the max_seq_len-row buffer (its window binding is not written yet)."""
-    np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
+    np_dt = dtypes.numpy_dtype(dtype)  # bfloat16 (a hybrid target's pair): ml_dtypes', written as BFLOAT16
     b = Builder(data, dtype=np_dt)
     ops = StandardOps(b, dc.rope, dc.head_dim, float(dc.rms_norm_eps), opset=OPSET)
     _consts(b)

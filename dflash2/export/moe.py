@@ -30,7 +30,7 @@ export's row check runs on every export.)
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper
 
 
 def is_sparse(c, i: int) -> bool:
@@ -54,10 +54,11 @@ def standard(b, ops, u: str, src, c, m: str) -> str:
     if c.norm_topk_prob:
         total = b.op("ReduceSum", [top, b.const(f"{m}.last", [-1])], f"{m}.top_sum", keepdims=1)[0]  # [n, 1]
         top = b.op("Div", [top, total], f"{m}.top_norm")[0]
-    top = ops.back(top, f"{m}.top")  # the graph dtype, as SparseMoE.route casts
-    zero = helper.make_tensor("value", helper.np_dtype_to_tensor_dtype(b.dtype), [1], [0])
+    # scattered in fp32, then the graph dtype, as SparseMoE.route casts (opset 17's ConstantOfShape has no bf16)
+    zero = helper.make_tensor("value", TensorProto.FLOAT, [1], [0])
     zeros = b.op("ConstantOfShape", [b.op("Shape", [logits], f"{m}.router.shape")[0]], f"{m}.zeros", value=zero)[0]
-    weights = b.op("ScatterElements", [zeros, idx, top], f"{m}.weights", axis=1)[0]  # [n, E]: 0 where not kept
+    weights = b.op("ScatterElements", [zeros, idx, top], f"{m}.weights.f32", axis=1)[0]  # [n, E]: 0 where not kept
+    weights = ops.back(weights, f"{m}.weights")
     gate_up = [n for e in range(E) for n in (f"{m}.experts.{e}.gate_proj", f"{m}.experts.{e}.up_proj")]
     gu = b.linear(u, f"{m}.experts.gate_up", src, gate_up)  # [n, E*2I]: expert e's gate then up
     gu = b.op("Reshape", [gu, b.const(f"{m}.gu_shape", [-1, E, 2, I])], f"{m}.gu4")[0]  # [n, E, 2, I]

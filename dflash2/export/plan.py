@@ -360,7 +360,9 @@ def _job(plan: ExportPlan, name: str) -> GraphJob:
         return GraphJob(name, "gqa", tensorrt=False, quant=quant, quantize_when=None if quant is None else "as-written",
                         truncated_check=name == "target")
     when = None if quant is None else "after-validation"
-    if name in ("target", "drafter") and plan.dtype in plain.DTYPES:
+    family = families.by_name(plan.tc.family)  # a hybrid pair's templates also write bfloat16 (TargetFamily.dtypes)
+    own = family.name not in families.DENSE and plan.dtype in family.dtypes
+    if name in ("target", "drafter") and (plan.dtype in plain.DTYPES or own):
         nbytes = _template_bytes(plan, name)
         return GraphJob(name, "templates", tensorrt=True, quant=quant, quantize_when=when,
                         truncated_check=stages.held_bytes(nbytes, plan.dtype) > stages.WHOLE_GRAPH_BYTES,

@@ -21,10 +21,10 @@ state, so a long prompt holds one state per layer, not n.
 The recurrence applies one row at a time exactly the reference's per-row operations (gated_delta_rows), in fp32
 (a 1-row decode without a Scan, a verify's rows in a Scan of the same one-row op: qwen3_5_gdn.py); the causal
 conv is the reference's explicit sum over the K taps in tap order, so a k-row verify row equals the 1-row decode
-of the same token. fp32 or fp16 graphs (bf16: not yet, the plan refuses it). In fp16 the graph follows the
-reference's own low-precision numerics (dflash2.reference.qwen3_5 loaded in fp16): weights, activations, the KV rows
-and the conv states in fp16; the recurrence, its state (rec_state, always fp32), the gates g and beta, the l2 norms,
-every RMSNorm's inside, the attention softmax and the logits in fp32, cast where the reference casts.
+of the same token. fp32, fp16 or bf16 graphs. In fp16 / bf16 the graph follows the reference's own low-precision
+numerics (dflash2.reference.qwen3_5 loaded in that dtype): weights, activations, the KV rows and the conv states in
+the graph dtype; the recurrence, its state (rec_state, always fp32), the gates g and beta, the l2 norms, every
+RMSNorm's inside, the attention softmax and the logits in fp32, cast where the reference casts.
 
 Qwen3.5-MoE (dflash2.families.qwen3_5_moe) is the same hybrid with every layer's MLP the experts' block and its
 shared expert (moe.py: the all-experts standard ops in build(), ONNX Runtime's MoE / QMoE in build_fused()), the
@@ -42,6 +42,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from dflash2 import dtypes
 from dflash2.config import RopeConfig
 from dflash2.export import moe
 from dflash2.export import qwen3_5_gqa as q35g
@@ -52,7 +53,7 @@ from dflash2.export.templates import Builder, StandardOps
 from dflash2.reference.moe import UnfusedExperts
 
 F32 = TensorProto.FLOAT
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _zc(w: np.ndarray, np_dt=np.float32) -> np.ndarray:
@@ -117,8 +118,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     tap_ids = tuple(dc.target_layer_ids)
     sparse = hasattr(c, "num_experts")  # Qwen3.5-MoE: every layer's MLP the experts' block (dflash2.export.moe)
     src = UnfusedExperts(src) if sparse else src  # either expert layout read as per-expert names, one expert at a time
-    np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
-    onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
+    np_dt = dtypes.numpy_dtype(dtype)  # bfloat16: ml_dtypes' (onnx writes it as BFLOAT16)
+    onnx_dt = dtypes.onnx_type(dtype)
     if np_dt != np.float32 and (fused or gqa_kv or quant is not None):
         raise ValueError(f"qwen3_5 templates: the fused / quantized graph is float32, found {dtype!r}")
     b = Builder(data, quant, dtype=np_dt)
@@ -173,8 +174,9 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                                                    f"{name}.add_eps")[0]], f"{name}.sqrt")[0]], f"{name}.rsqrt")[0]
         return b.op("Mul", [x, r], name)[0]
 
-    def silu(x: str, name: str) -> str:
-        return b.op("Mul", [x, b.op("Sigmoid", [x], f"{name}.sigmoid")[0]], name)[0]
+    def silu(x: str, name: str) -> str:  # fp16 / bf16: in fp32, rounded once, as torch's silu of a low tensor
+        x32 = ops.f32(x, name)
+        return ops.back(b.op("Mul", [x32, b.op("Sigmoid", [x32], f"{name}.sigmoid")[0]], name)[0], name)
 
     def repeat_heads(x: str, name: str) -> str:  # [n, Hk, dk] -> [n, Hv, dk], head h reads key head h // rep
         if rep == 1:

@@ -269,7 +269,7 @@ class Gdn:
             y = f["norm"](o, None, f"{p}.o_norm", dim=dv)
             y = b.op("Mul", [y, b.fw(f"{p}.o_norm.weight", src.get(f"{a}.norm.weight"))], f"{p}.o_norm.w")[0]
         z = f["f32"](f["heads"](z, Hv, dv, f"{p}.z"), f"{p}.z")  # silu(z) and the product in fp32 (GatedRMSNorm)
-        y = f["back"](b.op("Mul", [f["f32"](y, f"{p}.o_normed"), f["silu"](z, f"{p}.z.silu")], f"{p}.gated")[0],
-                      f"{p}.gated")
+        z = b.op("Mul", [z, b.op("Sigmoid", [z], f"{p}.z.sigmoid")[0]], f"{p}.z.silu")[0]
+        y = f["back"](b.op("Mul", [f["f32"](y, f"{p}.o_normed"), z], f"{p}.gated")[0], f"{p}.gated")
         y = b.op("Reshape", [y, b.const(f"{p}.o_flat", [-1, vd])], f"{p}.o_flat")[0]
         return b.linear(y, f"{p}.out_proj", src, [f"{a}.out_proj"]), conv_out, rec_out

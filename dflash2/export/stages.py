@@ -38,9 +38,10 @@ WHOLE_GRAPH_BYTES = 2 << 30  # a target checked whole when its weights fit (ONNX
 
 
 def held_bytes(nbytes: int, dtype: str) -> int:
-    """What a validation session holds for `nbytes` of weights: fp16 twice over (ONNX Runtime's CPU provider has no
-    fp16 GEMM on x86 and runs each fp16 MatMul on an fp32 copy of its weights)."""
-    return nbytes * 2 if dtype == "float16" else nbytes
+    """What a validation session holds for `nbytes` of weights: fp16 / bf16 twice over (ONNX Runtime's CPU provider
+    has no fp16 GEMM on x86 and runs each fp16 MatMul on an fp32 copy of its weights; a bf16 graph runs emulated on
+    fp32 copies, export.bf16_emulation)."""
+    return nbytes * 2 if dtype in ("float16", "bfloat16") else nbytes
 
 
 def weight_bytes(tc, dtype: str) -> int:
@@ -54,7 +55,7 @@ def not_whole(progress: Progress, name: str, tc, dtype: str, dc, nbytes: int) ->
     instead = f"{graph}.truncated" + (f".{rest}" if rest else "")
     depth = (f"{truncated_drafter(dc).num_layers} of {dc.num_layers} layers, the real head and selector" if dc else
              f"{truncated_depth(tc)} layers, the real embedding and head")
-    fp32_copies = " (run on fp32 copies by ONNX Runtime's CPU provider)" if dtype == "float16" else ""
+    fp32_copies = " (run on fp32 copies by ONNX Runtime's CPU provider)" if dtype in ("float16", "bfloat16") else ""
     why = (f"not run whole here: {nbytes / 2**30:.2f} GiB of {dtype} weights{fp32_copies}, past the "
            f"{WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory validation holds; the same templates validated end "
            f"to end as {instead} ({depth}); no replay files for the whole graph (its reference would stream every "

@@ -67,7 +67,7 @@ class DataFile:
     def add(self, name: str, array: np.ndarray) -> TensorProto:
         a = np.ascontiguousarray(array, dtype=np.asarray(array).dtype.newbyteorder("<"))  # ONNX: little-endian
         offset = self._start(a.nbytes)
-        self.fh.write(memoryview(a).cast("B"))
+        self.fh.write(_raw(a))
         self.bytes += a.nbytes
         return self._proto(name, a.dtype, a.shape, offset, a.nbytes)
 
@@ -77,7 +77,7 @@ class DataFile:
         offset = self._start(want)
         for c in chunks:
             c = np.ascontiguousarray(c, dtype=np.dtype(dtype).newbyteorder("<"))
-            self.fh.write(memoryview(c).cast("B"))
+            self.fh.write(_raw(c))
             self.bytes += c.nbytes
         if self.bytes - offset != want:
             raise ValueError(f"DataFile: {name}: expected {want} bytes for {np.dtype(dtype)} {list(shape)}, "
@@ -162,3 +162,8 @@ class DynamicInt8:
 def weight_quantizer(quant):
     """The quantizer an OrtQuant writes weights with: ONNX Runtime's block quantizer (MatMulNBits) or DynamicInt8."""
     return DynamicInt8() if quant.dynamic else NBits(quant)
+
+
+def _raw(a: np.ndarray) -> memoryview:
+    """A contiguous array's bytes (ml_dtypes' bfloat16 included, which the buffer protocol does not take)."""
+    return memoryview(a.reshape(-1).view(np.uint8))

@@ -224,4 +224,4 @@ QWEN3_5 = TargetFamily(
     tensor_shapes=tensor_shapes, tiny_config=tiny_config, hf_class="Qwen3_5ForCausalLM", ignored=IGNORED,
     reference="dflash2.reference.qwen3_5:load_target", templates={"plain": "dflash2.export.qwen3_5:build",
                                                                "fused": "dflash2.export.qwen3_5:build_fused"},
-    fused_kv="gqa-shared", dtypes=("float32", "float16"))
+    fused_kv="gqa-shared", dtypes=("float32", "float16", "bfloat16"))

@@ -1,5 +1,5 @@
 """How far a low-precision export's target graph and PyTorch's own run in that dtype each land from the fp32 reference,
-on the export's own validation feeds (its Polygraphy replay file, target.inputs.json):
+on the export's own validation feeds (its Polygraphy replay file, target.inputs.json; a bf16 graph run as the validation emulates it):
 
     python scripts/experiments/low_precision_drift.py EXPORT DRAFTER TARGET [--json out.json]
 
@@ -20,7 +20,7 @@ import torch
 
 from dflash2 import dtypes
 from dflash2.export.graphs import graph_specs
-from dflash2.export.validate import reference_outputs
+from dflash2.export.validate import graph_array, reference_outputs
 from dflash2.manifest import ExportManifest, load
 from dflash2.numerics import TOLERANCES, compare_floats
 from dflash2.onnxrt import open_session, run
@@ -33,20 +33,38 @@ def main(argv=None) -> int:
     p.add_argument("drafter", type=Path)
     p.add_argument("target", type=Path)
     p.add_argument("--json", type=Path)
+    p.add_argument("--dtype", help="a folder without a manifest (an export's .failed one): its dtype")
     a = p.parse_args(argv)
     from polygraphy.json import load_json
 
-    m = load(a.export, ExportManifest, check_files=False)
-    low = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(m.dtype)
+    if (a.export / "manifest.json").exists():
+        m = load(a.export, ExportManifest, check_files=False)
+        dtype, fused = m.dtype, m.context.fused
+    else:  # the validation's kept files: the export's default context (fused)
+        dtype, fused = a.dtype, True
+    low = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype)
     if low is None:
-        p.error(f"{a.export}: a float16 / bfloat16 export, found {m.dtype}")
-    specs = [graph_specs(*load_pair(a.drafter, a.target, dt), m.context.fused)[0] for dt in (low, torch.float32)]
-    sess = open_session(a.export / "target.onnx", ["CPUExecutionProvider"])
-    atol, rtol = TOLERANCES[m.dtype]
+        p.error(f"{a.export}: a float16 / bfloat16 export (or --dtype), found {dtype}")
+    specs = [graph_specs(*load_pair(a.drafter, a.target, dt), fused)[0] for dt in (low, torch.float32)]
+    graph = a.export / "target.onnx"
+    if dtype == "bfloat16":  # the CPU provider has no bf16 kernels: the export validation's emulation
+        import onnx
+
+        from dflash2.export.bf16_emulation import emulated
+
+        model = emulated(onnx.load(str(graph), load_external_data=False))
+        if isinstance(model, str):
+            p.error(f"{graph}: not emulated: {model}")
+        graph = graph.with_name(".drift.bf16emu.onnx")
+        onnx.save_model(model, str(graph))
+    sess = open_session(graph, ["CPUExecutionProvider"])
+    kinds = {i.name: i.type for i in sess.get_inputs()}
+    atol, rtol = TOLERANCES[dtype]
     rows = []
     for i, f in enumerate(load_json(str(a.export / "target.inputs.json"))):
-        feed = {k: torch.from_numpy(np.asarray(v)) for k, v in f.items()}
-        got = run(sess, {k: v.numpy() for k, v in feed.items()}, specs[0].outputs)
+        feed = {k: torch.from_numpy(np.asarray(v)) for k, v in f.items()}  # the replay file widens bf16 to fp32
+        feed = {k: v.to(low) if kinds.get(k) == f"tensor({dtype})" else v for k, v in feed.items()}
+        got = run(sess, {k: graph_array(v) for k, v in feed.items()}, specs[0].outputs)
         own = reference_outputs(specs[0], [feed])[0]
         wide = reference_outputs(specs[1], [{k: v.float() if v.is_floating_point() else v for k, v in feed.items()}])[0]
         for name in specs[0].outputs:
@@ -64,7 +82,7 @@ def main(argv=None) -> int:
         print(f"{r['feed']:>4} {r['output']:<16} {r['graph_vs_fp32']:>10.4f} {r['own_vs_fp32']:>10.4f} "
               f"{r['graph_vs_own']:>10.4f}  {r['graph_meets_fp32']!s:>5} {r['own_meets_fp32']!s:>5} "
               f"{r['graph_meets_own']!s:>5}")
-    doc = {"export": str(a.export), "dtype": m.dtype, "itemsize": dtypes.get(m.dtype).itemsize, "rows": rows}
+    doc = {"export": str(a.export), "dtype": dtype, "itemsize": dtypes.get(dtype).itemsize, "rows": rows}
     if a.json:
         a.json.write_text(json.dumps(doc, indent=1))
     return 0
