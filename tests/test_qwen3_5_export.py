@@ -188,25 +188,34 @@ def test_every_accepted_count_rolls_the_state_back(pair, exported):
     assert set(g.stats.accepted) >= set(range(BLOCK))  # 0..S, each at least once
 
 
+def _low_precision_io(out, m, dtype: str) -> None:
+    """Both target flavours of an fp16 / bf16 export bind the conv state and the KV rows in that dtype, the recurrent
+    state and the logits in fp32; the manifest's state signature says the same."""
+    import onnx
+
+    from dflash2 import dtypes
+
+    low = dtypes.onnx_type(dtype)
+    for f in ("target.onnx", "target.trt.onnx"):
+        g = onnx.load(str(out / f), load_external_data=False).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output]}
+        assert types["conv_state.0"] == types["conv_states.0"] == low
+        assert types["rec_state.0"] == types["rec_states.0"] == types["logits"] == onnx.TensorProto.FLOAT
+        assert types["past_kv" if f == "target.onnx" else "kv_cache"] == low
+    assert m.graphs["target"].signature.state.dtypes[:2] == [dtype, "float32"]
+    assert m.graphs["target"].tensorrt_signature.state is not None
+
+
 def fp16_export_checks(pair, out, block: int, plan: list[int]) -> None:
     """An fp16 export of a hybrid pair: validated (both flavours), its row check bitwise on the fp16 graph, the conv
     state and KV rows bound in fp16 and the recurrent state in fp32, and speculative decoding through its graphs equal
     to the fp16 target's own greedy ids at every accepted count 0..S (planned drafts) and with the pair's drafter."""
-    import onnx
-
     m = export(*pair, out, max_seq_len=160, quiet=True, dtype="float16") if not out.exists() else \
         Runtime(out).manifest
     assert all(v.ok and not v.skipped for v in m.validation.values()), m.validation
     rows = m.validation["target.rows"]
     assert rows.steps["rows"] > 0 and rows.steps["differing"] == 0
-    for f in ("target.onnx", "target.trt.onnx"):
-        g = onnx.load(str(out / f), load_external_data=False).graph
-        types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output]}
-        assert types["conv_state.0"] == types["conv_states.0"] == onnx.TensorProto.FLOAT16
-        assert types["rec_state.0"] == types["rec_states.0"] == types["logits"] == onnx.TensorProto.FLOAT
-        assert types["past_kv" if f == "target.onnx" else "kv_cache"] == onnx.TensorProto.FLOAT16
-    sig = m.graphs["target"].signature
-    assert sig.state.dtypes[:2] == ["float16", "float32"] and m.graphs["target"].tensorrt_signature.state is not None
+    _low_precision_io(out, m, "float16")
     rt = Runtime(out)
     rt.manifest.eos_token_ids = []
     truth = rt.generate(PROMPT, 48, speculative=False).ids
@@ -251,8 +260,6 @@ def test_bf16_is_validated_on_its_emulation(pair, tmp_path, monkeypatch):
     """bf16 (the checkpoints' own dtype; TensorRT's): target and drafter from the templates, weights streamed, the
     conv state and KV rows bf16 and the recurrent state fp32; where no provider has bf16 kernels (this CPU) every
     graph validated as export.bf16_emulation runs it, the row check recorded not run, with why."""
-    import onnx
-
     from dflash2.export import validate
 
     monkeypatch.setattr(validate.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
@@ -262,13 +269,7 @@ def test_bf16_is_validated_on_its_emulation(pair, tmp_path, monkeypatch):
     assert set(graphs) == {"target", "target.trt", "drafter", "drafter.trt", "selector"}
     assert all(v.ok and v.steps["emulated"].startswith("bf16 emulated") for v in graphs.values()), m.validation
     assert "no bfloat16 kernels" in m.validation["target.rows"].skipped
-    for f in ("target.onnx", "target.trt.onnx"):
-        g = onnx.load(str(out / f), load_external_data=False).graph
-        types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output]}
-        assert types["conv_state.0"] == types["conv_states.0"] == onnx.TensorProto.BFLOAT16
-        assert types["rec_state.0"] == types["rec_states.0"] == types["logits"] == onnx.TensorProto.FLOAT
-        assert types["past_kv" if f == "target.onnx" else "kv_cache"] == onnx.TensorProto.BFLOAT16
-    assert m.graphs["target"].signature.state.dtypes[:2] == ["bfloat16", "float32"]
+    _low_precision_io(out, m, "bfloat16")
 
 
 def test_the_plan_refuses_what_the_hybrid_templates_do_not_do(pair, tmp_path):

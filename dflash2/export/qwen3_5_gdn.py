@@ -20,9 +20,9 @@ Both run the SAME one-row op on the same shapes (the fused LinearAttention over 
 ops over [Hv, dk] rows), so a k-row verify row stays bitwise the 1-row decode of that token: the row invariance that
 makes speculative output lossless (the export's row check, runtime/invariance.py, verifies it).
 
-In an fp16 graph the projections, the conv (its state too) and the output projection run in fp16; q, k, v are cast
+In an fp16 / bf16 graph the projections, the conv (its state too) and the output projection run in it; q, k, v are cast
 to fp32 after the conv, g and beta are fp32, the recurrence and its state are fp32 as in the fp32 graph, and the
-output comes back to fp16 for the gated norm, as GatedDeltaNet does in the reference.
+output comes back to the graph dtype for the gated norm, as GatedDeltaNet does in the reference.
 """
 
 from __future__ import annotations
