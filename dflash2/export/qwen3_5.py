@@ -56,12 +56,6 @@ F32 = TensorProto.FLOAT
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _zc(w: np.ndarray, np_dt=np.float32) -> np.ndarray:
-    """A zero-centred RMSNorm weight as the norm multiplies it: 1 + w, in fp32 (the reference's product), w as the
-    reference holds it (an fp16 model's w rounded to fp16 first)."""
-    return 1.0 + np.asarray(w).astype(np_dt).astype(np.float32)
-
-
 def _embed(b: Builder, src, quant, matrix, ids: str = N.INPUT_IDS) -> str:
     """The embedding lookup [n, H] of `ids` (int32 or int64): an fp32 Gather, or with int4 weights
     GatherBlockQuantized over the embedding's int4 blocks along H (ONNX Runtime's block quantizer, zero point 8:
@@ -152,10 +146,13 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     fused = quant is not None or fused
 
     def norm(x: str, w, name: str, eps: float | None = None, dim: int | None = None, zc: bool = False) -> str:
-        """RMSNorm over the last axis (weight w; None: none, of width dim). fused: ONNX Runtime's
-        SimplifiedLayerNormalization, one node per norm where the standard ops take seven (a row's result still
-        depends on that row alone: row invariance holds); standard ops: StandardOps.norm."""
-        if not fused:  # a zero-centred weight (1 + w, _zc) multiplied in fp32 as the reference does
+        """RMSNorm over the last axis (weight w; None: none, of width dim; zc: zero-centred, the norm multiplies
+        1 + w in fp32, w as the reference holds it). fused: ONNX Runtime's SimplifiedLayerNormalization, one node
+        per norm where the standard ops take seven (a row's result still depends on that row alone: row invariance
+        holds); standard ops: StandardOps.norm."""
+        if zc:
+            w = 1.0 + b.held(w)
+        if not fused:  # the zero-centred product in fp32, as the reference takes it
             return ops.norm(x, w, name, eps=eps, fp32_weight=zc)
         w = np.ones(dim, np.float32) if w is None else np.asarray(w, np.float32)
         return b.op("SimplifiedLayerNormalization", [x, b.weight(f"{name}.weight", w)], name, axis=-1,
@@ -196,8 +193,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                        f"{p}.q_gate", outputs=2, axis=-1)  # [n, nh, hd] each
         gate = b.op("Reshape", [gate, b.const(f"{p}.gate_flat", [-1, nh * hd])], f"{p}.gate_flat")[0]
         k, v = heads(k, kvh, hd, f"{p}.k_heads"), heads(v, kvh, hd, f"{p}.v_heads")
-        q = norm(q, _zc(src.get(f"{a}.q_norm.weight"), np_dt), f"{p}.q_norm", zc=True)
-        k = norm(k, _zc(src.get(f"{a}.k_norm.weight"), np_dt), f"{p}.k_norm", zc=True)
+        q = norm(q, src.get(f"{a}.q_norm.weight"), f"{p}.q_norm", zc=True)
+        k = norm(k, src.get(f"{a}.k_norm.weight"), f"{p}.k_norm", zc=True)
         q, k = (partial_rope(t, f"{p}.{nm}_rope") for t, nm in ((q, "q"), (k, "k")))
         if gqa_kv:  # writes present.{ia}.key|value itself
             o = q35g.attention(b, kernel, q, k, v, nh, kvh, hd, ia, p)
@@ -252,7 +249,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         p = f"layers.{i}"
         if progress is not None:
             progress(i, L)
-        u = norm(h, _zc(src.get(f"{p}.input_layernorm.weight"), np_dt), f"{p}.input_layernorm", zc=True)
+        u = norm(h, src.get(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm", zc=True)
         if kind == "full_attention":
             y, kv_row = attention(u, p, len(new_kv))
             new_kv.append(kv_row)
@@ -260,8 +257,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             y, _, _ = gdn(u, p, gdn_layers)  # writes conv_states.{j}, rec_states.{j} itself
             gdn_layers += 1
         h = b.op("Add", [h, y], f"{p}.mix_residual")[0]
-        u = norm(h, _zc(src.get(f"{p}.post_attention_layernorm.weight"), np_dt), f"{p}.post_attention_layernorm",
-                 zc=True)
+        u = norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm", zc=True)
         m = f"{p}.mlp"
         if sparse:  # u [n, H] -> [n, H]: ONNX Runtime's MoE / QMoE (fused graph) or the all-experts standard ops
             mlp = moe.fused(b, u, src, c, m) if fused else moe.standard(b, ops, u, src, c, m)
@@ -276,7 +272,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             taps[i] = h  # the OUTPUT of layer i (HF hidden_states[i + 1])
     if not gqa_kv:
         b.op("Concat", new_kv, N.NEW_KV, outputs=[N.NEW_KV], axis=1)
-    y = norm(h, _zc(src.get("norm.weight"), np_dt), "norm", zc=True)
+    y = norm(h, src.get("norm.weight"), "norm", zc=True)
     head_name = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     if quant is not None and quant.lm_head:  # the [H, V] transpose quantized one vocabulary slice at a time
         logits = b.matmul_nbits(y, "lm_head", (H, c.vocab_size), (r.T for r in src.row_chunks(head_name)))

@@ -255,9 +255,8 @@ class Gdn:
         k = f["l2norm"](rep(f["heads"](k, Hk, dk, f"{p}.k_heads"), f"{p}.k_rep"), f"{p}.k")
         v = f["heads"](v, Hv, dv, f"{p}.v")
         beta = f["f32"](b.op("Sigmoid", [bb], f"{p}.beta")[0], f"{p}.beta")  # [n, Hv], sigmoid in the graph dtype
-        held = lambda w: np.asarray(w).astype(b.dtype).astype(np.float32)  # noqa: E731 (as the reference holds it)
-        neg_a = -np.exp(held(src.get(f"{a}.A_log")))
-        sp = b.op("Softplus", [b.op("Add", [f["f32"](aa, f"{p}.a"), b.weight(f"{p}.dt_bias", held(
+        neg_a = -np.exp(b.held(src.get(f"{a}.A_log")))
+        sp = b.op("Softplus", [b.op("Add", [f["f32"](aa, f"{p}.a"), b.weight(f"{p}.dt_bias", b.held(
             src.get(f"{a}.dt_bias")))], f"{p}.dt")[0]], f"{p}.softplus")[0]
         g = b.op("Mul", [sp, b.weight(f"{p}.neg_A", neg_a)], f"{p}.g")[0]  # [n, Hv] log decay, fp32
         o, _ = self._rows([q, k, v, g, beta], rec_in, p, rec_out)  # [n, Hv, dv] fp32

@@ -46,6 +46,11 @@ class Builder:
         """A float weight in the graph dtype."""
         return self.weight(name, np.asarray(a).astype(self.dtype, copy=False))
 
+    def held(self, a: np.ndarray) -> np.ndarray:
+        """A float weight as a reference in the graph dtype holds it (rounded to that dtype), widened to fp32: what
+        enters an fp32 product of the graph (a zero-centred norm's 1 + w, a recurrence's gates)."""
+        return np.asarray(a).astype(self.dtype).astype(np.float32)
+
     def chunked(self, name: str, chunks, shape: tuple[int, ...], dtype=None) -> str:
         """A large weight written row chunk by row chunk (never whole in memory with a DataFile), as `dtype`
         (default the graph dtype)."""

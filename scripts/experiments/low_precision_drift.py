@@ -11,6 +11,7 @@ PyTorch's fp16 are further from each other than either is from fp32 (docs/result
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 from dflash2 import dtypes
 from dflash2.export.graphs import graph_specs
-from dflash2.export.validate import graph_array, reference_outputs
+from dflash2.export.validate import _bf16_emulated, graph_array, reference_outputs
 from dflash2.manifest import ExportManifest, load
 from dflash2.numerics import TOLERANCES, compare_floats
 from dflash2.onnxrt import open_session, run
@@ -47,17 +48,12 @@ def main(argv=None) -> int:
         p.error(f"{a.export}: a float16 / bfloat16 export (or --dtype), found {dtype}")
     specs = [graph_specs(*load_pair(a.drafter, a.target, dt), fused)[0] for dt in (low, torch.float32)]
     graph = a.export / "target.onnx"
-    if dtype == "bfloat16":  # the CPU provider has no bf16 kernels: the export validation's emulation
-        import onnx
-
-        from dflash2.export.bf16_emulation import emulated
-
-        model = emulated(onnx.load(str(graph), load_external_data=False))
-        if isinstance(model, str):
-            p.error(f"{graph}: not emulated: {model}")
-        graph = graph.with_name(".drift.bf16emu.onnx")
-        onnx.save_model(model, str(graph))
-    sess = open_session(graph, ["CPUExecutionProvider"])
+    with contextlib.ExitStack() as stack:
+        if dtype == "bfloat16":  # the CPU provider has no bf16 kernels: the export validation's emulation
+            graph, why = stack.enter_context(_bf16_emulated(graph))
+            if graph is None:
+                p.error(f"{a.export / 'target.onnx'}: not emulated: {why}")
+        sess = open_session(graph, ["CPUExecutionProvider"])
     kinds = {i.name: i.type for i in sess.get_inputs()}
     atol, rtol = TOLERANCES[dtype]
     rows = []
