@@ -39,3 +39,42 @@ def relabel_dtype(m: dict, dtype: str) -> None:
     for spec in m["graphs"]["target"]["inputs"]:
         if spec["name"] in past:
             spec["dtype"] = dtype
+
+
+def low_precision_checks(pair, out: Path, dtype: str, prompt: list[int], new: int, plan: list[int],
+                         max_seq_len: int = 160):
+    """A float16 / bfloat16 export of a tiny pair (drafter, target) into out (kept if it is there), as users get it:
+    every graph validated (bf16: on its emulation, recorded as such; its row check recorded not run, naming the
+    missing kernels); both target flavours bind the KV rows in that dtype and give fp32 logits. float16 further: the
+    row check bitwise, and speculative decoding through the graphs equal to the fp16 target's own greedy ids at every
+    accepted count 0..S (planned drafts: plan) and with the pair's drafter. Returns the manifest."""
+    import onnx
+
+    from dflash2 import dtypes
+    from dflash2.runtime.api import Runtime
+    from dflash2.speculative import generate
+    from tests.test_qwen3_5_export import PlannedDrafts
+
+    m = export(*pair, out, max_seq_len=max_seq_len, quiet=True, dtype=dtype) if not out.exists() else \
+        Runtime(out).manifest
+    assert m.dtype == dtype and all(v.ok or v.skipped for v in m.validation.values()), m.validation
+    low = dtypes.onnx_type(dtype)
+    for f, past in (("target.onnx", "past_kv"), ("target.trt.onnx", "kv_cache")):
+        g = onnx.load(str(out / f), load_external_data=False).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output]}
+        assert types[past] == types["new_kv"] == types["context"] == low and types["logits"] == onnx.TensorProto.FLOAT
+    rows = m.validation["target.rows"]
+    if dtype == "bfloat16":
+        graphs = [k for k in m.validation if k != "target.rows"]
+        assert all("emulated" in m.validation[k].steps for k in graphs), graphs
+        assert rows.skipped and "no bfloat16 kernels" in rows.skipped
+        return m
+    assert not any(v.skipped for v in m.validation.values()), m.validation
+    assert rows.steps["rows"] > 0 and rows.steps["differing"] == 0
+    rt = Runtime(out)
+    rt.manifest.eos_token_ids = []
+    truth = rt.generate(prompt, new, speculative=False).ids
+    g = generate(PlannedDrafts(rt.manifest, rt.session.backend, truth, plan=plan), prompt, new)
+    assert g.ids == truth and set(g.stats.accepted) >= set(range(max(plan) + 1))
+    assert rt.generate(prompt, new).ids == truth  # the pair's own drafter
+    return m

@@ -206,17 +206,29 @@ def test_speculative_decoding_through_the_exported_graphs_is_lossless_past_the_w
     assert rt.generate(PROMPT, 64).ids == truth  # the pair's own drafter
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_exports_are_validated_and_fp16_is_lossless_past_the_window(exported, dtype, tmp_path):
+    """--dtype float16 / bfloat16 (gpt-oss ships bf16 beside its MXFP4 experts; TensorRT's dtypes), float and MXFP4
+    experts (decoded exactly, then held in that dtype as the reference holds them): tests.exports.low_precision_checks
+    (validated, bf16 on its emulation; fp16 row check bitwise, fp16 speculative = the fp16 target's own greedy ids at
+    every accepted count 0..S and with the pair's drafter)."""
+    from tests.exports import low_precision_checks
+    from tests.test_qwen3_5_export import PROMPT
+
+    _, _, target = exported
+    low_precision_checks((target.parent / "drafter", target), tmp_path / "out", dtype, PROMPT, 64,
+                         list(range(E2E_BLOCK)) + [3, 0])
+
+
 def test_the_plan_refuses_what_the_templates_do_not_do(exported, tmp_path):
-    """Checked in fp32 (int4 / int8 weights: tests/test_lowbit_export.py): fp16 graphs and the TensorRT
-    quantizations refused before anything is written, naming the family."""
+    """Checked in fp32 / fp16 / bf16 (int4 / int8 weights: tests/test_lowbit_export.py): the TensorRT quantizations
+    refused before anything is written, naming the family."""
     from dflash2.errors import Dflash2Error
     from dflash2.export.api import export
     from dflash2.export.plan import QuantFlags
 
     _, _, target = exported
     drafter = target.parent / "drafter"
-    with pytest.raises(Dflash2Error, match=r"--dtype: expected one of \['float32'\] for GptOssForCausalLM"):
-        export(drafter, target, tmp_path / "a", dtype="float16", quiet=True)
     with pytest.raises(Dflash2Error, match=r"--quantize fp8: not yet for GptOssForCausalLM"):
         export(drafter, target, tmp_path / "b", quiet=True, quantize=QuantFlags(method="fp8"))
     assert not list(tmp_path.iterdir())

@@ -160,3 +160,16 @@ def test_the_window_buffer_compacts_and_keeps_the_parity(trained, monkeypatch):
     ours = list(gen.stats.accepted)
     ours[-1] = min(ours[-1], gen.stats.emitted[-1] - 1)  # transformers recounts the last round after the length cut
     assert ours == want_counts
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_exports_with_the_assistant(trained, dtype, tmp_path):
+    """Meta's assistant as the drafter of an fp16 / bf16 export (its inclusive window in that dtype):
+    tests.exports.low_precision_checks: validated (bf16 on its emulation); fp16 row check bitwise and speculative
+    decoding = the fp16 target's own greedy ids at every accepted count 0..3 (planned drafts) and with the trained
+    assistant itself, past both windows."""
+    from tests.exports import low_precision_checks
+
+    _, _, root, prompt = trained
+    low_precision_checks((root / "drafter", root / "target"), tmp_path / "out", dtype, prompt.tolist(), NEW,
+                         list(range(B)) + [2, 0])

@@ -4,6 +4,7 @@ so `dflash2-export --dtype bfloat16` failed on any onnxruntime-gpu machine); wit
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -88,7 +89,6 @@ def test_bf16_emulation_rounds_every_value_its_node_makes():
     """x * c + d in bf16: the emulation rounds the product before the sum, as a bf16 kernel per node would; fp32
     arithmetic without the rounding step gives other values (so the test can fail), and the io keeps bf16."""
     import ml_dtypes
-    import numpy as np
     import onnxruntime as ort
 
     from dflash2.export.bf16_emulation import emulated
@@ -135,6 +135,58 @@ def _fp32_cancel(offset: float) -> onnx.ModelProto:
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [6])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [6])], consts)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _fp16_reordered(offset: float) -> onnx.ModelProto:
+    """_Cancel's function in another order, each op rounded to fp16 (a Cast pair after it): (x * K) * w - x * (w * K)
+    (+ offset: a wrong graph). As far from the exact function as PyTorch's fp16 order, elsewhere."""
+    w = float(torch.tensor(1 / 3, dtype=torch.float16))
+    consts = [helper.make_tensor(n, TensorProto.FLOAT, [1], [v]) for n, v in
+              (("w", w), ("k", 1000.0), ("off", offset))]
+    nodes = [helper.make_node("Cast", ["x"], ["f"], to=TensorProto.FLOAT)]
+
+    def op(kind: str, a: str, b: str, out: str) -> None:  # one fp16 op: computed in fp32, rounded to fp16
+        nodes.extend([helper.make_node(kind, [a, b], [f"{out}.32"]),
+                      helper.make_node("Cast", [f"{out}.32"], [f"{out}.16"], to=TensorProto.FLOAT16),
+                      helper.make_node("Cast", [f"{out}.16"], [out], to=TensorProto.FLOAT)])
+    op("Mul", "f", "k", "xk")
+    op("Mul", "xk", "w", "a")
+    op("Mul", "w", "k", "wk")
+    op("Mul", "f", "wk", "b")
+    op("Sub", "a", "b", "d")
+    nodes += [helper.make_node("Add", ["d", "off"], ["e"]),
+              helper.make_node("Cast", ["e"], ["y"], to=TensorProto.FLOAT16)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [6])], consts)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["right", "wrong"])
+def test_a_graph_missing_both_references_is_judged_by_its_dtypes_own_error(tmp_path, offset):
+    """Where PyTorch's own fp16 is past fp16's tolerance from the fp32 reference and the graph (fp16 in another order)
+    misses both references, the step passes if the graph's RMSE from fp32 is within 3x PyTorch fp16's
+    (numerics.within_dtype_error, torch._dynamo.utils.same's rule), recorded with both errors; a wrong graph fails."""
+    from dflash2.numerics import within_dtype_error
+
+    path = tmp_path / "g.onnx"
+    onnx.save(_fp16_reordered(offset), str(path))
+    x = torch.tensor([3.0, 2.9, 1.7, 0.7, 2.2, 5.1], dtype=torch.float16)
+    module = _Cancel()
+    spec = GraphSpec("g", module, ["x"], ["y"], {}, (x,), lambda: [{"x": x}])
+    got = validate.run(validate.open_session(path, ["CPUExecutionProvider"]), {"x": x.numpy()}, ["y"])["y"]
+    own, exact = module(x)[0].numpy(), np.zeros(6, np.float32)  # fp32: (x w) K - x (w K) = 0 exactly here
+    assert validate.compare("g", {"y": got}, {"y": own}, "float16", 0)[0]  # misses PyTorch's fp16
+    assert validate.compare("g", {"y": got}, {"y": exact}, "float16", 0)[0]  # and the fp32 reference
+    failures, report = validate.validate_graph(spec, path, "float16")
+    if offset == 0.0:
+        judged = report["step0"]["judged_by_dtype_error"]
+        assert not failures and judged["own_dtype_failures"] and judged["fp32_failures"]
+        assert 0 < judged["outputs"]["y"]["graph_rmse_vs_fp32"] < judged["outputs"]["y"]["own_rmse_vs_fp32"]
+    else:
+        assert failures and "judged_by_dtype_error" not in report["step0"]
+    assert within_dtype_error(np.array([0, 1, 2]), np.array([0, 1, 3]), np.array([0, 1, 2]), "float16")[0]
+    assert not within_dtype_error(np.array([5, 1, 2, 0]), np.array([0, 1, 2, 0]), np.array([0, 1, 2, 0]),
+                                  "float16")[0]  # PyTorch's own ids all exact: one differing is past 3 x 0 + 5%
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["right", "wrong"])

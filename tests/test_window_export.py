@@ -1,5 +1,5 @@
 """Issue 48's window buffer as users get it: dflash2-make-tiny --family muse_glimmer (3 sliding layers of window 8,
-1 full layer), dflash2-export (fp32 templates, and --quantize int8's fused graph) writes the windowed target by
+1 full layer), dflash2-export (fp32 and fp16 templates, and --quantize int8's fused graph) writes the windowed target by
 default, and dflash2-run on it with a prompt past the window and enough new tokens to compact the buffer several
 times: the speculative ids equal --no-spec's, --check-rows holds through compactions, and --json reports the KV
 bytes: the full layer's max_seq_len rows and the window buffer's fixed rows (the bound). The manifest's window
@@ -29,7 +29,7 @@ from tests.exports import edit_manifest  # noqa: E402
 T = 256  # --max-seq-len
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 19, 23, 29, 31, 37, 41, 43, 47]  # 20 > window 8
 NEW = 200  # new tokens: the 86-row buffer (7 + 63 + 2 x 8) compacted every 16..79 of them
-KV_ROW = 2 * 2 * 16 * 4  # k|v x kv heads x head_dim x fp32 bytes, per layer and row
+KV_ROW = 2 * 2 * 16  # k|v x kv heads x head_dim, per layer and row: times the dtype's bytes
 
 
 def cli(main, *args: str) -> str:
@@ -48,17 +48,20 @@ def pair(tmp_path_factory):
     return root
 
 
+KINDS = {"fp32": [], "fp16": ["--dtype", "float16"], "int8": ["--quantize", "int8"]}  # kind -> dflash2-export flags
+
+
 def export_once(pair, kind: str):
-    """dflash2-export of the module's pair (fp32 or --quantize int8) into pair/out-KIND, once per module."""
+    """dflash2-export of the module's pair (fp32, --dtype float16 or --quantize int8) into pair/out-KIND, once per
+    module."""
     out = pair / f"out-{kind}"
     if not (out / mf.NAME).exists():
-        quant = ["--quantize", "int8"] if kind == "int8" else []
         cli(export_cli.main, "--model", str(pair / "pair" / "drafter"), "--target", str(pair / "pair" / "target"),
-            "--out", str(out), "--max-seq-len", str(T), "--quiet", *quant)
+            "--out", str(out), "--max-seq-len", str(T), "--quiet", *KINDS[kind])
     return out
 
 
-@pytest.fixture(scope="module", params=["fp32", pytest.param("int8", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["fp32", "fp16", pytest.param("int8", marks=pytest.mark.slow)])
 def exported(request, pair):
     return export_once(pair, request.param)
 
@@ -82,11 +85,12 @@ def test_speculative_equals_no_spec_past_the_window_and_the_buffer_is_bounded(ex
                                   "--json", *flag)) for flag in ((), ("--no-spec",)))
     assert spec["ids"] == plain["ids"] and len(spec["ids"]) == NEW, (spec["stop_reason"], plain["stop_reason"])
     C = 7 + window.ALIGN - 1 + 2 * 8
+    row = KV_ROW * (2 if "fp16" in exported.name else 4)
     for run in (spec, plain):
         kv = run["kv"]
         assert kv["window_rows"] == C < len(PROMPT) + NEW and kv["window_rows_used"] <= C
-        assert kv["window_bytes"] == C * 3 * KV_ROW  # the 3 sliding layers: window rows, whatever the length
-        assert kv["target_bytes"] == T * 1 * KV_ROW  # the full layer alone on max_seq_len rows
+        assert kv["window_bytes"] == C * 3 * row  # the 3 sliding layers: window rows, whatever the length
+        assert kv["target_bytes"] == T * 1 * row  # the full layer alone on max_seq_len rows
         assert kv["window_compactions"] >= 2 and kv["window_layers"] == [0, 1, 2]
 
 

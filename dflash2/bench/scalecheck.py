@@ -98,6 +98,11 @@ SHAPES = {
     # 52 layers, 3 sliding (window 2048) : 1 NoPE full, gated attention, 32 / 2 heads of 128) with a DFlash2 drafter
     # of 5 layers on Meta's assistant's taps, block 16. ~28 B text parameters: ~60 GB bf16 with the drafter: run it only
     # cut to its first layers (a --layers cut), never whole on a shared disk
+    # the same attention at a small width: hidden 1024, 4 layers (3 sliding of window 2048, 1 full), its real
+    # window, so the validation's prefill (2,051 rows) crosses it; a minute's export (docs/export.md's comparison rules)
+    "muse-glimmer-w2048": Shape("muse-glimmer-w2048", 1024, 4, 8, 2, 3072, 32_000, False, 1, (1, 2), block=8,
+                                top_k=8, rank=32, tokens=31_000, max_positions=8192, family="muse_glimmer",
+                                extra=(("sliding_window", 2048),)),
     "muse-glimmer-30b": Shape("muse-glimmer-30b", 6656, 52, 32, 2, 19968, 202_048, False, 5, (1, 13, 25, 37, 49),
                               tokens=200_000, max_positions=131_072, family="muse_glimmer",
                               extra=(("sliding_window", 2048),)),
@@ -263,6 +268,28 @@ class Measured:
     run: dict | None = None  # --run-check: dflash2-run on the export (run_check)
     load_average: list | None = None  # the machine's 1 / 5 / 15-minute load when the export ended (times compare
     # only at like loads)
+    judged: dict | None = None  # the validation steps a fallback rule passed (judgments)
+
+
+def judgments(out: Path) -> dict | None:
+    """The validation steps of an export that passed by a fallback rule (docs/export.md, "How outputs are
+    compared"): against the fp32 reference, or by PyTorch's own dtype error (with each output's RMSEs); the graphs
+    recorded not validated, with why. None: no manifest."""
+    f = out / "manifest.json"
+    if not f.is_file():
+        return None
+    found = {}
+    for graph, v in json.loads(f.read_text()).get("validation", {}).items():
+        if v.get("skipped"):
+            found[graph] = {"skipped": v["skipped"]}
+        for step, r in (v.get("steps") or {}).items():
+            if not isinstance(r, dict):
+                continue
+            if "judged_by_dtype_error" in r:
+                found[f"{graph}.{step}"] = {"rule": "dtype error", **r["judged_by_dtype_error"]["outputs"]}
+            elif "judged_against_fp32" in r:
+                found[f"{graph}.{step}"] = {"rule": "fp32"}
+    return found
 
 
 def _rss_tree(pid: int) -> int:
@@ -333,7 +360,8 @@ def measure(shape: Shape, mode: str, out_root: Path, max_rss_gib: float, timeout
     size = sum(p.stat().st_size for p in out.iterdir()) / 1e9 if out.is_dir() and rc == 0 else None
     err = next((ln for ln in reversed(lines) if "error" in ln.lower() and "Command" not in ln), None)
     return Measured(shape.name, mode, rc, int(rss.group(1)) / 2**20 if rss else None, time.perf_counter() - t0,
-                    steps, size, stopped[0] if stopped else None, None if rc == 0 else err)
+                    steps, size, stopped[0] if stopped else None, None if rc == 0 else err,
+                    judged=judgments(out) if rc == 0 else None)
 
 
 RUN_PROMPT = "1,2,3,4,5,6,7,8"

@@ -34,7 +34,7 @@ from dflash2 import dtypes
 from dflash2.export import selector_onnx as so
 from dflash2.export import signature as N
 from dflash2.export import weights as W
-from dflash2.export.templates import Builder, FusedOps, StandardOps
+from dflash2.export.templates import Builder, FusedOps, StandardOps, silu
 from dflash2.ops import contract as C
 
 OPSET = 18  # the selector's portable function is written for opset 18 (ReduceMax's axes as an input)
@@ -216,7 +216,7 @@ def _body(b: Builder, ops, dc, tc, dsrc, tsrc, fuse_context: bool, draft_ids, qu
             gate, up = b.op("Split", [b.linear(x, f"{m}.gate_up_proj", dsrc, [f"{m}.gate_proj", f"{m}.up_proj"]),
                                       b.const(f"{m}.sizes", [dc.intermediate_size] * 2)], f"{m}.gate_up", outputs=2,
                             axis=-1)
-            act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{m}.sigmoid")[0]], f"{m}.silu")[0]
+            act = silu(b, gate, f"{m}.silu")  # fp16 / bf16: in fp32, rounded once, as the reference's
             return b.linear(b.op("Mul", [act, up], f"{m}.act")[0], f"{m}.down_proj", dsrc, [f"{m}.down_proj"])
 
         u = norm("input_layernorm")

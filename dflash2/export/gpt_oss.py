@@ -22,8 +22,10 @@ initializer but the prologue (plain._prefix / plain._fixed). gpt-oss's parts:
 - MXFP4 expert weights are decoded exactly as read (reference.gpt_oss.DecodedExperts), one expert at a time into the
   data file (Builder.chunked).
 Outputs as plain.build: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V] fp32.
-The family's `plain` templates (dflash2.families.gpt_oss; fp32) and, through build_fused, its `fused` ones: the
-same graph with int4 / int8 weights quantized as written (export/lowbit.py) and the experts on QMoE
+In fp16 / bf16 the reference's own roundings (docs/families/gpt_oss.md, "fp16 and bf16 graphs"): the norms and their
+weight products, the rotary factor, the scalar scales, the softmaxes and TopK in fp32, rounded once where torch rounds.
+The family's `plain` templates (dflash2.families.gpt_oss; fp32 / fp16 / bf16) and, through build_fused, its `fused`
+ones: the same graph with int4 / int8 weights quantized as written (export/lowbit.py) and the experts on QMoE
 (export/gpt_oss_qmoe.py: int8 from MXFP4, block-exact); docs/families/gpt_oss.md.
 """
 
@@ -33,13 +35,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from dflash2 import dtypes
 from dflash2.export import lowbit
 from dflash2.export import signature as N
-from dflash2.export.plain import F32, attend, attention_consts, finish, kv_layout, kv_outputs, kv_row, masks
+from dflash2.export.plain import attend, attention_consts, finish, kv_layout, kv_outputs, kv_row, masks
 from dflash2.export.templates import Builder, StandardOps
 from dflash2.reference.gpt_oss import DecodedExperts
 
-DTYPES = ("float32",)
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def build_fused(c, dc, src, dsrc, fuse_context: bool, max_seq_len: int, data=None, progress=None, quant=None,
@@ -63,7 +66,9 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     with quant's weights (int8 from MXFP4 where the checkpoint has it). quant: build_fused's.
     window_kv: the sliding layers' K|V in their own bounded buffer (plain.KvLayout, manifest.WindowSignature)."""
     if dtype not in DTYPES:
-        raise ValueError(f"gpt-oss templates: float32 only, not {dtype}")
+        raise ValueError(f"gpt-oss templates: expected a dtype in {DTYPES}, found {dtype!r}")
+    if dtype != "float32" and (quant is not None or experts_op != "standard"):
+        raise ValueError(f"gpt-oss templates: the quantized / QMoE graph is float32, found {dtype!r}")
     if experts_op not in ("standard", "qmoe-int8", "qmoe"):
         raise ValueError(f"gpt-oss templates: experts_op standard, qmoe-int8 or qmoe, not {experts_op}")
     raw = src
@@ -71,24 +76,25 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
     g, eps = nh // kv, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
-    b = Builder(data, quant, dtype=np.float32)
+    b = Builder(data, quant, dtype=dtypes.numpy_dtype(dtype))  # bfloat16: ml_dtypes' (written as BFLOAT16)
     ops = StandardOps(b, c.rope, hd, eps)  # rope_inv_freq: YaRN's frequencies for a "yarn" rope
     ax0, ax1 = b.const("axis0", [0]), b.const("axis1", [1])
 
     def matrix(name: str) -> str:
         return b.chunked(name, src.row_chunks(name), src.shape(name))
 
+    def norm(x: str, name: str) -> str:  # GptOssRMSNorm: (w * x) in fp32, then cast (w as the reference holds it)
+        return ops.norm(x, b.held(src.get(f"{name}.weight")), name, fp32_weight=True)
+
     n = b.op("Shape", [N.INPUT_IDS], "n")[0]
     n0 = b.op("Squeeze", [n, ax0], "n.scalar", outputs=["n.scalar"])[0]
     b.op("Range", [b.const("zero", 0), n0, b.const("one", 1)], "steps", outputs=["steps"])  # [n]
     prologue_at = len(b.nodes)  # each flavour's prologue: start, pos [n] int64, k_pos [T] int64
     pos = "pos"
-    factor = b.const("rope.attention_factor", [c.rope.attention_factor], np.float32)
-    rot = tuple(b.op("Mul", [r, factor], f"rope.{nm}.yarn")[0]
-                for r, nm in zip(ops.at(pos, "rope"), ("cos", "sin")))  # [n, 1, hd] each
+    rot = ops.at(pos, "rope", scale=c.rope.attention_factor)  # [n, 1, hd] each: YaRN's factor in fp32
     layout = kv_layout(c.layer_windows, window_kv, "gpt-oss target")
     visible = masks(b, c.layer_windows, layout, ax0, ax1)  # window -> [n, T] bool (q - k < window on sliding layers)
-    consts = attention_consts(b, kv, g, hd, n, np.float32, sinks=True)
+    consts = attention_consts(b, kv, g, hd, n, sinks=True)
 
     h = lowbit.embed(b, src, quant, matrix, N.INPUT_IDS)  # [n, H]: the fp32 Gather unless int4
     taps, new_kv = {}, []
@@ -96,7 +102,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         p, a = f"layers.{i}", f"layers.{i}.self_attn"
         if progress is not None:
             progress(i, L)
-        u = ops.norm(h, src.get(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
+        u = norm(h, f"{p}.input_layernorm")
         qkv = b.linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])  # + biases
         q, k, v = b.op("Split", [qkv, b.const(f"{p}.qkv_sizes", [nh * hd, kv * hd, kv * hd])], f"{p}.qkv",
                        outputs=3, axis=-1)
@@ -107,14 +113,14 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, visible[c.layer_windows[i]],
                    sinks=src.get(f"{a}.sinks"), slot=layout.slot(i))  # [n, nh hd]
         h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
-        u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
+        u = norm(h, f"{p}.post_attention_layernorm")
         if experts_op != "standard":
             from dflash2.export import gpt_oss_qmoe as qmoe
 
             mlp = (qmoe.int8_experts(b, u, raw, c, f"{p}.mlp") if experts_op == "qmoe-int8" else
                    qmoe.quantized_experts(b, u, src, c, f"{p}.mlp"))
         else:
-            mlp = experts(b, u, src, c, f"{p}.mlp")
+            mlp = experts(b, ops, u, src, c, f"{p}.mlp")
         h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
         new_kv.append(kv_row(b, p, k, v, ax1))  # [n, 1, 2, kv, hd]
         if i in tap_ids:
@@ -122,25 +128,31 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     kv_outputs(b, new_kv, layout)  # new_kv [n, Lf, 2, kv, hd] (+ new_window_kv [n, Lw, 2, kv, hd])
     Lw = len(layout.windowed)
     window_row = [Lw, 2, kv, hd] if Lw else None
-    y = ops.norm(h, src.get("norm.weight"), "norm")
-    logits = lowbit.head(b, y, c, src, quant, matrix)  # [n, V] fp32
+    y = norm(h, "norm")
+    logits = ops.f32(lowbit.head(b, y, c, src, quant, matrix), "logits")  # [n, V] fp32
     domains = (("com.microsoft", 1),) if experts_op != "standard" or quant is not None else ()
-    return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L - Lw, 2, kv, hd], F32, ax0,
+    return finish(b, ops, logits, taps, tap_ids, c, dc, dsrc, fuse_context, [L - Lw, 2, kv, hd],
+                  dtypes.onnx_type(dtype), ax0,
                   "dflash2_gpt_oss_target", prologue_at, domains=domains, window_row=window_row)
 
 
-def experts(b: Builder, u: str, src, c, m: str) -> str:
+def experts(b: Builder, ops: StandardOps, u: str, src, c, m: str) -> str:
     """u [n, H] -> the mixture of experts' output [n, H] in the all-experts form (module docstring); m: the block's
     prefix (`layers.{i}.mlp`). The expert weights are written one expert at a time (gate|up: an initializer per
     expert; down: Builder.chunked)."""
     E, H, I, k = c.num_experts, c.hidden_size, c.intermediate_size, c.num_experts_per_tok
     x = f"{m}.experts"
     logits = b.linear(u, f"{m}.router", src, [f"{m}.router"], quantize=False)  # [n, E] + bias
-    top, idx = b.op("TopK", [logits, b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2, axis=-1)  # [n, k]: of logits
-    top = b.op("Softmax", [top], f"{m}.softmax", axis=-1)[0]  # over the k kept
+    # TopK of the logits widened to fp32 (exact; opset 17's TopK has no bf16), the softmax over the k kept in fp32
+    top, idx = b.op("TopK", [ops.f32(logits, f"{m}.router"), b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2,
+                    axis=-1)  # [n, k]
+    top = b.op("Softmax", [top], f"{m}.softmax", axis=-1)[0]
+    # scattered in fp32, then rounded once (the reference's softmax in the logits' dtype; opset 17's ConstantOfShape
+    # has no bf16)
     zero = helper.make_tensor("value", TensorProto.FLOAT, [1], [0])
     zeros = b.op("ConstantOfShape", [b.op("Shape", [logits], f"{m}.router.shape")[0]], f"{m}.zeros", value=zero)[0]
-    weights = b.op("ScatterElements", [zeros, idx, top], f"{m}.weights", axis=1)[0]  # [n, E]: 0 where not kept
+    weights = ops.back(b.op("ScatterElements", [zeros, idx, top], f"{m}.weights.f32", axis=1)[0],
+                       f"{m}.weights")  # [n, E]: 0 where not kept
     w3 = b.op("Unsqueeze", [weights, b.const(f"{m}.last", [-1])], f"{m}.weights3")[0]  # [n, E, 1]
     # every expert's gate|up as its own [n, H] @ [H, 2I] MatMul (one expert's weights in memory as they are written),
     # joined along the columns; then export/moe.py standard()'s form: 2-D MatMuls only, row-invariant as the dense MLP
@@ -153,15 +165,14 @@ def experts(b: Builder, u: str, src, c, m: str) -> str:
     gu = b.op("Concat", gu, f"{x}.gate_up", axis=-1)[0]  # [n, E 2I]
     gu = b.op("Reshape", [gu, b.const(f"{x}.pairs", [-1, E, I, 2])], f"{x}.pairs")[0]  # [n, E, I, 2]: gate, up
     gate, up = b.op("Split", [gu], f"{x}.gate_up.split", outputs=2, axis=-1)  # [n, E, I, 1] each
-    limit = float(c.swiglu_limit)
-    gate = b.op("Min", [gate, b.const(f"{x}.limit", [limit], np.float32)], f"{x}.gate.clamp")[0]  # from above only
-    up = b.op("Clip", [up, b.const(f"{x}.low", -limit, np.float32), b.const(f"{x}.high", limit, np.float32)],
-              f"{x}.up.clamp")[0]
-    glu = b.op("Mul", [gate, b.op("Sigmoid", [b.op("Mul", [gate, b.const(f"{x}.alpha", [c.swiglu_alpha],
-                                                                         np.float32)], f"{x}.alpha_gate")[0]],
-                                  f"{x}.sigmoid")[0]], f"{x}.glu")[0]
-    act = b.op("Mul", [b.op("Add", [up, b.const(f"{x}.one", [1.0], np.float32)], f"{x}.up1")[0], glu],
-               f"{x}.act")[0]
+    # the clamps' bounds in the graph dtype (7.0 is exact in fp16 and bf16); each product rounded as the reference's
+    # (alpha, a Python float there, multiplied in fp32: StandardOps.times)
+    limit, dt = float(c.swiglu_limit), b.dtype
+    gate = b.op("Min", [gate, b.const(f"{x}.limit", [limit], dt)], f"{x}.gate.clamp")[0]  # from above only
+    up = b.op("Clip", [up, b.const(f"{x}.low", -limit, dt), b.const(f"{x}.high", limit, dt)], f"{x}.up.clamp")[0]
+    alpha_gate = ops.times(gate, b.const(f"{x}.alpha", [c.swiglu_alpha], np.float32), f"{x}.alpha_gate")
+    glu = b.op("Mul", [gate, b.op("Sigmoid", [alpha_gate], f"{x}.sigmoid")[0]], f"{x}.glu")[0]
+    act = b.op("Mul", [b.op("Add", [up, b.const(f"{x}.one", [1.0], dt)], f"{x}.up1")[0], glu], f"{x}.act")[0]
     act = b.op("Reshape", [act, b.const(f"{x}.act_shape", [-1, E, I])], f"{x}.act3")[0]  # [n, E, I]
     act = b.op("Reshape", [b.op("Mul", [act, w3], f"{x}.routed")[0], b.const(f"{x}.act_flat", [-1, E * I])],
                f"{x}.act_flat")[0]  # [n, E I]: zero for the experts a row does not route to

@@ -32,6 +32,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
+from dflash2.export.templates import silu
+
 
 def is_sparse(c, i: int) -> bool:
     """Layer i of target config c has the mixture of experts (a MoeTargetConfig; dense configs: never)."""
@@ -63,8 +65,7 @@ def standard(b, ops, u: str, src, c, m: str) -> str:
     gu = b.linear(u, f"{m}.experts.gate_up", src, gate_up)  # [n, E*2I]: expert e's gate then up
     gu = b.op("Reshape", [gu, b.const(f"{m}.gu_shape", [-1, E, 2, I])], f"{m}.gu4")[0]  # [n, E, 2, I]
     gate, up = b.op("Split", [gu], f"{m}.gate_up", outputs=2, axis=2)  # [n, E, 1, I] each
-    act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{m}.sigmoid")[0]], f"{m}.silu")[0], up],
-               f"{m}.act")[0]
+    act = b.op("Mul", [silu(b, gate, f"{m}.silu"), up], f"{m}.act")[0]
     w4 = b.op("Reshape", [weights, b.const(f"{m}.w_shape", [-1, E, 1, 1])], f"{m}.w4")[0]  # [n, E, 1, 1]
     act = b.op("Reshape", [b.op("Mul", [act, w4], f"{m}.routed")[0], b.const(f"{m}.act_shape", [-1, E * I])],
                f"{m}.act_flat")[0]  # [n, E*I]
@@ -84,8 +85,7 @@ def _with_shared(b, u: str, y: str, src, c, m: str) -> str:
     p = f"{m}.shared_expert"
     gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up", src, [f"{p}.gate_proj", f"{p}.up_proj"]),
                               b.const(f"{p}.sizes", [S, S])], f"{p}.split", outputs=2, axis=-1)
-    act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0], up],
-               f"{p}.act")[0]
+    act = b.op("Mul", [silu(b, gate, f"{p}.silu"), up], f"{p}.act")[0]
     shared = b.linear(act, f"{p}.down", src, [f"{p}.down_proj"])
     g = b.op("Sigmoid", [b.linear(u, f"{m}.shared_gate", src, [f"{m}.shared_expert_gate"], quantize=False)],
              f"{m}.shared_gate.sigmoid")[0]  # [.., 1]

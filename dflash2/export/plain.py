@@ -57,7 +57,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     rot = ops.at(pos, "rope")  # [n, 1, hd] each
     visible = b.op("LessOrEqual", [b.op("Unsqueeze", ["k_pos", ax0], "k_pos.row")[0],
                                    b.op("Unsqueeze", [pos, ax1], "pos.col")[0]], "visible")[0]  # [n, T] bool
-    consts = attention_consts(b, kv, g, hd, n, np_dt)
+    consts = attention_consts(b, kv, g, hd, n)
 
     h = b.op("Gather", [matrix("embed_tokens.weight"), N.INPUT_IDS], "embed", axis=0)[0]  # [n, H]
     taps, new_kv = {}, []
@@ -86,7 +86,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
                                       b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
                             outputs=2, axis=-1)
-            act = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
+            act = ops.silu(gate, f"{p}.silu")  # fp16: in fp32, rounded once, as the reference's
             mlp = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])
         h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
         new_kv.append(kv_row(b, p, k, v, ax1))  # [n, 1, 2, kv, hd]
@@ -104,18 +104,18 @@ class AttentionConsts(NamedTuple):
     """The constants every layer's `attend` reads (one set per graph)."""
     four: str  # [4] int64: scores as [kv, g, n, T]
     neg: str  # the fp32 value of a masked score
-    scale: str  # head_dim ** -0.5 in the graph dtype
+    scale: str  # head_dim ** -0.5, fp32 (StandardOps.times)
     kv_index: list[str]  # the K and V indices of a layer's past rows
     sink_shape: str | None  # [4] int64: a sink column [kv, g, n, 1]
     drop_first: list[str] | None  # Slice's (starts, ends, axes): every column but the first
 
 
-def attention_consts(b: Builder, kv: int, g: int, hd: int, n: str, np_dt, sinks: bool = False) -> AttentionConsts:
+def attention_consts(b: Builder, kv: int, g: int, hd: int, n: str, sinks: bool = False) -> AttentionConsts:
     four = b.op("Concat", [b.const("kv_g", [kv, g]), n, b.const("minus1", [-1])], "scores4.shape", axis=0)[0]
     sink_shape = b.op("Concat", [b.const("kv_g.sink", [kv, g]), n, b.const("one.sink", [1])], "sink.shape",
                       axis=0)[0] if sinks else None  # [kv, g, n, 1]
     neg = b.const("masked", [np.finfo(np.float32).min], np.float32)
-    scale = b.const("attn.scale", [hd ** -0.5], np_dt)
+    scale = b.const("attn.scale", [hd ** -0.5], np.float32)
     kv_index = [b.const(f"kv.{j}", j) for j in (0, 1)]
     drop_first = [b.const("second", [1]), b.const("to_end.cols", [2**62]), b.const("last_axis", [-1])] \
         if sinks else None
@@ -141,16 +141,17 @@ def attend(b: Builder, ops: StandardOps, p: str, i: int, q: str, k: str, v: str,
                           b.const(f"{p}.q_groups", [kv, -1, hd])], f"{p}.q_groups")[0]  # [kv, g n, hd]
     s = b.op("MatMul", [qh, b.op("Transpose", [keys], f"{p}.k_t", perm=[1, 2, 0])[0]], f"{p}.scores")[0]  # [kv, g n, T]
     s3 = b.op("Shape", [s], f"{p}.scores.shape")[0]
-    s = b.op("Reshape", [b.op("Mul", [s, at.scale], f"{p}.scaled")[0], at.four], f"{p}.scores4")[0]  # [kv, g, n, T]
+    s = b.op("Reshape", [ops.times(s, at.scale, f"{p}.scaled"), at.four], f"{p}.scores4")[0]  # [kv, g, n, T]
     s = b.op("Where", [mask, ops.f32(s, f"{p}.scores"), at.neg], f"{p}.masked")[0]
     if sinks is None:
         probs = ops.back(b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0], f"{p}.probs")
     else:  # head h = kv index * g + group index (the reshape above): the sinks [nh] as [kv, g, 1, 1]
-        sink = b.fw(f"{p}.self_attn.sinks", sinks.reshape(kv, nh // kv, 1, 1))
+        # the sinks join the fp32 scores as the reference holds them (rounded to the graph dtype, widened)
+        sink = b.weight(f"{p}.self_attn.sinks", b.held(sinks).reshape(kv, nh // kv, 1, 1))
         col = b.op("Expand", [sink, at.sink_shape], f"{p}.sink_col")[0]  # [kv, g, n, 1]
         s = b.op("Concat", [col, s], f"{p}.with_sink", axis=-1)[0]  # [kv, g, n, 1 + T]
         probs = b.op("Softmax", [s], f"{p}.softmax", axis=-1)[0]
-        probs = b.op("Slice", [probs, *at.drop_first], f"{p}.sink_dropped")[0]  # [kv, g, n, T]
+        probs = ops.back(b.op("Slice", [probs, *at.drop_first], f"{p}.sink_dropped")[0], f"{p}.probs")  # [kv, g, n, T]
     probs = b.op("Reshape", [probs, s3], f"{p}.probs3")[0]  # [kv, g n, T]
     o = b.op("MatMul", [probs, b.op("Transpose", [vals], f"{p}.v_t", perm=[1, 0, 2])[0]], f"{p}.attend")[0]
     o = b.op("Transpose", [b.op("Reshape", [o, b.const(f"{p}.o_heads", [nh, -1, hd])], f"{p}.o_heads")[0]],

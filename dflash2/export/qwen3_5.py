@@ -171,10 +171,6 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
                                                    f"{name}.add_eps")[0]], f"{name}.sqrt")[0]], f"{name}.rsqrt")[0]
         return b.op("Mul", [x, r], name)[0]
 
-    def silu(x: str, name: str) -> str:  # fp16 / bf16: in fp32, rounded once, as torch's silu of a low tensor
-        x32 = ops.f32(x, name)
-        return ops.back(b.op("Mul", [x32, b.op("Sigmoid", [x32], f"{name}.sigmoid")[0]], name)[0], name)
-
     def repeat_heads(x: str, name: str) -> str:  # [n, Hk, dk] -> [n, Hv, dk], head h reads key head h // rep
         if rep == 1:
             return x
@@ -231,7 +227,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         return b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"]), b.op("Unsqueeze", [kv_i, ax1], f"{p}.kv_row")[0]
 
     gdn = Gdn(b, src, c, fused, GdnShared(n, split_at, has_head, end, ax0),
-              dict(norm=norm, heads=heads, l2norm=l2norm, silu=silu, repeat_heads=repeat_heads, f32=ops.f32,
+              dict(norm=norm, heads=heads, l2norm=l2norm, silu=ops.silu, repeat_heads=repeat_heads, f32=ops.f32,
                    back=ops.back), conv_rows=gqa_kv)
     rope_split = b.const("rope.split", [rd, hd - rd]) if rd < hd else None
     chunks = [min(128, hd - i) for i in range(0, hd, 128)]
@@ -265,7 +261,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
                                       b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
                             outputs=2, axis=-1)
-            mlp = b.linear(b.op("Mul", [silu(gate, f"{p}.silu"), up], f"{p}.act")[0], f"{p}.down_proj", src,
+            mlp = b.linear(b.op("Mul", [ops.silu(gate, f"{p}.silu"), up], f"{p}.act")[0], f"{p}.down_proj", src,
                            [f"{m}.down_proj"])
         h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
         if i in tap_ids:

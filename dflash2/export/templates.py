@@ -286,12 +286,21 @@ class StandardOps:
             y = b.op("Reshape", [y, b.const(f"{name}.flat", [0, 0, heads * hd])], f"{name}.merge")[0]
         return y
 
+    def times(self, x: str, c: str, name: str) -> str:
+        """x times an fp32 scalar constant c as torch multiplies a low-precision tensor by a Python float: in fp32,
+        rounded once (c held in fp16 / bf16 would round the scalar itself first: 1.702 is 1.703125 in bf16)."""
+        return self.back(self.b.op("Mul", [self.f32(x, name), c], name)[0], name)
+
+    def silu(self, x: str, name: str) -> str:
+        return silu(self.b, x, name)
+
     def add_norm(self, a: str, h: str, weight: np.ndarray, name: str) -> tuple[str, str]:
         s = self.b.op("Add", [h, a], f"{name}.residual")[0]
         return self.norm(s, weight, name), s
 
-    def at(self, pos: str, name: str) -> tuple[str, str]:
-        """Positions [rows] int64 -> (cos, sin) [rows, 1, hd] in the graph dtype (reference rope_cos_sin)."""
+    def at(self, pos: str, name: str, scale: float | None = None) -> tuple[str, str]:
+        """Positions [rows] int64 -> (cos, sin) [rows, 1, hd] in the graph dtype (reference rope_cos_sin); scale: both
+        times it in fp32 before the cast (YaRN's attention factor, as gpt-oss's rotary scales them)."""
         b = self.b
         if "rope.inv_freq" not in b.names:
             b.weight("rope.inv_freq", self.inv_freq[None, :])
@@ -299,9 +308,12 @@ class StandardOps:
                    f"{name}.pos.col.f32")[0]
         freqs = b.op("Mul", [col, "rope.inv_freq"], f"{name}.freqs")[0]  # [rows, hd / 2]
         emb = b.op("Concat", [freqs, freqs], f"{name}.emb", axis=-1)[0]  # [rows, hd]
+        factor = None if scale is None else b.const(f"{name}.scale", [scale], np.float32)
         out = []
         for nm, op in (("cos", "Cos"), ("sin", "Sin")):
             r = b.op(op, [emb], f"{name}.{nm}")[0]
+            if factor is not None:
+                r = b.op("Mul", [r, factor], f"{name}.{nm}.scaled")[0]
             r = b_cast(b, r, self.dt, f"{name}.{nm}.dt") if self.low else r
             out.append(b.op("Unsqueeze", [r, "axis1"], f"{name}.{nm}.heads")[0])
         return out[0], out[1]
@@ -319,6 +331,15 @@ class StandardOps:
         x4 = b.op("Reshape", [x, b.const(f"{name}.heads", [0, 0, heads, hd])], f"{name}.split")[0]
         return b.op("Reshape", [self.rotate(x4, at, name), b.const(f"{name}.flat", [0, 0, heads * hd])],
                     f"{name}.merge")[0]
+
+
+def silu(b: Builder, x: str, name: str) -> str:
+    """x * sigmoid(x) in fp32, rounded once to the graph dtype, as torch's silu of a low-precision tensor (a Sigmoid
+    then a Mul in fp16 / bf16 rounds twice: the tiny Qwen3.5-MoE's fp16 verify logits 0.26 from fp32, not 0.14)."""
+    low = b.dtype != np.float32
+    x32 = b_cast(b, x, onnx.TensorProto.FLOAT, f"{name}.f32") if low else x
+    y = b.op("Mul", [x32, b.op("Sigmoid", [x32], f"{name}.sigmoid")[0]], name)[0]
+    return b_cast(b, y, helper.np_dtype_to_tensor_dtype(b.dtype), f"{name}.back") if low else y
 
 
 def b_cast(b: Builder, x: str, to: int, name: str) -> str:

@@ -20,7 +20,8 @@ from dflash2.errors import ValidationError
 from dflash2.export.graphs import GraphSpec
 from dflash2.export import signature as N
 from dflash2.export.replay import ReplayWriter
-from dflash2.numerics import ID_MISMATCH_SHARE, TOLERANCES, argmax_agreement, compare_floats, ids_within
+from dflash2.numerics import (DTYPE_ERROR_MULTIPLIER, ID_MISMATCH_SHARE, TOLERANCES, argmax_agreement, compare_floats,
+                              ids_within, within_dtype_error)
 from dflash2.onnxrt import open_session, run
 from dflash2.progress import release_freed
 from dflash2.reference.streamed import widened
@@ -163,7 +164,7 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
                     ref = {k: spec.trim(k, v, feed) for k, v in ref.items()}
                 f, r = compare(name, got, ref, dtype, step)
                 if f and dtype != "float32":  # two roundings apart: is the graph within tolerance of the exact one?
-                    f, r = _against_fp32(spec, feed, got, dtype, name, step, f, r)
+                    f, r = _against_fp32(spec, feed, got, ref, dtype, name, step, f, r)
                 if walked is not None:  # recorded: what was judged on the graph's own choices
                     r["walked_on_graph_candidates"] = True
                     r["positions_after_a_walk_tie"] = walked[1]
@@ -223,14 +224,18 @@ def _on_graph_candidates(spec: GraphSpec, feed: dict, got: dict, dtype: str
     return {n: np_of(t) for n, t in zip(spec.outputs, outputs)}, taken
 
 
-def _against_fp32(spec: GraphSpec, feed: dict, got: dict, dtype: str, name: str, step: int,
+def _against_fp32(spec: GraphSpec, feed: dict, got: dict, own: dict, dtype: str, name: str, step: int,
                   failures: list[str], report: dict) -> tuple[list[str], dict]:
     """A low-precision graph that missed the reference of its own dtype: judged, by the same rule and the same
     dtype's tolerances, against the reference in fp32 (the function both approximate). The PyTorch reference in
     fp16 is itself one rounding of it: where a layer amplifies rounding (a Gated DeltaNet's l2-normed keys of a
     small norm) the graph and PyTorch's fp16 land on different sides, each within fp16's reach of fp32 but not of
     each other (a tiny Qwen3.5-MoE's verify: graph 0.26 from fp32, PyTorch's fp16 0.32, the two 0.58 apart). The
-    step passes only if every output meets that rule; the report records which reference judged it."""
+    step passes only if every output meets that rule; the report records which reference judged it.
+    Where an output misses the fp32 reference too, it is judged last by how far PyTorch's own dtype (own: the
+    reference outputs in the graph's dtype) lands from fp32 (numerics.within_dtype_error): a Muse-Glimmer-shaped
+    target's 2,051-row bf16 prefill is 2.0 from fp32 in PyTorch's own bf16 (new_kv), 5x bf16's tolerance, and no
+    fixed tolerance can judge a graph of it."""
     wide_feed = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() and v.dtype != torch.float32 else v
                  for k, v in feed.items()}
     with widened(spec.module):
@@ -238,10 +243,18 @@ def _against_fp32(spec: GraphSpec, feed: dict, got: dict, dtype: str, name: str,
     if spec.trim is not None:
         ref = {k: spec.trim(k, v, feed) for k, v in ref.items()}
     f, r = compare(name, got, ref, dtype, step)
-    if f:
+    if not f:
+        r["judged_against_fp32"] = {"own_dtype_failures": failures}
+        return f, r
+    missed = [n for n in spec.outputs if any(line.startswith(f"{name}.{n} (") for line in f)]
+    judged = {n: within_dtype_error(got[n], own[n], ref[n], dtype) for n in missed}
+    if not missed or not all(ok for ok, _ in judged.values()):
         return failures, report
-    r["judged_against_fp32"] = {"own_dtype_failures": failures}
-    return f, r
+    report["judged_by_dtype_error"] = {
+        "rule": f"rmse(graph, fp32) <= {DTYPE_ERROR_MULTIPLIER:g} x rmse(PyTorch {dtype}, fp32) + atol / 10; ids: "
+                f"differing from fp32's at most {DTYPE_ERROR_MULTIPLIER:g} x PyTorch's own",
+        "outputs": {n: rep for n, (_, rep) in judged.items()}, "own_dtype_failures": failures, "fp32_failures": f}
+    return [], report
 
 
 @contextmanager

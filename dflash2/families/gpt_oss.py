@@ -258,4 +258,5 @@ GPT_OSS = TargetFamily(
     tiny_config=tiny_config, hf_class=ARCH, reference="dflash2.reference.gpt_oss:load_target",
     tensor_dtypes=tensor_dtypes,
     templates={"plain": "dflash2.export.gpt_oss:build", "fused": "dflash2.export.gpt_oss:build_fused"},
-    trainable=False)  # the corpus, teacher and fresh-drafter paths are not checked for it yet
+    trainable=False,  # the corpus, teacher and fresh-drafter paths are not checked for it yet
+    dtypes=("float32", "float16", "bfloat16"))

@@ -248,4 +248,5 @@ MUSE_GLIMMER = TargetFamily(
     tiny_config=tiny_config, hf_class=ARCH, reference="dflash2.reference.muse_glimmer:load_target", ignored=IGNORED,
     extra_tensors=vision_tensor_shapes, templates={"plain": "dflash2.export.muse_glimmer:build",
                "fused": "dflash2.export.muse_glimmer:build_fused"},
-    trainable=False)  # the corpus, teacher and fresh-drafter paths are not checked for it yet
+    trainable=False,  # the corpus, teacher and fresh-drafter paths are not checked for it yet
+    dtypes=("float32", "float16", "bfloat16"))

@@ -3,6 +3,7 @@
 The dense reference (dflash2.reference.target.Target) by composition: its forward (one KV tensor
 [P, L, 2, kv, hd], rollback = keep fewer rows, taps = layer outputs, plain embedding and LM head), with gpt-oss's
 parts, each checked against transformers 5.25's modeling_gpt_oss.py:
+- the RMSNorms as GptOssRMSNorm: (w * x) in fp32, then cast (Llama's casts first; the same in fp32);
 - `layer_masks`: causal, and on sliding layers q - k < sliding_window. Every layer's K/V stays in the cache: the
   window is a mask, so memory is not bounded by it (the ring buffer is later);
 - attention with q/k/v/o biases, a per-head sink logit (layers.attend's `sinks`), YaRN rotary: rope_inv_freq's
@@ -66,6 +67,16 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (e[..., 0] + 127).to(torch.uint8)
 
 
+class GptOssRMSNorm(RMSNorm):
+    """transformers' GptOssRMSNorm: the weight times the fp32 normalized x, in fp32, then cast ((w * x).to(dtype), where
+    Llama's casts first: w * x.to(dtype)); the same in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
 class GptOssExperts(nn.Module):
     """transformers' GptOssExperts parameters: gate_up_proj [E, H, 2I], down_proj [E, I, H] ([in, out]), biases."""
 
@@ -119,8 +130,8 @@ class GptOssLayer(nn.Module):
         super().__init__()
         self.self_attn = SinkAttention(c)
         self.mlp = GptOssMoE(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = GptOssRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = GptOssRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rope_scale = c.rope.attention_factor  # YaRN's: multiplies cos and sin
 
     def forward(self, h, past_k, past_v, cos, sin, visible):
@@ -143,7 +154,7 @@ class GptOssTarget(Target):
         self.config, self.tap_ids = c, tuple(tap_ids)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(GptOssLayer(c) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = GptOssRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
 
@@ -237,7 +248,7 @@ class StreamedGptOssTarget(GptOssTarget):
             self.embed_rows = StreamedRows(weights, "embed_tokens.weight", self.dtype)
             self.head_rows = self.embed_rows if c.tie_word_embeddings else \
                 StreamedRows(weights, "lm_head.weight", self.dtype)
-            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.norm = GptOssRMSNorm(c.hidden_size, c.rms_norm_eps)
             self.norm.weight = nn.Parameter(_tensor(weights, "norm.weight").to(self.dtype), requires_grad=False)
         self.lm_head = None
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)

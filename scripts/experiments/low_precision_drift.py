@@ -17,10 +17,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from dflash2 import dtypes
+from dflash2.config import load_target_config
 from dflash2.export.graphs import graph_specs
+from dflash2.export.plain import sliding
+from dflash2.export.window_spec import windowed_spec
 from dflash2.export.validate import _bf16_emulated, graph_array, reference_outputs
 from dflash2.manifest import ExportManifest, load
 from dflash2.numerics import TOLERANCES, compare_floats
@@ -48,6 +52,10 @@ def main(argv=None) -> int:
         p.error(f"{a.export}: a float16 / bfloat16 export (or --dtype), found {dtype}")
     specs = [graph_specs(*load_pair(a.drafter, a.target, dt), fused)[0] for dt in (low, torch.float32)]
     graph = a.export / "target.onnx"
+    if any(i.name == "past_window_kv" for i in onnx.load(str(graph), load_external_data=False).graph.input):
+        # a windowed target (the sliding layers on their own buffer): the export's windowed spec
+        window = sliding(load_target_config(a.target))
+        specs = [windowed_spec(s, *window) for s in specs]
     with contextlib.ExitStack() as stack:
         if dtype == "bfloat16":  # the CPU provider has no bf16 kernels: the export validation's emulation
             graph, why = stack.enter_context(_bf16_emulated(graph))
