@@ -122,6 +122,8 @@ def within_dtype_error(got: np.ndarray, own: np.ndarray, exact: np.ndarray, dtyp
     rule): float outputs by RMSE (+ atol / 10), ids by how many differ from the exact ids (the dtype's id share at
     least). (ok, report)."""
     g, o, e = (np.asarray(x) for x in (got, own, exact))
+    if g.shape != e.shape or o.shape != e.shape:
+        return False, {"shapes": [list(g.shape), list(o.shape), list(e.shape)]}
     if np.issubdtype(e.dtype, np.integer):
         bad_g, bad_o = int((g != e).sum()), int((o != e).sum())
         ok = bad_g <= max(DTYPE_ERROR_MULTIPLIER * bad_o, ID_MISMATCH_SHARE[dtype] * e.size)

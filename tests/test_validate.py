@@ -187,6 +187,7 @@ def test_a_graph_missing_both_references_is_judged_by_its_dtypes_own_error(tmp_p
     assert within_dtype_error(np.array([0, 1, 2]), np.array([0, 1, 3]), np.array([0, 1, 2]), "float16")[0]
     assert not within_dtype_error(np.array([5, 1, 2, 0]), np.array([0, 1, 2, 0]), np.array([0, 1, 2, 0]),
                                   "float16")[0]  # PyTorch's own ids all exact: one differing is past 3 x 0 + 5%
+    assert not within_dtype_error(np.zeros(4), np.zeros(3), np.zeros(3), "float16")[0]  # a shape is never judged
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["right", "wrong"])
