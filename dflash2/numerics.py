@@ -114,20 +114,33 @@ def rmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sqrt(np.mean(d * d))) if d.size else 0.0
 
 
+def _worst_row_rmse(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest RMSE of one row (the first axis: a step's token rows) of a - b."""
+    d = (np.asarray(a, np.float64) - np.asarray(b, np.float64)).reshape(len(a), -1) if np.ndim(a) else None
+    return float(np.sqrt((d * d).mean(axis=1)).max()) if d is not None and d.size else rmse(a, b)
+
+
 def within_dtype_error(got: np.ndarray, own: np.ndarray, exact: np.ndarray, dtype: str) -> tuple[bool, dict]:
-    """The low-precision rule of last resort (docs/export.md, "How outputs are compared"): where the framework's own
-    run in this dtype (`own`) is itself further from the exact function (`exact`: the fp32 reference) than the
-    dtype's tolerance, no fixed tolerance can judge the graph (`got`); it passes if it is no further from the exact
-    function than the framework's own dtype is, up to DTYPE_ERROR_MULTIPLIER (torch._dynamo.utils.same's fp64_ref
-    rule): float outputs by RMSE (+ atol / 10), ids by how many differ from the exact ids (the dtype's id share at
-    least). (ok, report)."""
+    """The low-precision rule of last resort (docs/export.md, "How outputs are compared"). It applies only where the
+    framework's own run in this dtype (`own`) misses the exact function (`exact`: the fp32 reference) by the dtype's
+    fixed rule itself (elsewhere the fixed rules judge: False); then no fixed tolerance can judge the graph (`got`),
+    and it passes if it is no further from the exact function than the framework's own dtype is, up to
+    DTYPE_ERROR_MULTIPLIER (torch._dynamo.utils.same's fp64_ref rule), on three measures each + atol / 10: the
+    output's RMSE, its worst row's RMSE (an error confined to a few rows) and its max abs. Ids: no more differing
+    from the exact ids than the framework's own plus the dtype's share. (ok, report)."""
     g, o, e = (np.asarray(x) for x in (got, own, exact))
     if g.shape != e.shape or o.shape != e.shape:
         return False, {"shapes": [list(g.shape), list(o.shape), list(e.shape)]}
+    atol, rtol = TOLERANCES[dtype]
+    share = ID_MISMATCH_SHARE[dtype]
     if np.issubdtype(e.dtype, np.integer):
         bad_g, bad_o = int((g != e).sum()), int((o != e).sum())
-        ok = bad_g <= max(DTYPE_ERROR_MULTIPLIER * bad_o, ID_MISMATCH_SHARE[dtype] * e.size)
-        return ok, {"graph_vs_fp32_ids": bad_g, "own_vs_fp32_ids": bad_o, "total": int(e.size)}
-    g_err, o_err = rmse(g, e), rmse(o, e)
-    ok = g_err <= DTYPE_ERROR_MULTIPLIER * o_err + TOLERANCES[dtype][0] / 10
-    return ok, {"graph_rmse_vs_fp32": round(g_err, 6), "own_rmse_vs_fp32": round(o_err, 6)}
+        report = {"graph_vs_fp32_ids": bad_g, "own_vs_fp32_ids": bad_o, "total": int(e.size)}
+        return not ids_within(bad_o, e.size, share) and bad_g <= bad_o + share * e.size, report
+    if compare_floats(o, e, atol, rtol).ok:
+        return False, {"own_within_tolerance": True}
+    m, slack = DTYPE_ERROR_MULTIPLIER, atol / 10
+    pairs = {"rmse": (rmse(g, e), rmse(o, e)), "worst_row_rmse": (_worst_row_rmse(g, e), _worst_row_rmse(o, e)),
+             "max_abs": (float(np.abs(g.astype(np.float64) - e).max()), float(np.abs(o.astype(np.float64) - e).max()))}
+    report = {f"{k}_vs_fp32": {"graph": round(a, 6), "own": round(b, 6)} for k, (a, b) in pairs.items()}
+    return all(a <= m * b + slack for a, b in pairs.values()), report

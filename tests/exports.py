@@ -57,7 +57,11 @@ def low_precision_checks(pair, out: Path, dtype: str, prompt: list[int], new: in
 
     m = export(*pair, out, max_seq_len=max_seq_len, quiet=True, dtype=dtype) if not out.exists() else \
         Runtime(out).manifest
-    assert m.dtype == dtype and all(v.ok or v.skipped for v in m.validation.values()), m.validation
+    graphs = {k: v for k, v in m.validation.items() if k != "target.rows"}
+    assert m.dtype == dtype and all(v.ok and not v.skipped for v in graphs.values()), m.validation
+    # the tiny pairs meet a fixed tolerance (their own dtype's or fp32's): the last rule is for long windows
+    assert not any("judged_by_dtype_error" in r for v in graphs.values() for r in v.steps.values()
+                   if isinstance(r, dict)), m.validation
     low = dtypes.onnx_type(dtype)
     for f, past in (("target.onnx", "past_kv"), ("target.trt.onnx", "kv_cache")):
         g = onnx.load(str(out / f), load_external_data=False).graph
@@ -65,8 +69,7 @@ def low_precision_checks(pair, out: Path, dtype: str, prompt: list[int], new: in
         assert types[past] == types["new_kv"] == types["context"] == low and types["logits"] == onnx.TensorProto.FLOAT
     rows = m.validation["target.rows"]
     if dtype == "bfloat16":
-        graphs = [k for k in m.validation if k != "target.rows"]
-        assert all("emulated" in m.validation[k].steps for k in graphs), graphs
+        assert all("emulated" in v.steps for v in graphs.values()), list(graphs)
         assert rows.skipped and "no bfloat16 kernels" in rows.skipped
         return m
     assert not any(v.skipped for v in m.validation.values()), m.validation

@@ -315,3 +315,21 @@ def test_make_tiny_writes_an_mxfp4_checkpoint_transformers_reads(tmp_path):
         want = hf(input_ids=ids[None]).logits[0]
         got = run(ref, ids)[0]
     assert (want - got).abs().max().item() < TOL * max(1.0, want.abs().max().item())
+
+
+def test_the_norm_is_transformers_in_bf16():
+    """GptOssRMSNorm takes (w * x) in fp32, then casts, where the Llama norm casts first: bitwise transformers' in
+    bf16 (the export's 16-bit graphs follow it), and not the Llama norm's (so the test can fail)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm as HfNorm
+
+    from dflash2.reference.gpt_oss import GptOssRMSNorm
+    from dflash2.reference.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, generator=g) * 0.3 + 1, (torch.randn(16, 64, generator=g) * 3).to(torch.bfloat16)
+    ours, hf, llama = GptOssRMSNorm(64, 1e-5), HfNorm(64, eps=1e-5), RMSNorm(64, 1e-5)
+    for m in (ours, hf, llama):
+        m.weight.data = w.clone()
+        m.to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(x), hf(x)) and not torch.equal(llama(x), hf(x))

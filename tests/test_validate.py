@@ -164,10 +164,9 @@ def _fp16_reordered(offset: float) -> onnx.ModelProto:
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["right", "wrong"])
 def test_a_graph_missing_both_references_is_judged_by_its_dtypes_own_error(tmp_path, offset):
     """Where PyTorch's own fp16 is past fp16's tolerance from the fp32 reference and the graph (fp16 in another order)
-    misses both references, the step passes if the graph's RMSE from fp32 is within 3x PyTorch fp16's
-    (numerics.within_dtype_error, torch._dynamo.utils.same's rule), recorded with both errors; a wrong graph fails."""
-    from dflash2.numerics import within_dtype_error
-
+    misses both references, the step passes if the graph's error from fp32 is within 3x PyTorch fp16's
+    (numerics.within_dtype_error, after torch._dynamo.utils.same's rule), recorded with both errors; a wrong graph
+    fails, saying why."""
     path = tmp_path / "g.onnx"
     onnx.save(_fp16_reordered(offset), str(path))
     x = torch.tensor([3.0, 2.9, 1.7, 0.7, 2.2, 5.1], dtype=torch.float16)
@@ -181,13 +180,32 @@ def test_a_graph_missing_both_references_is_judged_by_its_dtypes_own_error(tmp_p
     if offset == 0.0:
         judged = report["step0"]["judged_by_dtype_error"]
         assert not failures and judged["own_dtype_failures"] and judged["fp32_failures"]
-        assert 0 < judged["outputs"]["y"]["graph_rmse_vs_fp32"] < judged["outputs"]["y"]["own_rmse_vs_fp32"]
+        rmse = judged["outputs"]["y"]["rmse_vs_fp32"]
+        assert 0 < rmse["graph"] < rmse["own"]
     else:
         assert failures and "judged_by_dtype_error" not in report["step0"]
+        assert any("not within PyTorch float16's own error" in line for line in failures), failures
+
+
+def test_the_dtype_error_rule_applies_only_where_the_dtype_itself_misses_and_sees_one_bad_row():
+    """numerics.within_dtype_error: no excuse where PyTorch's own dtype meets the fixed rule (floats and ids); an
+    error confined to one row fails on its row's RMSE where the output's RMSE alone would pass it; shapes never."""
+    from dflash2.numerics import within_dtype_error
+
+    rng = np.random.default_rng(0)
+    exact = rng.standard_normal((256, 32))
+    own = exact + rng.choice([-0.08, 0.08], exact.shape)  # past fp16's 0.05 + 2% everywhere, RMSE 0.08
+    assert within_dtype_error(exact + rng.choice([-0.1, 0.1], exact.shape), own, exact, "float16")[0]
+    one_row = own.copy()
+    one_row[-1] = -exact[-1]  # one row sign-flipped: the whole output's RMSE alone would pass it
+    ok, report = within_dtype_error(one_row, own, exact, "float16")
+    assert report["rmse_vs_fp32"]["graph"] <= 3 * report["rmse_vs_fp32"]["own"] + 0.005
+    assert not ok and report["worst_row_rmse_vs_fp32"]["graph"] > 1
+    assert not within_dtype_error(exact + 0.06, exact + 0.001, exact, "float16")[0]  # PyTorch's own within tolerance
     assert within_dtype_error(np.array([0, 1, 2]), np.array([0, 1, 3]), np.array([0, 1, 2]), "float16")[0]
     assert not within_dtype_error(np.array([5, 1, 2, 0]), np.array([0, 1, 2, 0]), np.array([0, 1, 2, 0]),
-                                  "float16")[0]  # PyTorch's own ids all exact: one differing is past 3 x 0 + 5%
-    assert not within_dtype_error(np.zeros(4), np.zeros(3), np.zeros(3), "float16")[0]  # a shape is never judged
+                                  "float16")[0]  # PyTorch's own ids all exact: the fixed id rule stands
+    assert not within_dtype_error(np.zeros(4), np.zeros(3), np.zeros(3), "float16")[0]
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["right", "wrong"])

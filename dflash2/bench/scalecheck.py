@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -320,7 +321,10 @@ def measure(shape: Shape, mode: str, out_root: Path, max_rss_gib: float, timeout
         cmd = ["/usr/bin/time", "-v", python, "-m", "dflash2.cli.export", "--model", str(drafter), "--target",
                str(target), "--out", str(out), "--force", *MODES[mode]]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    # its own process group: the watchdog stops /usr/bin/time and the export under it (killing time alone left the
+    # export running unwatched)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                            start_new_session=True)
     stopped: list[str] = []
     lines: list[str] = []
     current = ["start"]
@@ -332,10 +336,10 @@ def measure(shape: Shape, mode: str, out_root: Path, max_rss_gib: float, timeout
             peaks[current[0]] = max(peaks.get(current[0], 0), rss)
             if rss > max_rss_gib * 2**30:
                 stopped.append(f"resident memory passed {max_rss_gib} GiB during: {(lines or ['start'])[-1][:120]}")
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
             elif time.perf_counter() - t0 > timeout_s:
                 stopped.append(f"ran past {timeout_s:.0f} s during: {(lines or ['start'])[-1][:120]}")
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
             time.sleep(0.5)
 
     threading.Thread(target=watch, daemon=True).start()
