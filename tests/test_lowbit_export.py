@@ -105,8 +105,9 @@ def _mxfp4_blocks_are_exact(out, target) -> None:
 
 def test_the_plan_refuses_what_the_quantized_templates_do_not_do(tmp_path):
     """Refused before anything is written, each naming what it expected: ONNX Runtime's after-validation quantizer
-    (--target-attention plain), the TensorRT quantizations, and a block size the float experts' widths do not
-    divide (QMoE); MXFP4 experts ignore the block size (their int8 blocks are MXFP4's 32)."""
+    (--target-attention plain), the TensorRT quantizations, a block size the float experts' widths do not divide
+    (QMoE), and int4 weights with fp16 activations; MXFP4 experts ignore the block size (their int8 blocks are
+    MXFP4's 32)."""
     from dflash2.errors import Dflash2Error
 
     drafter, target = _pair(tmp_path / "pair", "gpt_oss", "float")
@@ -119,9 +120,9 @@ def test_the_plan_refuses_what_the_quantized_templates_do_not_do(tmp_path):
                                            r"size 128, found 64 and"):
         export(drafter, target, tmp_path / "c", quiet=True, quantize=QuantFlags(method="int4", block_size=128))
     muse_drafter, muse = _pair(tmp_path / "muse", "muse_glimmer", "float")
-    with pytest.raises(Dflash2Error, match=r"--dtype: expected one of \['float32'\] for "
-                                           r"MuseGlimmerForConditionalGeneration"):
-        export(muse_drafter, muse, tmp_path / "d", quiet=True, dtype="float16")
+    with pytest.raises(Dflash2Error, match=r"--quantize int4: expected --dtype float32 \(weights are quantized from "
+                                           r"fp32; activations stay fp32\), found float16"):
+        export(muse_drafter, muse, tmp_path / "d", quiet=True, dtype="float16", quantize=QuantFlags(method="int4"))
     assert not [p for p in tmp_path.iterdir() if p.name not in ("pair", "muse")]
 
 
