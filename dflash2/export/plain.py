@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from dflash2 import dtypes
 from dflash2.export import moe
 from dflash2.export import signature as N
 from dflash2.export.templates import Builder, StandardOps
@@ -34,8 +35,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     """(portable, TensorRT flavour) of the plain target (module docstring). c / dc: target / drafter configs;
     src / dsrc: their weights (dflash2.export.weights: a checkpoint read tensor by tensor, or a module);
     data: a DataFile both graphs point into (None: inline); progress(i, L) per layer."""
-    np_dt = {"float32": np.float32, "float16": np.float16}[dtype]
-    onnx_dt = helper.np_dtype_to_tensor_dtype(np.dtype(np_dt))
+    np_dt, onnx_dt = dtypes.numpy_dtype(dtype), dtypes.onnx_type(dtype)  # DTYPES: float32 / float16
     nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
     g, eps = nh // kv, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)
