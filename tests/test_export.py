@@ -287,6 +287,11 @@ def test_bf16_without_a_bf16_provider_is_validated_on_its_emulation(tmp_path, pa
     rows = m.validation["target.rows"]
     assert not rows.ok and "no bfloat16 kernels" in rows.skipped
     assert "validating against PyTorch on ONNX Runtime: done" in err and "target.onnx: validating" in err
+    # target and drafter from the layer templates, weights streamed (no trace of a loaded model), both flavours
+    for g in ("target", "drafter"):
+        assert f"{g}.onnx + {g}.trt.onnx: standard ONNX ops from the layer templates, bfloat16, streamed" in err
+    assert not any("judged_by_dtype_error" in r for v in graphs.values() for r in v.steps.values()
+                   if isinstance(r, dict)), m.validation  # within bf16's fixed tolerance of PyTorch's own
 
 
 @pytest.mark.parametrize("key", [("llama", 2), ("qwen3", 1)])

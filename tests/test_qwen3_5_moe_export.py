@@ -159,12 +159,23 @@ def test_fp16_is_validated_row_invariant_and_lossless(pair, tmp_path):
     fp16_export_checks(pair, tmp_path / "fp16", BLOCK, PLAN)
 
 
+def test_bf16_is_validated_on_its_emulation(pair, tmp_path):
+    """bf16 (the dtype Qwen3.5 / 3.6-MoE checkpoints ship in; TensorRT's): the experts' block in bf16 standard ops under
+    the hybrid's bf16 layers, within bf16's fixed tolerance of PyTorch's own bf16 on the emulation
+    (tests.exports.low_precision_checks), the conv state and KV rows bf16, the recurrent state fp32."""
+    from tests.exports import low_precision_checks
+    from tests.test_qwen3_5_export import _low_precision_io
+
+    m = low_precision_checks(pair, tmp_path / "bf16", "bfloat16", PROMPT, 40, PLAN)
+    _low_precision_io(tmp_path / "bf16", m, "bfloat16")
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "bf16" / "target.onnx"), load_external_data=False).graph.node}
+    assert "TopK" in ops and "MoE" not in ops
+
+
 def test_the_plan_refuses_what_the_templates_do_not_do(pair, tmp_path):
-    """The hybrid's refusals (float32 and float16 graphs: bfloat16 not yet; no TensorRT quantization) and the MoE one
-    (QMoE's blocks must tile both widths), before anything is written."""
+    """The hybrid's refusal (no TensorRT quantization) and the MoE one (QMoE's blocks must tile both widths), before
+    anything is written."""
     drafter, target = pair
-    with pytest.raises(Dflash2Error, match="checked in float32 and float16 only so far"):
-        export(drafter, target, tmp_path / "bf16", dtype="bfloat16", quiet=True)
     with pytest.raises(Dflash2Error, match="not yet for Qwen3_5MoeForCausalLM"):
         export(drafter, target, tmp_path / "fp8", quiet=True, quantize=QuantFlags(method="fp8"))
     with pytest.raises(Dflash2Error, match="QMoE needs hidden_size and moe_intermediate_size divisible by the "

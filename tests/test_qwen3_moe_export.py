@@ -178,13 +178,23 @@ def test_export_is_validated_row_invariant_and_lossless(pair, tmp_path, method, 
     assert rt.generate(PROMPT, 40).ids == truth  # the pair's own drafter
 
 
+def test_bf16_is_built_from_the_templates_and_validated_on_its_emulation(pair, tmp_path):
+    """bf16 (the published checkpoints' dtype; TensorRT's): the experts' block from the templates as in fp32 / fp16
+    (every expert's MatMuls, the router's softmax and top-k in fp32: a trace would bake in its example rows'
+    routing), within bf16's fixed tolerance of PyTorch's own bf16 on the emulation (tests.exports)."""
+    import onnx
+
+    from tests.exports import low_precision_checks
+
+    low_precision_checks(pair, tmp_path / "bf16", "bfloat16", PROMPT, 40, list(range(BLOCK)))
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "bf16" / "target.onnx"), load_external_data=False).graph.node}
+    assert "TopK" in ops and "MoE" not in ops
+
+
 def test_the_plan_refuses_what_the_moe_templates_do_not_do(pair, tmp_path):
-    """bfloat16 graphs are traced, and a trace would bake in its example rows' routing; QMoE's blocks must tile both
-    widths: refused before anything is written."""
+    """QMoE's blocks must tile both widths: refused before anything is written."""
     from dflash2.errors import Dflash2Error
 
-    with pytest.raises(Dflash2Error, match="experts' block is built from templates only"):
-        export(*pair, tmp_path / "bf16", dtype="bfloat16", quiet=True)
     with pytest.raises(Dflash2Error, match="QMoE needs hidden_size and moe_intermediate_size divisible by the "
                                            "block size 64, found 64 and 32"):  # the tiny experts are 32 wide
         export(*pair, tmp_path / "q", quiet=True, quantize=QuantFlags(method="int4", block_size=64))

@@ -69,18 +69,14 @@ def export_plan(plan: ExportPlan) -> mf.ExportManifest:
     progress = Progress(plan.steps, plan.quiet, release=True)  # each step starts from what is held, not the last peak
     drafter_dir, target_dir, out = plan.drafter_dir, plan.target_dir, plan.out
     with progress.step("loading and checking the checkpoints"):
-        torch_dtype = dtypes.torch_dtype(plan.dtype)
-        if plan.streamed:  # every graph built from templates: the references only validate them, reading one
-            # layer at a time
-            target, drafter = load_streamed_pair(drafter_dir, target_dir, use_draft_vocab=not plan.full_vocab,
-                                                 dtype=torch_dtype, block_size=plan.draft_block)
-            from dflash2.export.filebacked import file_backed
+        # every weight-carrying graph is built from templates: the references only validate them, reading one
+        # layer at a time
+        target, drafter = load_streamed_pair(drafter_dir, target_dir, use_draft_vocab=not plan.full_vocab,
+                                             dtype=dtypes.torch_dtype(plan.dtype), block_size=plan.draft_block)
+        from dflash2.export.filebacked import file_backed
 
-            # the selector's vocabulary-sized codebooks paged in as read, not held through the target's stages
-            file_backed(drafter, Path(out).parent if Path(out).parent.is_dir() else None)
-        else:  # bfloat16: traced from the loaded modules
-            target, drafter = load_pair(drafter_dir, target_dir, torch_dtype, use_draft_vocab=not plan.full_vocab,
-                                        block_size=plan.draft_block)
+        # the selector's vocabulary-sized codebooks paged in as read, not held through the target's stages
+        file_backed(drafter, Path(out).parent if Path(out).parent.is_dir() else None)
     with temp_folder(out) as tmp:  # removed however the block is left (error, Ctrl-C, SIGTERM)
         try:
             manifest = routes.write_all(routes.Run(plan, tmp, target, drafter, progress), tool_versions())

@@ -27,7 +27,7 @@ from dflash2.export import signature as N
 from dflash2.export.templates import Builder, StandardOps
 
 F32 = TensorProto.FLOAT
-DTYPES = ("float32", "float16")  # bfloat16 graphs are still traced (numpy has no bfloat16 of its own)
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=None,
@@ -35,7 +35,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     """(portable, TensorRT flavour) of the plain target (module docstring). c / dc: target / drafter configs;
     src / dsrc: their weights (dflash2.export.weights: a checkpoint read tensor by tensor, or a module);
     data: a DataFile both graphs point into (None: inline); progress(i, L) per layer."""
-    np_dt, onnx_dt = dtypes.numpy_dtype(dtype), dtypes.onnx_type(dtype)  # DTYPES: float32 / float16
+    np_dt, onnx_dt = dtypes.numpy_dtype(dtype), dtypes.onnx_type(dtype)  # bfloat16: ml_dtypes' (BFLOAT16)
     nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
     g, eps = nh // kv, float(c.rms_norm_eps)
     tap_ids = tuple(dc.target_layer_ids)

@@ -3,9 +3,9 @@ capacity, and per graph how it is written (its route), its quantization and when
 progress steps. `dflash2-export` and `export()` resolve through the same rules (plan_export), so Python refuses
 exactly what the command line refuses, with the same message; `dflash2-export --print` shows the plan.
 
-Routes: "templates" (the plain ONNX-op graphs written from the layer templates, weights streamed: float32 /
-float16 target and drafter), "gqa" (ONNX Runtime's fused-op target and drafter, quantized as they are written),
-"traced" (torch.onnx: the selector, and bfloat16 graphs, which numpy cannot write from templates).
+Routes: "templates" (the plain ONNX-op graphs written from the layer templates, weights streamed: the target and
+drafter in every dtype), "gqa" (ONNX Runtime's fused-op target and drafter, quantized as they are written),
+"traced" (torch.onnx: the selector, which carries no checkpoint weights of its own).
 The quantization choices (OrtQuant, qdq.TrtQuant) are told apart here only: the stages take a GraphJob.
 """
 
@@ -162,11 +162,6 @@ class ExportPlan:
     def steps(self) -> int:
         """The progress total: the jobs' steps and the fixed ones (the Progress of export_plan counts to it)."""
         return len(FIXED_STEPS) + sum(j.steps for j in self.jobs)
-
-    @property
-    def streamed(self) -> bool:
-        """Every weight-carrying graph built from templates: the references only validate them, a layer at a time."""
-        return self.job("target").route != "traced"
 
     def job(self, name: str) -> GraphJob:
         return next(j for j in self.jobs if j.name == name)
@@ -328,16 +323,12 @@ def plan_export(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | 
 def _family_rules(tc, dtype: str, quantize) -> None:
     """What a family's templates do not do yet, refused before any weight is read (the dense families: all)."""
     fam = families.by_name(tc.family)
-    if fam.name in families.DENSE and hasattr(tc, "num_experts") and dtype not in plain.DTYPES:
-        # a bfloat16 graph is traced (GraphJob "traced"), and a trace bakes in the routing of its example rows
-        raise OutputError(f"--dtype: expected one of {list(plain.DTYPES)} for {tc.arch} ({fam.name}, "
-                          f"{fam.description}), found {dtype!r} (the experts' block is built from templates only)")
-    if fam.name in families.DENSE:
-        return
     what = f"{tc.arch} ({fam.name}, {fam.description})"
     if dtype not in fam.dtypes:
         raise OutputError(f"--dtype: expected one of {list(fam.dtypes)} for {what}, found {dtype!r} (its layer "
                           f"templates are checked in {' and '.join(fam.dtypes)} only so far)")
+    if fam.name in families.DENSE:
+        return
     if "fused" not in fam.templates:  # standard-op templates only: checked unquantized
         if quantize is not None:
             raise OutputError(f"--quantize {quantize.method}: not yet for {what} (standard-op templates only, "
@@ -360,9 +351,7 @@ def _job(plan: ExportPlan, name: str) -> GraphJob:
         return GraphJob(name, "gqa", tensorrt=False, quant=quant, quantize_when=None if quant is None else "as-written",
                         truncated_check=name == "target")
     when = None if quant is None else "after-validation"
-    family = families.by_name(plan.tc.family)  # a hybrid pair's templates also write bfloat16 (TargetFamily.dtypes)
-    own = family.name not in families.DENSE and plan.dtype in family.dtypes
-    if name in ("target", "drafter") and (plan.dtype in plain.DTYPES or own):
+    if name in ("target", "drafter"):  # every dtype (the plan refused what a family's templates do not write)
         nbytes = _template_bytes(plan, name)
         return GraphJob(name, "templates", tensorrt=True, quant=quant, quantize_when=when,
                         truncated_check=stages.held_bytes(nbytes, plan.dtype) > stages.WHOLE_GRAPH_BYTES,

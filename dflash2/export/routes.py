@@ -99,7 +99,7 @@ def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
 
 
 def traced_route(run: Run, job: GraphJob, spec) -> mf.Graph:
-    """torch.onnx (dynamo) over the loaded modules: the selector, and every graph of a bfloat16 export."""
+    """torch.onnx (dynamo) over the loaded module: the selector (no checkpoint weights of its own to stream)."""
     t0 = time.perf_counter()
     with run.progress.step(f"{job.name}.onnx: tracing with torch.onnx (dynamo)"):
         model = tr.trace(spec, run.plan.max_seq_len)
@@ -149,7 +149,7 @@ def _checked(run: Run, job: GraphJob, spec, files: dict, t0: float) -> mf.Graph:
 def _window(p: ExportPlan, job: GraphJob, kind: str = "prefix") -> tuple[list[int], int] | None:
     """The window binding (sliding layers, keep) of the job's graph: the target's, where the plan has one; the
     drafter's where every drafter layer slides (fused_drafter.sliding), --window-kv on, and the drafter is written
-    from the templates in its portable flavour (the fused, traced and TensorRT drafters keep max_seq_len rows)."""
+    from the templates in its portable flavour (the fused and TensorRT drafters keep max_seq_len rows)."""
     if job.name == "target":
         return p.window
     if job.name == "drafter" and p.window_kv and job.route == "templates" and kind == "prefix":

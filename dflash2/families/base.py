@@ -78,7 +78,7 @@ class TargetFamily:
     # place: every layer of a dense target, the full-attention layers of a hybrid) or "prefix" (one past_kv view)
     fused_kv: str = "prefix"
     # the graph dtypes its standard-op templates are checked in (the plan refuses the others before any weight is
-    # read); the dense families' templates are not limited by it (fp32 / fp16 templates, bf16 traced)
+    # read)
     dtypes: tuple[str, ...] = ("float32",)
 
     @property

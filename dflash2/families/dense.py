@@ -51,7 +51,8 @@ def _family(name: str, arch: str, qk_norm: bool, hf_class: str) -> TargetFamily:
 
     return TargetFamily(name=name, archs=(arch,), description="dense", read_config=read,
                         layer_states=_layer_states, tensor_shapes=_tensor_shapes, tiny_config=_tiny_config(name, arch),
-                        hf_class=hf_class, reference=REFERENCE, templates=TEMPLATES, fused_kv="gqa-shared")
+                        hf_class=hf_class, reference=REFERENCE, templates=TEMPLATES, fused_kv="gqa-shared",
+                        dtypes=("float32", "float16", "bfloat16"))
 
 
 LLAMA = _family("llama", "LlamaForCausalLM", qk_norm=False, hf_class="LlamaForCausalLM")

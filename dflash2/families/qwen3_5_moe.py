@@ -105,4 +105,4 @@ QWEN3_5_MOE = TargetFamily(
     reference="dflash2.reference.qwen3_5_moe:load_target",
     # the hybrid's builders, their MLP the experts' block (dflash2.export.moe) on every layer
     templates={"plain": "dflash2.export.qwen3_5:build", "fused": "dflash2.export.qwen3_5:build_fused"},
-    fused_kv="gqa-shared", dtypes=("float32", "float16"))
+    fused_kv="gqa-shared", dtypes=("float32", "float16", "bfloat16"))

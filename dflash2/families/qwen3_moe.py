@@ -125,4 +125,5 @@ def _layer_states(c: MoeTargetConfig) -> tuple[tuple[str, ...], ...]:
 QWEN3_MOE = TargetFamily(
     name="qwen3_moe", archs=(ARCH,), description="mixture of experts", read_config=read_qwen3_moe,
     layer_states=_layer_states, tensor_shapes=tensor_shapes, tiny_config=tiny_config, hf_class=ARCH,
-    reference="dflash2.reference.load:load_target", templates=TEMPLATES, fused_kv="gqa-shared")
+    reference="dflash2.reference.load:load_target", templates=TEMPLATES, fused_kv="gqa-shared",
+    dtypes=("float32", "float16", "bfloat16"))
