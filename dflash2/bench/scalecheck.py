@@ -250,8 +250,8 @@ MODES = {"fp32": [], "int4": ["--quantize", "int4"], "fp16": ["--dtype", "float1
          # the streamed stage alone: the CPU target graph from its templates, as the export builds it
          "target-int4": ["int4"], "target-fp32": ["fp32"]}
 
-# `python -m dflash2.bench.scalecheck --stage target ...`: the export's streamed target stage by itself (the whole
-# export still traces the drafter in memory: docs/scale.md), with the same progress lines
+# `python -m dflash2.bench.scalecheck --stage target ...`: the export's streamed target stage by itself, with the
+# same progress lines
 STAGE = "target"
 
 

@@ -1,6 +1,6 @@
 """The drafter built from weights by layer templates, in two op sets from one body (`_body`):
 - `build`: ONNX Runtime's fused ops, fp32, one graph (the CPU path; `--target-attention gqa`);
-- `build_plain`: standard ONNX ops, fp32 or fp16, both flavours (portable + TensorRT's fixed shapes) from one
+- `build_plain`: standard ONNX ops, fp32, fp16 or bf16, both flavours (portable + TensorRT's fixed shapes) from one
   pass sharing every initializer (the plain export: what was traced with torch.onnx before, at a fraction of its
   memory and time).
 

@@ -35,6 +35,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
     """(portable, TensorRT flavour) of the plain target (module docstring). c / dc: target / drafter configs;
     src / dsrc: their weights (dflash2.export.weights: a checkpoint read tensor by tensor, or a module);
     data: a DataFile both graphs point into (None: inline); progress(i, L) per layer."""
+    if dtype not in DTYPES:
+        raise ValueError(f"plain templates: expected a dtype in {DTYPES}, found {dtype!r}")
     np_dt, onnx_dt = dtypes.numpy_dtype(dtype), dtypes.onnx_type(dtype)  # bfloat16: ml_dtypes' (BFLOAT16)
     nh, kv, hd, L = c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
     g, eps = nh // kv, float(c.rms_norm_eps)

@@ -5,7 +5,7 @@ exactly what the command line refuses, with the same message; `dflash2-export --
 
 Routes: "templates" (the plain ONNX-op graphs written from the layer templates, weights streamed: the target and
 drafter in every dtype), "gqa" (ONNX Runtime's fused-op target and drafter, quantized as they are written),
-"traced" (torch.onnx: the selector, which carries no checkpoint weights of its own).
+"traced" (torch.onnx: the selector, small: its codebooks and the walk).
 The quantization choices (OrtQuant, qdq.TrtQuant) are told apart here only: the stages take a GraphJob.
 """
 
@@ -326,7 +326,7 @@ def _family_rules(tc, dtype: str, quantize) -> None:
     what = f"{tc.arch} ({fam.name}, {fam.description})"
     if dtype not in fam.dtypes:
         raise OutputError(f"--dtype: expected one of {list(fam.dtypes)} for {what}, found {dtype!r} (its layer "
-                          f"templates are checked in {' and '.join(fam.dtypes)} only so far)")
+                          f"templates are checked in {', '.join(fam.dtypes)} only so far)")
     if fam.name in families.DENSE:
         return
     if "fused" not in fam.templates:  # standard-op templates only: checked unquantized
@@ -356,7 +356,7 @@ def _job(plan: ExportPlan, name: str) -> GraphJob:
         return GraphJob(name, "templates", tensorrt=True, quant=quant, quantize_when=when,
                         truncated_check=stages.held_bytes(nbytes, plan.dtype) > stages.WHOLE_GRAPH_BYTES,
                         weight_bytes=nbytes)
-    return GraphJob(name, "traced", tensorrt=name != "selector", quant=quant, quantize_when=when)
+    return GraphJob(name, "traced", tensorrt=False, quant=quant, quantize_when=when)  # the selector: one flavour
 
 
 def _template_bytes(plan: ExportPlan, name: str) -> int:

@@ -36,7 +36,7 @@ class Run:
 
     plan: ExportPlan
     tmp: Path
-    target: object  # the reference target (streamed or loaded)
+    target: object  # the reference target (streamed: a layer at a time)
     drafter: object
     progress: Progress
     validation: dict[str, mf.Validation] = field(default_factory=dict)
@@ -99,7 +99,7 @@ def templates_route(run: Run, job: GraphJob, spec) -> mf.Graph:
 
 
 def traced_route(run: Run, job: GraphJob, spec) -> mf.Graph:
-    """torch.onnx (dynamo) over the loaded module: the selector (no checkpoint weights of its own to stream)."""
+    """torch.onnx (dynamo) over the loaded module: the selector (small: its codebooks and the walk)."""
     t0 = time.perf_counter()
     with run.progress.step(f"{job.name}.onnx: tracing with torch.onnx (dynamo)"):
         model = tr.trace(spec, run.plan.max_seq_len)

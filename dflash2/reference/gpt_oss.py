@@ -27,6 +27,7 @@ from torch import nn
 
 from dflash2.families.gpt_oss import MXFP4_BLOCK, GptOssConfig, tensor_dtypes, tensor_shapes
 from dflash2.reference.layers import Fp32Rope, Projections, RMSNorm, attend, rope_inv_freq
+from dflash2.reference.selector import topk_lowest_index
 from dflash2.reference.target import Target
 
 # E2M1 values by 4-bit code (the sign the high bit)
@@ -105,7 +106,7 @@ class GptOssMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, H] -> (weights [n, k], expert ids [n, k]): softmax over the top-k LOGITS."""
-        top, idx = torch.topk(self.router(x), self.top_k, dim=-1)
+        top, idx = topk_lowest_index(self.router(x), self.top_k)  # ties: the lower expert first (ONNX TopK's rule)
         return torch.softmax(top, dim=-1, dtype=top.dtype), idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
