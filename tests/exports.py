@@ -44,13 +44,17 @@ def relabel_dtype(m: dict, dtype: str) -> None:
 def low_precision_checks(pair, out: Path, dtype: str, prompt: list[int], new: int, plan: list[int],
                          max_seq_len: int = 160):
     """A float16 / bfloat16 export of a tiny pair (drafter, target) into out (kept if it is there), as users get it:
-    every graph validated (bf16: on its emulation, recorded as such; its row check recorded not run, naming the
-    missing kernels); both target flavours bind the KV rows in that dtype and give fp32 logits. float16 further: the
-    row check bitwise, and speculative decoding through the graphs equal to the fp16 target's own greedy ids at every
-    accepted count 0..S (planned drafts: plan) and with the pair's drafter. Returns the manifest."""
+    every graph validated; both target flavours bind the KV rows in that dtype and give fp32 logits; the row check
+    bitwise; speculative decoding through the graphs equal to the target's own greedy ids at every accepted count
+    0..S (planned drafts: plan) and with the pair's drafter. bf16 (no bf16 kernels on the CPU provider): all of it
+    on the graphs' emulation (dflash2.export.bf16_emulation), recorded as such, the loop's bf16 buffers, binding
+    and rollback as a GPU would run them. Returns the manifest."""
+    from contextlib import nullcontext
+
     import onnx
 
     from dflash2 import dtypes
+    from dflash2.export.bf16_emulation import emulated_export
     from dflash2.runtime.api import Runtime
     from dflash2.speculative import generate
     from tests.test_qwen3_5_export import PlannedDrafts
@@ -68,16 +72,17 @@ def low_precision_checks(pair, out: Path, dtype: str, prompt: list[int], new: in
         types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output]}
         assert types[past] == types["new_kv"] == types["context"] == low and types["logits"] == onnx.TensorProto.FLOAT
     rows = m.validation["target.rows"]
-    if dtype == "bfloat16":
-        assert all("emulated" in v.steps for v in graphs.values()), list(graphs)
-        assert rows.skipped and "no bfloat16 kernels" in rows.skipped
-        return m
+    bf16 = dtype == "bfloat16"
+    assert all(("emulated" in v.steps) == bf16 for v in m.validation.values()), m.validation
     assert not any(v.skipped for v in m.validation.values()), m.validation
     assert rows.steps["rows"] > 0 and rows.steps["differing"] == 0
-    rt = Runtime(out)
-    rt.manifest.eos_token_ids = []
-    truth = rt.generate(prompt, new, speculative=False).ids
-    g = generate(PlannedDrafts(rt.manifest, rt.session.backend, truth, plan=plan), prompt, new)
-    assert g.ids == truth and set(g.stats.accepted) >= set(range(max(plan) + 1))
-    assert rt.generate(prompt, new).ids == truth  # the pair's own drafter
+    files = {g: e.flavours.portable for g, e in m.graphs.items()}
+    with emulated_export(out, files) if bf16 else nullcontext(None) as emulated:
+        rt = Runtime(out, emulated=emulated)
+        rt.manifest.eos_token_ids = []
+        truth = rt.generate(prompt, new, speculative=False).ids
+        g = generate(PlannedDrafts(rt.manifest, rt.session.backend, truth, plan=plan), prompt, new)
+        assert g.ids == truth and set(g.stats.accepted) >= set(range(max(plan) + 1))
+        assert rt.generate(prompt, new).ids == truth  # the pair's own drafter
+    assert not any(".bf16emu." in p.name for p in out.iterdir())  # the copies gone
     return m

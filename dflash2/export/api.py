@@ -6,6 +6,7 @@ validation, so a failure leaves nothing behind and an existing folder is replace
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -14,10 +15,11 @@ from dflash2 import __version__, draft_vocab, dtypes
 from dflash2 import manifest as mf
 from dflash2.errors import ValidationError
 from dflash2.export import routes, stages
+from dflash2.export.bf16_emulation import emulated_export
 from dflash2.export.plan import (DEFAULT_MAX_SEQ_LEN, ExportPlan, QuantFlags, check_inputs,  # noqa: F401 - callers
                                  default_max_seq_len, plan_export)  # import these from here
 from dflash2.export.quantize import Quantization
-from dflash2.export.validate import raise_if_failed
+from dflash2.export.validate import EMULATED, raise_if_failed
 from dflash2.folders import OutputError, copy_present, keep_failed, replace_folder, temp_folder  # noqa: F401
 from dflash2.progress import Progress, release_freed
 from dflash2.reference.load import load_pair, load_streamed_pair
@@ -110,10 +112,8 @@ def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) 
     data = sum((tmp / f).stat().st_size for f in g.data.split(", ") if f and (tmp / f).is_file())
     with progress.step("target: k-row verify against 1-row decode steps, bitwise (what losslessness rests "
                        "on), on ONNX Runtime as generation runs it") as step:
-        why = None
-        if manifest.dtype == "bfloat16":
-            why = "ONNX Runtime's CPU provider has no bfloat16 kernels"
-        elif stages.held_bytes(data, manifest.dtype) > stages.WHOLE_GRAPH_BYTES:
+        why, bf16 = None, manifest.dtype == "bfloat16"
+        if stages.held_bytes(data, manifest.dtype) > stages.WHOLE_GRAPH_BYTES:
             why = (f"the target graph's {data / 2**30:.2f} GiB of weights are past the "
                    f"{stages.WHOLE_GRAPH_BYTES / 2**30:.0f} GiB a bounded-memory check runs whole")
         if why is None:
@@ -130,10 +130,17 @@ def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) 
             window = manifest.signature("target").window  # a windowed target: a run through compactions
             cap = window_rows(window, manifest.block_size)[1] if window is not None else None
             small = min(manifest.max_seq_len, PROMPT_TOKENS + continuation_for(cap) + manifest.block_size + 2)
+            # bf16: ONNX Runtime's CPU provider has no bf16 kernels; the graphs' emulating copies run instead (every
+            # bf16 value rounded after its node, dflash2.export.bf16_emulation), the loop's bf16 buffers as ever;
+            # untimed (a CPU emulation's costs are no prior for the GPU that runs the export)
+            files = {g: e.flavours.portable for g, e in manifest.graphs.items()} if bf16 else {}
             try:  # buffers for the check's own length, not the export's max_seq_len; lean: no drafter session
                 # (the check never drafts) and no CPU arena: the int4 export's peak at Qwen3.5-0.8B's shape
-                rt = Runtime(tmp, verify=False, max_seq_len=small, lean=True)
-                v = validation(rt.session, f"{rt.graph_files.get('target', 'target.onnx')} ({FIELD})", hint)
+                with emulated_export(tmp, files) if bf16 else nullcontext(None) as emulated:
+                    rt = Runtime(tmp, verify=False, max_seq_len=small, lean=True, emulated=emulated)
+                    v = validation(rt.session, f"{rt.graph_files.get('target', 'target.onnx')} ({FIELD})", hint,
+                                   timed=not bf16)
+                    del rt
             except Exception as e:  # noqa: BLE001 - any failure to run is reported, the export is kept
                 why = f"the check could not run ({type(e).__name__}: {e})"
         if why is not None:
@@ -143,7 +150,10 @@ def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) 
             step.outcome = f"NOT checked: {v.skipped}"
             return v
         s = v.steps
-        step.outcome = (f"{s['rows']} rows of k = 2..{s['k_max']}: "
+        if bf16:
+            s["emulated"] = EMULATED
+        step.outcome = (f"{s['rows']} rows of k = 2..{s['k_max']}"
+                        + (" (bf16 emulated on the CPU provider)" if bf16 else "") + ": "
                         + ("all bitwise equal" if v.ok else f"{s['differing']} differ (max {s['max_abs']:.3g})"))
     return v
 

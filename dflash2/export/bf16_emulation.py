@@ -17,9 +17,15 @@ before). The hybrid targets' subgraphs are fp32 (the recurrence), so their graph
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from dflash2.errors import Dflash2Error
 
 BF16, F32 = TensorProto.BFLOAT16, TensorProto.FLOAT
 MOVES = {"Reshape", "Gather", "Slice", "Concat", "Transpose", "Split", "Squeeze", "Unsqueeze", "Identity", "Expand",
@@ -102,6 +108,38 @@ def emulated(model: onnx.ModelProto) -> onnx.ModelProto | str:
     og.node.extend(nodes)
     del og.value_info[:]  # the bf16 types of renamed values no longer hold; ONNX Runtime infers them again
     return out
+
+
+@contextmanager
+def emulated_copy(path: Path) -> Iterator[tuple[Path | None, str | None]]:
+    """(a copy of the bf16 graph at `path` that the CPU provider runs, next to it: the same external data; None)
+    or (None, why it is not emulated). The copy is removed on exit."""
+    model = emulated(onnx.load(str(path), load_external_data=False))
+    if isinstance(model, str):
+        yield None, model
+        return
+    copy = path.with_name(f".{path.name}.bf16emu.onnx")
+    onnx.save_model(model, str(copy))
+    try:
+        yield copy, None
+    finally:
+        copy.unlink(missing_ok=True)
+
+
+@contextmanager
+def emulated_export(folder: Path, files: dict[str, str]) -> Iterator[dict[str, str]]:
+    """{graph: file name of its emulating copy} for the graph files of a bf16 export in `folder` (written beside
+    them, removed on exit): what `dflash2.runtime.api.Runtime(emulated=...)` runs on the CPU provider, so that the
+    row check and the decoding loop (its bf16 buffers, binding and rollback) run where no bf16 kernels are.
+    Raises Dflash2Error naming a graph that cannot be emulated."""
+    with ExitStack() as stack:
+        out = {}
+        for graph, name in files.items():
+            copy, why = stack.enter_context(emulated_copy(Path(folder) / name))
+            if copy is None:
+                raise Dflash2Error(f"{Path(folder) / name}: not emulated in bf16 ({why})")
+            out[graph] = copy.name
+        yield out
 
 
 def _retype(n: onnx.NodeProto) -> str | None:

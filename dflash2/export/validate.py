@@ -17,6 +17,7 @@ import torch
 
 from dflash2 import dtypes
 from dflash2.errors import ValidationError
+from dflash2.export.bf16_emulation import emulated_copy
 from dflash2.export.graphs import GraphSpec
 from dflash2.export import signature as N
 from dflash2.export.replay import ReplayWriter
@@ -134,7 +135,7 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
         if selector_drafts is not None and (providers is not None or dtype == "bfloat16"):
             runnable = stack.enter_context(_with_function(path, selector_drafts))
         if providers is None and dtype == "bfloat16":  # the CPU provider: the bf16 graph emulated (bf16_emulation)
-            runnable, not_emulated = stack.enter_context(_bf16_emulated(runnable))
+            runnable, not_emulated = stack.enter_context(emulated_copy(runnable))
             if runnable is not None:
                 providers, report["emulated"] = ["CPUExecutionProvider"], EMULATED
         sess = open_session(runnable, providers, weights_in_place=weights_in_place) if providers is not None and \
@@ -182,26 +183,6 @@ def validate_graph(spec: GraphSpec, path: Path, dtype: str, save_dir: Path | Non
 
 EMULATED = ("bf16 emulated on ONNX Runtime's CPU provider: every bf16 value computed in fp32 and rounded to bf16 "
             "after its node (dflash2.export.bf16_emulation); a GPU's own kernels: `dflash2-compare --engines`")
-
-
-@contextmanager
-def _bf16_emulated(path: Path):
-    """(a copy of the bf16 graph at `path` that the CPU provider runs, next to it: the same external data; None)
-    or (None, why it is not emulated)."""
-    import onnx
-
-    from dflash2.export.bf16_emulation import emulated
-
-    model = emulated(onnx.load(str(path), load_external_data=False))
-    if isinstance(model, str):
-        yield None, model
-        return
-    copy = path.with_name(f".{path.name}.bf16emu.onnx")
-    onnx.save_model(model, str(copy))
-    try:
-        yield copy, None
-    finally:
-        copy.unlink(missing_ok=True)
 
 
 def _on_graph_candidates(spec: GraphSpec, feed: dict, got: dict, dtype: str

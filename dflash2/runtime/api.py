@@ -36,8 +36,10 @@ def pick_backend(manifest: mf.Manifest, requested: str | None) -> str:
     return requested or ("tensorrt" if isinstance(manifest, mf.EngineManifest) else "onnxruntime")
 
 
-def check_runnable(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None) -> None:
-    """What this machine cannot run is refused before any file is hashed or any session opened."""
+def check_runnable(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None,
+                   emulated: bool = False) -> None:
+    """What this machine cannot run is refused before any file is hashed or any session opened (emulated: a bf16
+    export's emulating copies run in place of its graphs, Runtime's `emulated`)."""
     if name == "tensorrt":
         from dflash2.native.tensorrt import require_tensorrt
 
@@ -45,7 +47,8 @@ def check_runnable(folder: Path, manifest: mf.Manifest, name: str, provider: str
         if not isinstance(manifest, mf.EngineManifest):
             raise Dflash2Error(f"{folder}: --backend tensorrt needs an engine folder (dflash2-build), "
                                f"found an export folder")
-    elif manifest.dtype == "bfloat16" and (provider or "CPUExecutionProvider") == "CPUExecutionProvider":
+    elif manifest.dtype == "bfloat16" and (provider or "CPUExecutionProvider") == "CPUExecutionProvider" \
+            and not emulated:
         raise Dflash2Error(f"{folder}: a bfloat16 export cannot run on ONNX Runtime's CPU provider (it has no "
                            f"bfloat16 kernels); build TensorRT engines from it (dflash2-build), or export with "
                            f"--dtype float32 for the CPU")
@@ -63,8 +66,9 @@ def cpu_flavour(graph: mf.Graph, provider: str | None = None) -> str:
 
 
 def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str | None = None,
-                 threads: int | None = None, drafter_threads: int | None = None, lean: bool = False):
-    check_runnable(folder, manifest, name, provider)
+                 threads: int | None = None, drafter_threads: int | None = None, lean: bool = False,
+                 emulated: dict[str, str] | None = None):
+    check_runnable(folder, manifest, name, provider, bool(emulated))
     if name == "tensorrt":
         from dflash2.runtime.trt import TrtBackend
 
@@ -74,7 +78,7 @@ def make_backend(folder: Path, manifest: mf.Manifest, name: str, provider: str |
     if isinstance(manifest, mf.EngineManifest):  # an engine folder remembers the export it was built from
         folder = Path(manifest.export_dir)
         manifest = mf.load(folder, mf.ExportManifest, check_files=False)  # weights not rehashed at every start
-    graphs = {name: cpu_flavour(g, provider) for name, g in manifest.graphs.items()}
+    graphs = {name: cpu_flavour(g, provider) for name, g in manifest.graphs.items()} | dict(emulated or {})
     return OrtBackend(folder, graphs, {name: manifest.signature(name) for name in graphs}, provider, threads,
                       manifest=manifest, drafter_threads=drafter_threads, lean=lean)
 
@@ -83,7 +87,8 @@ class Runtime:
     def __init__(self, folder: str | Path, backend: str | None = None, verify: bool | str = True,
                  max_seq_len: int | None = None, provider: str | None = None, threads: int | None = None,
                  log: Callable[[str], None] | None = None, schedule_cache: bool | None = None,
-                 drafter_threads: int | None = None, lean: bool = False, cost_prior: bool = True):
+                 drafter_threads: int | None = None, lean: bool = False, cost_prior: bool = True,
+                 emulated: dict[str, str] | None = None):
         """log: where a line about what is allocated goes before allocating (dflash2-run: stderr).
         threads: ONNX Runtime's intra-op threads (None: DFLASH2_THREADS, else ONNX Runtime's default, one per core);
         drafter_threads: the drafter session's own (None: DFLASH2_DRAFTER_THREADS, else as threads;
@@ -95,16 +100,20 @@ class Runtime:
         cost_prior: a cold `--draft-len auto` starts from the cost model the export's row check timed, where it did
         (`_cost_prior`); False: it calibrates on drafted rounds (what tests of that calibration pin).
         lean: ONNX Runtime only, the export's row check: the drafter's session opened at its first draft, no CPU
-        arena (dflash2.runtime.ort.OrtBackend); not for generation, whose first round would then load the drafter."""
+        arena (dflash2.runtime.ort.OrtBackend); not for generation, whose first round would then load the drafter.
+        emulated: {graph: file in the folder} run in place of its graphs on ONNX Runtime's CPU provider, with the
+        same io: a bf16 export's emulating copies (dflash2.export.bf16_emulation.emulated_export: every bf16 value
+        computed in fp32 and rounded after its node), so that the export's row check and tests run the loop's bf16
+        buffers where no bf16 kernels are. Not a deployment path: a GPU runs the graphs themselves."""
         self.folder = Path(folder)
         self.manifest = mf.load(self.folder, check_files=False)
         self.backend_name = pick_backend(self.manifest, backend)
-        check_runnable(self.folder, self.manifest, self.backend_name, provider)  # before any hashing
+        check_runnable(self.folder, self.manifest, self.backend_name, provider, bool(emulated))  # before any hashing
         if verify:
             mf.check_files(self.folder, self.manifest, rehash=verify == "full")
         self.checked_at = time.perf_counter()  # the start before the engine sessions ends here (dflash2-run's start_s)
         backend = make_backend(self.folder, self.manifest, self.backend_name, provider, threads, drafter_threads,
-                               lean)
+                               lean, emulated)
         self.session = SpecSession(self.manifest, backend, max_seq_len, log)
         # the file each graph runs from (ONNX Runtime: the cpu_q4 flavour where it runs here, see cpu_flavour)
         self.graph_files = dict(getattr(backend, "graphs", None) or {})

@@ -25,7 +25,8 @@ from dflash2.config import load_target_config
 from dflash2.export.graphs import graph_specs
 from dflash2.export.plain import sliding
 from dflash2.export.window_spec import windowed_spec
-from dflash2.export.validate import _bf16_emulated, graph_array, reference_outputs
+from dflash2.export.bf16_emulation import emulated_copy
+from dflash2.export.validate import graph_array, reference_outputs
 from dflash2.manifest import ExportManifest, load
 from dflash2.numerics import TOLERANCES, compare_floats
 from dflash2.onnxrt import open_session, run
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
         specs = [windowed_spec(s, *window) for s in specs]
     with contextlib.ExitStack() as stack:
         if dtype == "bfloat16":  # the CPU provider has no bf16 kernels: the export validation's emulation
-            graph, why = stack.enter_context(_bf16_emulated(graph))
+            graph, why = stack.enter_context(emulated_copy(graph))
             if graph is None:
                 p.error(f"{a.export / 'target.onnx'}: not emulated: {why}")
         sess = open_session(graph, ["CPUExecutionProvider"])
