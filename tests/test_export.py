@@ -271,6 +271,18 @@ def test_portable_selector_confidence_special_rows():
     np.testing.assert_allclose(conf[0], want, rtol=1e-6)
 
 
+def test_bf16_dense_is_row_invariant_and_lossless_on_its_emulation(tmp_path, pairs, monkeypatch):
+    """A dense DFlash2 pair in bf16 (the templates' graphs): validated within bf16's fixed tolerance, the row check
+    bitwise and speculative decoding = the bf16 target's own greedy ids at every accepted count and with the pair's
+    drafter, all on the graphs' emulation (tests.exports.low_precision_checks)."""
+    from dflash2.export import validate
+    from tests.exports import low_precision_checks
+    from tests.test_qwen3_5_export import PROMPT  # the prompt PlannedDrafts counts from
+
+    monkeypatch.setattr(validate.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    low_precision_checks(pairs[("qwen3", 2)], tmp_path / "bf16", "bfloat16", PROMPT, 40, list(range(8)) + [3, 0])
+
+
 @pytest.mark.slow
 def test_bf16_without_a_bf16_provider_is_validated_on_its_emulation(tmp_path, pairs, capsys, monkeypatch):
     """bf16 without a bf16-capable provider: each graph validated as export.bf16_emulation runs it on the CPU provider
