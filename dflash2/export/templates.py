@@ -85,15 +85,21 @@ class Builder:
         """One MatMul over the [K, sum N] concatenation of Linear weights `{prefix}.weight` (+ biases);
         MatMulNBits when the builder quantizes (ONNX Runtime's own block quantizer, dflash2.export.weights)."""
         blocks = self.native_blocks([f"{p}.weight" for p in prefixes], src) if quantize else None
+        bias = np.concatenate([src.get(f"{p}.bias") for p in prefixes]) if f"{prefixes[0]}.bias" in src else None
+        if blocks is None and bias is not None and (self.nbits is None or not quantize) and \
+                self.dtype != np.dtype(np.float32):
+            # fp16 / bf16: one Gemm, rounded once as nn.Linear's addmm is (a MatMul's rounded output plus the bias
+            # rounds twice: 0.16 on a tiny biased Llama's bf16 logits); x is [n, K] in the standard-op templates
+            w = np.concatenate([src.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
+            return self.op("Gemm", [x, self.fw(f"{name}.weight", w), self.fw(f"{name}.bias", bias)], name)[0]
         if blocks is not None:
             y = self.matmul_blocks(x, name, blocks)
         else:
             w = np.concatenate([src.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
             y = self.matmul(x, name, w, quantize)
             del w
-        if f"{prefixes[0]}.bias" in src:
-            b = np.concatenate([src.get(f"{p}.bias") for p in prefixes])
-            y = self.op("Add", [y, self.fw(f"{name}.bias", b)], f"{name}.bias")[0]
+        if bias is not None:
+            y = self.op("Add", [y, self.fw(f"{name}.bias", bias)], f"{name}.bias")[0]
         return y
 
     def matmul(self, x: str, name: str, w: np.ndarray, quantize: bool = True) -> str:
