@@ -24,7 +24,7 @@ initializer but the prologue (plain._prefix / plain._fixed). gpt-oss's parts:
 Outputs as plain.build: next_ids [n] int32, context [n, C], new_kv [n, L, 2, kv, hd], logits [min(n, B), V] fp32.
 In fp16 / bf16 the reference's own roundings (docs/families/gpt_oss.md, "fp16 and bf16 graphs"): the norms and their
 weight products, the rotary factor, the scalar scales, the softmaxes and TopK in fp32, rounded once where torch rounds
-(the biases added after their MatMul's rounding, and the experts' sum, stay a rounding or two apart).
+(the biased Linears one Gemm, rounded once as addmm; the experts' sum stays a rounding or two apart).
 The family's `plain` templates (dflash2.families.gpt_oss; fp32 / fp16 / bf16) and, through build_fused, its `fused`
 ones: the same graph with int4 / int8 weights quantized as written (export/lowbit.py) and the experts on QMoE
 (export/gpt_oss_qmoe.py: int8 from MXFP4, block-exact); docs/families/gpt_oss.md.
