@@ -283,6 +283,28 @@ def test_bf16_dense_is_row_invariant_and_lossless_on_its_emulation(tmp_path, pai
     low_precision_checks(pairs[("qwen3", 2)], tmp_path / "bf16", "bfloat16", PROMPT, 40, list(range(8)) + [3, 0])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_biased_projections_in_16_bits(tmp_path, monkeypatch, dtype):
+    """A Llama target and a drafter with attention_bias: the target's biased Linears one Gemm each (rounded once, as
+    nn.Linear), the drafter's ([1, n, K] activations: no Gemm) a MatMul and an Add; validated, rows bitwise and
+    speculative = the target's own (bf16: on the emulation)."""
+    from dflash2 import tiny
+    from dflash2.export import validate
+    from tests.exports import low_precision_checks
+    from tests.test_qwen3_5_export import PROMPT
+
+    monkeypatch.setattr(validate.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    target = tiny.make_target(tmp_path / "target", family="llama", attention_bias=True)
+    drafter = tiny.make_drafter(tmp_path / "drafter", target, extra={"attention_bias": True})
+    low_precision_checks((drafter, target), tmp_path / "out", dtype, PROMPT, 40, list(range(8)) + [3, 0])
+    gemms = [n for n in onnx.load(str(tmp_path / "out" / "target.onnx"), load_external_data=False).graph.node
+             if n.op_type == "Gemm" and len(n.input) == 3]
+    assert {n.name for n in gemms} >= {"layers.0.qkv_proj", "layers.0.o_proj"}, [n.name for n in gemms]
+    drafter_ops = {n.name: n.op_type for n in onnx.load(str(tmp_path / "out" / "drafter.onnx"),
+                                                        load_external_data=False).graph.node}
+    assert any(k.endswith(".bias") and v == "Add" for k, v in drafter_ops.items())
+
+
 @pytest.mark.slow
 def test_bf16_without_a_bf16_provider_is_validated_on_its_emulation(tmp_path, pairs, capsys, monkeypatch):
     """bf16 without a bf16-capable provider: each graph validated as export.bf16_emulation runs it on the CPU provider

@@ -126,20 +126,22 @@ def _row_invariance(tmp: Path, manifest: mf.ExportManifest, progress: Progress) 
                     f"is one that is not; on AVX-512 VNNI CPUs int4 block 32 and int8 are invariant, blocks 64 / "
                     f"128 are not (docs/quantization.md)" if q is not None and q.backend == "onnxruntime" else
                     f"{manifest.dtype} graphs are invariant on the CPUs measured (docs/export.md): please report this "
-                    f"CPU")
+                    f"CPU" + (" (the bf16 graph's emulation: fp32 kernels, each bf16 value rounded after its node)"
+                              if bf16 else ""))
             window = manifest.signature("target").window  # a windowed target: a run through compactions
             cap = window_rows(window, manifest.block_size)[1] if window is not None else None
             small = min(manifest.max_seq_len, PROMPT_TOKENS + continuation_for(cap) + manifest.block_size + 2)
             # bf16: ONNX Runtime's CPU provider has no bf16 kernels; the graphs' emulating copies run instead (every
             # bf16 value rounded after its node, dflash2.export.bf16_emulation), the loop's bf16 buffers as ever;
             # untimed (a CPU emulation's costs are no prior for the GPU that runs the export)
-            files = {g: e.flavours.portable for g, e in manifest.graphs.items()} if bf16 else {}
+            portable = manifest.graphs["target"].flavours.portable
+            files = {"target": portable}  # the check runs the target only (lean: the drafter is never opened)
             try:  # buffers for the check's own length, not the export's max_seq_len; lean: no drafter session
                 # (the check never drafts) and no CPU arena: the int4 export's peak at Qwen3.5-0.8B's shape
                 with emulated_export(tmp, files) if bf16 else nullcontext(None) as emulated:
                     rt = Runtime(tmp, verify=False, max_seq_len=small, lean=True, emulated=emulated)
-                    v = validation(rt.session, f"{rt.graph_files.get('target', 'target.onnx')} ({FIELD})", hint,
-                                   timed=not bf16)
+                    what = f"{portable} (bf16 emulated)" if bf16 else rt.graph_files.get("target", "target.onnx")
+                    v = validation(rt.session, f"{what} ({FIELD})", hint, timed=not bf16)
                     del rt
             except Exception as e:  # noqa: BLE001 - any failure to run is reported, the export is kept
                 why = f"the check could not run ({type(e).__name__}: {e})"

@@ -119,8 +119,8 @@ def emulated_copy(path: Path) -> Iterator[tuple[Path | None, str | None]]:
         yield None, model
         return
     copy = path.with_name(f".{path.name}.bf16emu.onnx")
-    onnx.save_model(model, str(copy))
-    try:
+    try:  # a failed write leaves no partial copy either
+        onnx.save_model(model, str(copy))
         yield copy, None
     finally:
         copy.unlink(missing_ok=True)

@@ -104,7 +104,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         if progress is not None:
             progress(i, L)
         u = norm(h, f"{p}.input_layernorm")
-        qkv = b.linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])  # + biases
+        qkv = b.linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], rows=True)  # + biases
         q, k, v = b.op("Split", [qkv, b.const(f"{p}.qkv_sizes", [nh * hd, kv * hd, kv * hd])], f"{p}.qkv",
                        outputs=3, axis=-1)
         q = b.op("Reshape", [q, b.const(f"{p}.q_heads", [-1, nh, hd])], f"{p}.q_heads")[0]  # [n, nh, hd]
@@ -113,7 +113,7 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")
         o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, visible[c.layer_windows[i]],
                    sinks=src.get(f"{a}.sinks"), slot=layout.slot(i))  # [n, nh hd]
-        h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
+        h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"], rows=True)], f"{p}.attn_residual")[0]
         u = norm(h, f"{p}.post_attention_layernorm")
         if experts_op != "standard":
             from dflash2.export import gpt_oss_qmoe as qmoe
@@ -143,7 +143,7 @@ def experts(b: Builder, ops: StandardOps, u: str, src, c, m: str) -> str:
     expert; down: Builder.chunked)."""
     E, H, I, k = c.num_experts, c.hidden_size, c.intermediate_size, c.num_experts_per_tok
     x = f"{m}.experts"
-    logits = b.linear(u, f"{m}.router", src, [f"{m}.router"], quantize=False)  # [n, E] + bias
+    logits = b.linear(u, f"{m}.router", src, [f"{m}.router"], quantize=False, rows=True)  # [n, E] + bias
     # TopK of the logits widened to fp32 (exact; opset 17's TopK has no bf16), the softmax over the k kept in fp32
     top, idx = b.op("TopK", [ops.f32(logits, f"{m}.router"), b.const(f"{m}.k", [k])], f"{m}.topk", outputs=2,
                     axis=-1)  # [n, k]

@@ -68,7 +68,8 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
         if progress is not None:
             progress(i, L)
         u = ops.norm(h, src.get(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
-        qkv = b.linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])  # [n, (nh + 2kv) hd]
+        qkv = b.linear(u, f"{p}.qkv_proj", src, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"],
+                       rows=True)  # [n, (nh + 2kv) hd]
         q, k, v = b.op("Split", [qkv, b.const(f"{p}.qkv_sizes", [nh * hd, kv * hd, kv * hd])], f"{p}.qkv",
                        outputs=3, axis=-1)
         q = b.op("Reshape", [q, b.const(f"{p}.q_heads", [-1, nh, hd])], f"{p}.q_heads")[0]  # [n, nh, hd]
@@ -79,17 +80,19 @@ def build(c, dc, src, dsrc, fuse_context: bool, dtype: str = "float32", data=Non
             k = ops.norm(k, src.get(f"{a}.k_norm.weight"), f"{p}.k_norm")
         q, k = ops.rotate(q, rot, f"{p}.q_rope"), ops.rotate(k, rot, f"{p}.k_rope")  # [n, heads, hd]
         o = attend(b, ops, p, i, q, k, v, nh, kv, hd, consts, visible)  # [n, nh hd]
-        h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"])], f"{p}.attn_residual")[0]
+        h = b.op("Add", [h, b.linear(o, f"{p}.o_proj", src, [f"{a}.o_proj"], rows=True)], f"{p}.attn_residual")[0]
         u = ops.norm(h, src.get(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
         m = f"{p}.mlp"
         if moe.is_sparse(c, i):  # a MoE target's sparse layer: the experts' block (dflash2.export.moe)
             mlp = moe.standard(b, ops, u, src, c, m)
         else:
-            gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"]),
+            gate, up = b.op("Split", [b.linear(u, f"{p}.gate_up_proj", src, [f"{m}.gate_proj", f"{m}.up_proj"],
+                                               rows=True),
                                       b.const(f"{p}.gate_up_sizes", [c.intermediate_size] * 2)], f"{p}.gate_up",
                             outputs=2, axis=-1)
             act = ops.silu(gate, f"{p}.silu")  # fp16: in fp32, rounded once, as the reference's
-            mlp = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"])
+            mlp = b.linear(b.op("Mul", [act, up], f"{p}.act")[0], f"{p}.down_proj", src, [f"{m}.down_proj"],
+                           rows=True)
         h = b.op("Add", [h, mlp], f"{p}.mlp_residual")[0]
         new_kv.append(kv_row(b, p, k, v, ax1))  # [n, 1, 2, kv, hd]
         if i in tap_ids:

@@ -81,15 +81,17 @@ class Builder:
         model.ir_version = 8
         return model
 
-    def linear(self, x: str, name: str, src, prefixes: list[str], quantize: bool = True) -> str:
+    def linear(self, x: str, name: str, src, prefixes: list[str], quantize: bool = True, rows: bool = False) -> str:
         """One MatMul over the [K, sum N] concatenation of Linear weights `{prefix}.weight` (+ biases);
-        MatMulNBits when the builder quantizes (ONNX Runtime's own block quantizer, dflash2.export.weights)."""
+        MatMulNBits when the builder quantizes (ONNX Runtime's own block quantizer, dflash2.export.weights).
+        rows: x is a matrix [n, K] (the standard-op targets), so a biased fp16 / bf16 Linear can be one Gemm;
+        otherwise (the drafter's [1, n, K]) a MatMul and an Add."""
         blocks = self.native_blocks([f"{p}.weight" for p in prefixes], src) if quantize else None
         bias = np.concatenate([src.get(f"{p}.bias") for p in prefixes]) if f"{prefixes[0]}.bias" in src else None
-        if blocks is None and bias is not None and (self.nbits is None or not quantize) and \
+        if rows and blocks is None and bias is not None and (self.nbits is None or not quantize) and \
                 self.dtype != np.dtype(np.float32):
             # fp16 / bf16: one Gemm, rounded once as nn.Linear's addmm is (a MatMul's rounded output plus the bias
-            # rounds twice: 0.16 on a tiny biased Llama's bf16 logits); x is [n, K] in the standard-op templates
+            # rounds twice: 0.16 on a tiny biased Llama's bf16 logits); Gemm takes a matrix only
             w = np.concatenate([src.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
             return self.op("Gemm", [x, self.fw(f"{name}.weight", w), self.fw(f"{name}.bias", bias)], name)[0]
         if blocks is not None:

@@ -3,9 +3,10 @@
 transformers' Qwen3MoeSparseMoeBlock / Qwen3_5MoeSparseMoeBlock, with their parameter names (`gate.weight` the
 router, `experts.{e}.gate_proj|up_proj|down_proj.weight`, Qwen3.5-MoE's `shared_expert.*` and
 `shared_expert_gate.weight`) and their order of operations:
-- router: logits = x @ gate^T in the weights' dtype; softmax in fp32; top-k of the probabilities, equal ones taken
-  lower expert index first (ONNX TopK's rule; torch.topk leaves it open, and bf16 logits tie often: 3-5% of rows at
-  128-256 experts top-8 routed otherwise on random weights); with norm_topk_prob the k kept divided by their sum (Qwen3.5-MoE always); then cast to x's dtype;
+- router: logits = x @ gate^T in the weights' dtype; softmax in fp32; top-k of the probabilities, equal ones
+  taken lower expert index first (ONNX TopK's rule; torch.topk leaves it open, and bf16 logits tie often: 3-5% of
+  rows at 128-256 experts top-8 routed otherwise on random weights); with norm_topk_prob the k kept divided by
+  their sum (Qwen3.5-MoE always); then cast to x's dtype;
 - each expert that some row picked, in ascending expert order: SwiGLU of its rows, times the row's weight,
   accumulated into a zero output (transformers' index_add_ loop: the same summation order per row);
 - Qwen3.5-MoE adds sigmoid(x @ shared_expert_gate^T) * shared_expert(x) after the routed sum.

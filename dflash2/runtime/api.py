@@ -40,6 +40,11 @@ def check_runnable(folder: Path, manifest: mf.Manifest, name: str, provider: str
                    emulated: bool = False) -> None:
     """What this machine cannot run is refused before any file is hashed or any session opened (emulated: a bf16
     export's emulating copies run in place of its graphs, Runtime's `emulated`)."""
+    if emulated and (name != "onnxruntime" or not isinstance(manifest, mf.ExportManifest)
+                     or (provider or "CPUExecutionProvider") != "CPUExecutionProvider"):
+        raise Dflash2Error(f"{folder}: emulated graphs run on ONNX Runtime's CPU provider from an export folder only "
+                           f"(found backend {name}, provider {provider or 'CPUExecutionProvider'}, "
+                           f"{type(manifest).__name__})")
     if name == "tensorrt":
         from dflash2.native.tensorrt import require_tensorrt
 
@@ -104,7 +109,8 @@ class Runtime:
         emulated: {graph: file in the folder} run in place of its graphs on ONNX Runtime's CPU provider, with the
         same io: a bf16 export's emulating copies (dflash2.export.bf16_emulation.emulated_export: every bf16 value
         computed in fp32 and rounded after its node), so that the export's row check and tests run the loop's bf16
-        buffers where no bf16 kernels are. Not a deployment path: a GPU runs the graphs themselves."""
+        buffers where no bf16 kernels are. Not a deployment path: a GPU runs the graphs themselves. The copies must
+        outlive the Runtime (its sessions open lazily)."""
         self.folder = Path(folder)
         self.manifest = mf.load(self.folder, check_files=False)
         self.backend_name = pick_backend(self.manifest, backend)

@@ -1,4 +1,4 @@
-"""Every target family's tiny pair exported in bf16 and checked on the graphs' emulation (dflash2.export.bf16_emulation):
+"""Every target family's tiny pair exported in bf16 and checked on its graphs' emulation (export.bf16_emulation):
 
     python scripts/experiments/bf16_families.py --json docs/results/low_precision/bf16_families_tiny.json
 
