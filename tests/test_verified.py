@@ -100,6 +100,10 @@ def test_what_cannot_run_here_is_refused_before_hashing(folder, monkeypatch):
     monkeypatch.setattr(sealing, "sha256", no_hashing)
     with pytest.raises(Dflash2Error, match="a bfloat16 export cannot run on ONNX Runtime's CPU provider"):
         Runtime(folder)
+    # emulating copies (the export's row check, the tests) run on ONNX Runtime's CPU provider only
+    for kw in ({"backend": "tensorrt"}, {"provider": "CUDAExecutionProvider"}):
+        with pytest.raises(Dflash2Error, match="emulated graphs run on ONNX Runtime's CPU provider from an export"):
+            Runtime(folder, emulated={"target": "target.onnx"}, **kw)
 
 
 def test_the_export_records_the_hashes_it_took(tmp_path, hashed, monkeypatch):
