@@ -88,16 +88,15 @@ class Builder:
         otherwise (the drafter's [1, n, K]) a MatMul and an Add."""
         blocks = self.native_blocks([f"{p}.weight" for p in prefixes], src) if quantize else None
         bias = np.concatenate([src.get(f"{p}.bias") for p in prefixes]) if f"{prefixes[0]}.bias" in src else None
-        if rows and blocks is None and bias is not None and (self.nbits is None or not quantize) and \
-                self.dtype != np.dtype(np.float32):
-            # fp16 / bf16: one Gemm, rounded once as nn.Linear's addmm is (a MatMul's rounded output plus the bias
-            # rounds twice: 0.16 on a tiny biased Llama's bf16 logits); Gemm takes a matrix only
-            w = np.concatenate([src.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
-            return self.op("Gemm", [x, self.fw(f"{name}.weight", w), self.fw(f"{name}.bias", bias)], name)[0]
         if blocks is not None:
             y = self.matmul_blocks(x, name, blocks)
         else:
             w = np.concatenate([src.get(f"{p}.weight").T for p in prefixes], axis=1)  # [K, sum N]
+            if rows and bias is not None and (self.nbits is None or not quantize) and \
+                    self.dtype != np.dtype(np.float32):
+                # fp16 / bf16: one Gemm, rounded once as nn.Linear's addmm is (a MatMul's rounded output plus the
+                # bias rounds twice: 0.16 on a tiny biased Llama's bf16 logits); Gemm takes a matrix only
+                return self.op("Gemm", [x, self.fw(f"{name}.weight", w), self.fw(f"{name}.bias", bias)], name)[0]
             y = self.matmul(x, name, w, quantize)
             del w
         if bias is not None:
